@@ -1,0 +1,100 @@
+"""Sessions for every fk package, generated from the folders under packages/.
+
+    nox -s tests                 every package's tests and the cross-package tests
+    nox -s test-weightedsum      one op's tests (test-runtime for fk-runtime)
+    nox -s lint                  ruff, and the GitHub workflows against their JSON schema
+    nox -s build                 sdist + wheel of every distribution, metadata checked
+    nox -s bench-weightedsum     one op's check and benchmark (the main job, one op)
+
+torch is installed first in every session from $FK_TORCH (a pip requirement, default "torch").
+On a CPU-only machine point it at a CPU build so that no session pulls the multi-GB CUDA build,
+e.g. FK_TORCH="torch==2.13.0" where that wheel is at hand, or FK_TORCH_INDEX set to PyTorch's CPU
+index (https://download.pytorch.org/whl/cpu). fk-runtime always comes from this working tree.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+RUNTIME = ROOT / "shared"
+OPS = {p.name.removeprefix("fk-"): p for p in sorted((ROOT / "packages").glob("fk-*")) if p.is_dir()}
+TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
+BENCH_DEPS = ["matplotlib>=3.8", "tqdm>=4.66"]
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "venv"
+
+
+def install_torch(session: nox.Session) -> None:
+    requirement = os.environ.get("FK_TORCH", "torch")
+    index = os.environ.get("FK_TORCH_INDEX")
+    session.install(requirement, *(["--index-url", index] if index else []))
+
+
+def install_packages(session: nox.Session, *paths: Path, extras: list[str] = ()) -> None:
+    """fk-runtime and the given packages from this working tree (never from an index)."""
+    install_torch(session)
+    session.install(str(RUNTIME), *map(str, paths), *extras)
+
+
+def pytest(session: nox.Session, *targets: Path) -> None:
+    session.run("python", "-m", "pytest", *map(str, targets), *session.posargs)
+
+
+@nox.session(name="tests")
+def tests(session: nox.Session) -> None:
+    """Every package's tests and the cross-package tests, in one environment."""
+    install_packages(session, *OPS.values(), extras=TEST_DEPS + ["setuptools-scm>=10"])
+    pytest(session, RUNTIME / "tests", *(p / "tests" for p in OPS.values()), ROOT / "tests")
+
+
+@nox.session(name="test-runtime")
+def test_runtime(session: nox.Session) -> None:
+    install_packages(session, extras=TEST_DEPS + BENCH_DEPS)
+    pytest(session, RUNTIME / "tests")
+
+
+def _op_sessions(name: str, path: Path) -> None:
+    @nox.session(name=f"test-{name}")
+    def test_op(session: nox.Session) -> None:
+        install_packages(session, path, extras=TEST_DEPS)
+        pytest(session, path / "tests")
+
+    @nox.session(name=f"bench-{name}")
+    def bench_op(session: nox.Session) -> None:
+        install_packages(session, path, extras=BENCH_DEPS)
+        session.run("python", "-m", "fk_runtime", "--ops", name, *session.posargs)
+
+
+for _name, _path in OPS.items():
+    _op_sessions(_name, _path)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The main job for every op: check and benchmark on the default device."""
+    install_packages(session, *OPS.values(), extras=BENCH_DEPS)
+    session.run("python", "-m", "fk_runtime", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6", "check-jsonschema>=0.29")
+    session.run("ruff", "check", "--line-length", "110", str(ROOT))
+    workflows = sorted(str(p) for p in (ROOT / ".github" / "workflows").glob("*.yml"))
+    session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """sdist + wheel of every distribution into dist/, then their metadata checked by twine."""
+    session.install("build>=1.2", "twine>=5")
+    out = ROOT / "dist"
+    for path in [RUNTIME, *OPS.values()]:
+        session.run("python", "-m", "build", "--outdir", str(out), str(path))
+    session.run("twine", "check", "--strict", *map(str, sorted(out.glob("*"))))

@@ -1,0 +1,110 @@
+"""Which backend the kernels run on: CUDA, HIP, or the Triton interpreter on a CPU.
+
+Decided from torch alone. `triton.runtime.driver.active` raises ("0 active drivers") on a machine
+with no GPU driver, so nothing here touches it. The answer is cached at first use, in eager code,
+so that `torch.compile` never traces the detection itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import os
+import sys
+
+import torch
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+class Backend(str, enum.Enum):
+    CUDA = "cuda"
+    HIP = "hip"
+    INTERPRETER = "interpreter"
+
+
+def interpreter_requested() -> bool:
+    """True when the user (or the test setup) asked Triton to interpret kernels on the CPU."""
+    return os.environ.get(INTERPRET_ENV, "0").lower() in ("1", "true", "on", "yes")
+
+
+def gpu_available() -> bool:
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def backend() -> Backend:
+    """The backend kernels launch on in this process."""
+    if interpreter_requested() or not gpu_available():
+        return Backend.INTERPRETER
+    return Backend.HIP if torch.version.hip else Backend.CUDA
+
+
+def is_interpreter() -> bool:
+    return backend() is Backend.INTERPRETER
+
+
+def is_hip() -> bool:
+    return backend() is Backend.HIP
+
+
+def use_interpreter_without_gpu() -> bool:
+    """Turn the Triton interpreter on when no GPU is present; return whether it is on.
+
+    Must run before any `@triton.jit` kernel is defined (i.e. before an op package is imported):
+    Triton picks interpreter or compiler when the decorator runs.
+    """
+    if not gpu_available() and not interpreter_requested():
+        if "triton" in sys.modules:
+            raise RuntimeError(
+                "no GPU here and triton was imported before the interpreter could be turned on: "
+                f"set {INTERPRET_ENV}=1 in the environment (or call this before importing triton)"
+            )
+        os.environ[INTERPRET_ENV] = "1"
+    backend.cache_clear()
+    return is_interpreter()
+
+
+def default_device() -> torch.device:
+    """Where tensors for fk kernels live by default: the GPU, else the CPU for the interpreter."""
+    return torch.device("cpu") if is_interpreter() else torch.device("cuda")
+
+
+def kernel_device_type() -> str:
+    """The torch device type that kernels accept on this backend."""
+    return "cpu" if is_interpreter() else "cuda"
+
+
+@functools.cache
+def multiprocessor_count(device_index: int = 0) -> int:
+    """Streaming multiprocessors (CUDA) or compute units (HIP); a small stand-in on the CPU."""
+    if is_interpreter():
+        return INTERPRETER_PROCESSORS
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def l2_cache_bytes(device_index: int = 0) -> int:
+    if is_interpreter():
+        return 0
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "L2_cache_size", 0))
+
+
+def device_name(device_index: int = 0) -> str:
+    if is_interpreter():
+        return "CPU (Triton interpreter)"
+    return torch.cuda.get_device_name(device_index)
+
+
+def warp_size() -> int:
+    """Threads per warp: 64-wide wavefronts on most AMD GPUs, 32 on NVIDIA."""
+    if is_hip():
+        return HIP_WAVEFRONT
+    return CUDA_WARP
+
+
+CUDA_WARP = 32
+HIP_WAVEFRONT = 64
+# The interpreter runs programs one by one; grids sized for a handful of "processors" keep it quick.
+INTERPRETER_PROCESSORS = 4

@@ -1,0 +1,332 @@
+"""The benchmark harness every op uses.
+
+An op's `bench.py` returns `Case`s: one shape, dtype and direction each, with the work it must do
+(bytes moved or flops) and its variants (fk and its peers). `run_cases` measures this card's
+ceilings (copy bandwidth, matmul rate) in the same run, times every variant with `do_bench`
+medians over rotating input sets, and reports ms, GB/s or TFLOP/s, % of the ceiling and fk's
+speed ratio to each peer. `write_report` writes JSON, markdown and PNG plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from . import backend, sizing
+
+FK = "fk"
+GBPS = "GB/s"
+TFLOPS = "TFLOP/s"
+# do_bench budgets, in milliseconds (its own units).
+WARMUP_MS = 25
+REP_MS = 100
+# Input sets are rotated until their bytes are this many times the L2 cache, so a variant cannot
+# run out of cache; capped to bound memory.
+ROTATE_L2_FACTOR = 3
+MAX_INPUT_SETS = 4
+# On the interpreter nothing is worth timing precisely: a few host-timed runs.
+INTERPRETER_REPS = 3
+COPY_BYTES_GPU = 1 << 30
+COPY_BYTES_CPU = 1 << 24
+MATMUL_N_GPU = 8192
+MATMUL_N_CPU = 256
+
+
+@dataclasses.dataclass
+class Case:
+    """One benchmark point.
+
+    `make_inputs()` returns fresh random inputs; each variant maps inputs to a zero-argument
+    callable that does the timed work (see `forward` and `backward`). `work` counts the fewest
+    bytes (unit GB/s) or flops (unit TFLOP/s) the op must do.
+    """
+
+    op: str
+    direction: str
+    shape: str
+    dtype: torch.dtype
+    unit: str
+    work: float
+    make_inputs: Callable[[], Sequence]
+    variants: dict[str, Callable[[Sequence], Callable[[], object]]]
+    input_bytes: int = 0
+    memory: bool = False
+
+
+@dataclasses.dataclass
+class Result:
+    op: str
+    direction: str
+    shape: str
+    dtype: str
+    variant: str
+    unit: str
+    ms: float | None
+    rate: float | None
+    pct_of_ceiling: float | None
+    error: str | None = None
+    peak_mib: float | None = None
+
+
+@dataclasses.dataclass
+class Ceilings:
+    copy_gbps: float
+    matmul_tflops: float
+
+    def of(self, unit: str) -> float:
+        return self.copy_gbps if unit == GBPS else self.matmul_tflops
+
+
+def forward(fn: Callable) -> Callable[[Sequence], Callable[[], object]]:
+    """Variant timing `fn(*inputs)`."""
+    return lambda inputs: (lambda: fn(*inputs))
+
+
+def backward(fn: Callable) -> Callable[[Sequence], Callable[[], object]]:
+    """Variant timing the backward of `fn(*inputs)` (forward run once, outside the timing),
+    for every input that requires grad, with a fresh random upstream gradient."""
+
+    def prepare(inputs):
+        out = fn(*inputs)
+        leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        grad = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+    return prepare
+
+
+def _synchronize() -> None:
+    if not backend.is_interpreter():
+        torch.cuda.synchronize()
+
+
+def time_ms(calls: Sequence[Callable[[], object]]) -> float:
+    """Median milliseconds of one call, rotating through `calls` (one per input set)."""
+    cycle = itertools.cycle(calls)
+    step = lambda: next(cycle)()  # noqa: E731
+    if backend.is_interpreter():
+        step()
+        samples = []
+        for _ in range(INTERPRETER_REPS):
+            start = time.perf_counter()
+            step()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+    import triton.testing
+
+    return triton.testing.do_bench(step, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+
+def measure_ceilings() -> Ceilings:
+    """This card's device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate,
+    on random data."""
+    dev = backend.default_device()
+    nbytes = COPY_BYTES_CPU if backend.is_interpreter() else COPY_BYTES_GPU
+    src = torch.randn(nbytes // 2, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms([lambda: dst.copy_(src)])
+    del src, dst
+    n = MATMUL_N_CPU if backend.is_interpreter() else MATMUL_N_GPU
+    mm_dtype = torch.float32 if backend.is_interpreter() else torch.bfloat16
+    a = torch.randn(n, n, device=dev, dtype=mm_dtype)
+    b = torch.randn(n, n, device=dev, dtype=mm_dtype)
+    mm_ms = time_ms([lambda: a @ b])
+    return Ceilings(copy_gbps=2 * nbytes / copy_ms / 1e6, matmul_tflops=2 * n**3 / mm_ms / 1e9)
+
+
+def _input_sets(case: Case) -> int:
+    if backend.is_interpreter() or case.input_bytes <= 0:
+        return 1
+    wanted = sizing.cdiv(ROTATE_L2_FACTOR * backend.l2_cache_bytes(), case.input_bytes)
+    return max(1, min(MAX_INPUT_SETS, wanted))
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return text[:120]
+
+
+def _peak_mib(prepare, inputs) -> float | None:
+    if backend.is_interpreter():
+        return None
+    _synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    prepare(inputs)()
+    _synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def run_case(case: Case, ceilings: Ceilings) -> list[Result]:
+    results = []
+    input_sets = [case.make_inputs() for _ in range(_input_sets(case))]
+    for name, prepare in case.variants.items():
+        ms = rate = pct = peak = None
+        error = None
+        try:
+            calls = [prepare(inputs) for inputs in input_sets]
+            ms = time_ms(calls)
+            del calls
+            scale = 1e6 if case.unit == GBPS else 1e9
+            rate = case.work / ms / scale
+            pct = 100.0 * rate / ceilings.of(case.unit)
+            if case.memory:
+                peak = _peak_mib(prepare, input_sets[0])
+        except Exception as exc:  # a peer that refuses a shape is a result, not a crash
+            error = _short(exc)
+        results.append(
+            Result(
+                case.op, case.direction, case.shape, str(case.dtype).removeprefix("torch."),
+                name, case.unit, ms, rate, pct, error, peak,
+            )
+        )
+        if not backend.is_interpreter():
+            torch.cuda.empty_cache()
+    return results
+
+
+def run_cases(cases: Sequence[Case], ceilings: Ceilings, progress: bool = True) -> list[Result]:
+    from tqdm import tqdm
+
+    results: list[Result] = []
+    bar = tqdm(cases, desc="bench", unit="case", disable=not progress)
+    for case in bar:
+        bar.set_postfix_str(f"{case.op} {case.direction} {case.shape} {case.dtype}")
+        results.extend(run_case(case, ceilings))
+    return results
+
+
+def _groups(results: Sequence[Result]):
+    key = lambda r: (r.op, r.direction, r.shape, r.dtype)  # noqa: E731
+    groups: dict = {}
+    for r in results:
+        groups.setdefault(key(r), []).append(r)
+    return groups
+
+
+def speedups(results: Sequence[Result]) -> list[dict]:
+    """fk's speed over each peer (peer ms / fk ms), one row per case."""
+    rows = []
+    for (op, direction, shape, dtype), group in _groups(results).items():
+        ours = next((r for r in group if r.variant == FK), None)
+        if ours is None or ours.ms is None:
+            continue
+        for peer in group:
+            if peer.variant == FK:
+                continue
+            ratio = None if peer.ms is None else peer.ms / ours.ms
+            rows.append(
+                dict(op=op, direction=direction, shape=shape, dtype=dtype, peer=peer.variant,
+                     ratio=ratio, peer_error=peer.error)
+            )
+    return rows
+
+
+def _fmt(x: float | None, digits: int = 0) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def markdown_table(results: Sequence[Result], op: str) -> str:
+    """One row per case: fk's time, rate and % of ceiling, then each peer's rate and fk's ratio."""
+    groups = {k: v for k, v in _groups(results).items() if k[0] == op}
+    peers: list[str] = []
+    for group in groups.values():
+        for r in group:
+            if r.variant != FK and r.variant not in peers:
+                peers.append(r.variant)
+    has_memory = any(r.peak_mib is not None for g in groups.values() for r in g)
+    head = ["shape", "dtype", "dir", "fk ms", "fk rate", "% ceiling"]
+    for p in peers:
+        head += [f"{p} rate", f"fk / {p}"]
+    if has_memory:
+        head += ["fk peak MiB"] + [f"{p} peak MiB" for p in peers]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for (_, direction, shape, dtype), group in groups.items():
+        by_name = {r.variant: r for r in group}
+        ours = by_name.get(FK)
+        if ours is None:
+            continue
+        unit = ours.unit
+        row = [shape, dtype, direction, _fmt(ours.ms, 3), f"{_fmt(ours.rate)} {unit}",
+               _fmt(ours.pct_of_ceiling, 1)]
+        for p in peers:
+            r = by_name.get(p)
+            if r is None:
+                row += ["", ""]
+            elif r.ms is None:
+                row += ["fails", "–"]
+            else:
+                ratio = r.ms / ours.ms if ours.ms else None
+                row += [_fmt(r.rate), f"{_fmt(ratio, 2)}×"]
+        if has_memory:
+            row += [_fmt(ours.peak_mib)] + [_fmt(by_name[p].peak_mib) if p in by_name else ""
+                                            for p in peers]
+        lines.append("| " + " | ".join(row) + " |")
+    errors = [r for g in groups.values() for r in g if r.error]
+    for r in errors:
+        lines.append(f"\n- {r.variant} fails at {r.shape} {r.dtype} {r.direction}: `{r.error}`")
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[Result], op: str, ceilings: Ceilings, path: Path) -> Path | None:
+    """Bar chart of each variant's rate per case, fwd and bwd side by side, ceiling dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = [r for r in results if r.op == op]
+    if not mine:
+        return None
+    directions = sorted({r.direction for r in mine}, key=lambda d: (d != "fwd", d))
+    fig, axes = plt.subplots(1, len(directions), figsize=(7 * len(directions), 4.5), squeeze=False)
+    for ax, direction in zip(axes[0], directions):
+        rows = [r for r in mine if r.direction == direction]
+        cases = list(dict.fromkeys(f"{r.shape}\n{r.dtype}" for r in rows))
+        variants = list(dict.fromkeys(r.variant for r in rows))
+        width = 0.8 / max(len(variants), 1)
+        for i, v in enumerate(variants):
+            rates = {f"{r.shape}\n{r.dtype}": r.rate or 0.0 for r in rows if r.variant == v}
+            xs = [j + i * width for j in range(len(cases))]
+            ax.bar(xs, [rates.get(c, 0.0) for c in cases], width, label=v)
+        unit = rows[0].unit
+        ax.axhline(ceilings.of(unit), ls="--", c="k", lw=1, label="ceiling")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+        ax.set_xticklabels(cases, fontsize=7)
+        ax.set_ylabel(unit)
+        ax.set_title(f"{op} {direction}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_json(results: Sequence[Result], ceilings: Ceilings, meta: dict, path: Path) -> None:
+    payload = dict(
+        meta=meta,
+        ceilings=dataclasses.asdict(ceilings),
+        results=[dataclasses.asdict(r) for r in results],
+        speedups=speedups(results),
+    )
+    path.write_text(json.dumps(payload, indent=1))
+
+
+def environment() -> dict:
+    import triton
+
+    return dict(
+        device=backend.device_name(),
+        backend=backend.backend().value,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )

@@ -1,0 +1,86 @@
+"""Input checks every op shares: clear TypeError / ValueError naming the argument.
+
+Never `assert` (stripped under `python -O`): a bad input must fail loudly, not run out of bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backend
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    value,
+    *,
+    dtypes=FLOAT_DTYPES,
+    min_dim: int = 0,
+    max_dim: int | None = None,
+) -> torch.Tensor:
+    """`value` is a tensor of an accepted dtype and rank.
+
+    Pure metadata, so `torch.compile` traces it without a graph break; the device check that
+    needs the backend (`check_kernel_device`) runs inside the op's eager implementation."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in ({_dtype_names(dtypes)}), got {value.dtype}")
+    if value.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dims, got shape {tuple(value.shape)}")
+    if max_dim is not None and value.dim() > max_dim:
+        raise ValueError(f"{name} must have at most {max_dim} dims, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_kernel_device(name: str, value: torch.Tensor) -> None:
+    """The tensor lives where this backend's kernels can read it."""
+    expected = backend.kernel_device_type()
+    if value.device.type != expected:
+        hint = (
+            " (no GPU here: set TRITON_INTERPRET=1 before importing fk ops to run on the CPU)"
+            if expected == "cuda" and value.device.type == "cpu"
+            else ""
+        )
+        raise ValueError(f"{name} must be on a {expected} device, got {value.device}{hint}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {v.device for v in present.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{k} on {v.device}" for k, v in present.items())
+        raise ValueError(f"tensors must be on one device: {where}")
+
+
+def check_same_dtype(**tensors: torch.Tensor | None) -> None:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    dtypes = {v.dtype for v in present.values()}
+    if len(dtypes) > 1:
+        which = ", ".join(f"{k} is {v.dtype}" for k, v in present.items())
+        raise TypeError(f"tensors must share one dtype: {which}")
+
+
+def check_shape(name: str, value: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(value.shape)}")
+
+
+def check_positive(name: str, value) -> None:
+    if not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def normalize_dim(name: str, dim: int, ndim: int) -> int:
+    """`dim` as a non-negative index into a tensor of `ndim` dims."""
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"{name} must be an int, got {type(dim).__name__}")
+    if not -max(ndim, 1) <= dim < max(ndim, 1):
+        raise ValueError(f"{name}={dim} is out of range for a tensor of {ndim} dims")
+    return dim % max(ndim, 1)

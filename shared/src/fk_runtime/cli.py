@@ -1,0 +1,135 @@
+"""The main job: check and benchmark every installed fk op on the default device.
+
+    python -m fk_runtime [--ops softmax layernorm] [--out benchmarks] [--no-bench]
+
+On a GPU it runs each op's full sweep; without one it runs the Triton interpreter at small sizes
+(the numbers then only show that everything runs). Each op's results land in
+`<out>/<op>.{json,md,png}` and `BENCHMARKS.md` beside `<out>` is rebuilt from every op's section.
+
+Ops are found as importable top-level modules named `fk_*` with a `bench` submodule providing
+`checks(full) -> [(label, callable returning [Comparison])]` and `cases(full) -> [Case]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import shlex
+import sys
+from pathlib import Path
+
+from . import backend
+
+RUNTIME_MODULE = "fk_runtime"
+OP_PREFIX = "fk_"
+
+
+def discover_ops() -> list[str]:
+    names = {
+        m.name.removeprefix(OP_PREFIX)
+        for m in pkgutil.iter_modules()
+        if m.name.startswith(OP_PREFIX) and m.name != RUNTIME_MODULE
+    }
+    return sorted(names)
+
+
+def run_checks(op: str, bench_module, full: bool) -> bool:
+    from . import alloc
+
+    ok = True
+    print(f"\n== check {op} on {backend.device_name()}")
+    for label, check in bench_module.checks(full):
+        with alloc.poisoned_outputs():
+            comparisons = check()
+        passed = all(c.ok for c in comparisons)
+        ok &= passed
+        worst = max(comparisons, key=lambda c: c.error / c.bound if c.bound else c.error)
+        print(f"  {'ok  ' if passed else 'FAIL'} {label}: worst {worst}")
+        if not passed:
+            for c in comparisons:
+                print(f"         {c}")
+    return ok
+
+
+def section(op: str, results, ceilings, meta: dict, plot_name: str | None) -> str:
+    from . import bench
+
+    lines = [
+        f"## {op}",
+        "",
+        f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. "
+        f"Ceilings measured in the same run: copy {ceilings.copy_gbps:.0f} GB/s (read + write), "
+        f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s. Rates are `do_bench` medians; "
+        "`fk / peer` is the peer's time over fk's (above 1: fk is faster).",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        bench.markdown_table(results, op),
+        "",
+    ]
+    if plot_name:
+        lines += [f"![{op}](benchmarks/{plot_name})", ""]
+    return "\n".join(lines)
+
+
+def rebuild_benchmarks_md(out: Path) -> Path:
+    target = out.parent / "BENCHMARKS.md"
+    sections = [p.read_text() for p in sorted(out.glob("*.md"))]
+    header = (
+        "# Benchmarks\n\nThe latest run of each op, written by `python -m fk_runtime` "
+        "(see each section's command). Raw numbers: `benchmarks/<op>.json`.\n\n"
+    )
+    target.write_text(header + "\n".join(sections))
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fk_runtime", description=__doc__.split("\n")[0])
+    parser.add_argument("--ops", nargs="*", help="ops to run (default: every installed one)")
+    parser.add_argument("--out", default="benchmarks", help="folder for results (default: %(default)s)")
+    parser.add_argument("--no-bench", action="store_true", help="run the checks only")
+    parser.add_argument("--no-check", action="store_true", help="run the benchmarks only")
+    parser.add_argument("--small", action="store_true", help="small sizes even on a GPU")
+    args = parser.parse_args(argv)
+
+    backend.use_interpreter_without_gpu()  # before any op module defines its kernels
+    from . import bench
+
+    full = not backend.is_interpreter() and not args.small
+    ops = args.ops or discover_ops()
+    if not ops:
+        print("no fk ops installed (looked for importable fk_* modules)", file=sys.stderr)
+        return 2
+    print(f"fk main job: ops {', '.join(ops)}; backend {backend.backend().value}; "
+          f"{'full' if full else 'small'} sizes")
+
+    modules = {op: importlib.import_module(f"{OP_PREFIX}{op}.bench") for op in ops}
+    all_ok = True
+    if not args.no_check:
+        for op, module in modules.items():
+            all_ok &= run_checks(op, module, full)
+    if args.no_bench:
+        return 0 if all_ok else 1
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ceilings = bench.measure_ceilings()
+    print(f"\nceilings: copy {ceilings.copy_gbps:.0f} GB/s, matmul {ceilings.matmul_tflops:.1f} "
+          "TFLOP/s")
+    meta = bench.environment()
+    meta["command"] = "python -m fk_runtime " + shlex.join(argv if argv is not None else sys.argv[1:])
+    for op, module in modules.items():
+        results = bench.run_cases(module.cases(full), ceilings)
+        bench.write_json(results, ceilings, meta, out / f"{op}.json")
+        plot = bench.plot(results, op, ceilings, out / f"{op}.png")
+        (out / f"{op}.md").write_text(
+            section(op, results, ceilings, meta, plot.name if plot else None)
+        )
+        print("\n" + bench.markdown_table(results, op))
+    print(f"\nwrote {rebuild_benchmarks_md(out)}")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

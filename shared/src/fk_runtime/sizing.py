@@ -1,0 +1,118 @@
+"""Block, warp and grid sizing shared by every op.
+
+Op packages never hold sizing literals: they ask this module (and the per-op tables in
+`fk_runtime.tuning`) for block sizes, warp counts and grids. Every budget has a name here.
+HIP differences (64-wide wavefronts, `waves_per_eu`) live here too, in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import backend
+
+# A row that one program holds whole in registers may take at most this many bytes of the
+# input dtype (the Triton tutorials' 64 KB budget); longer rows go to a looped/online path.
+MAX_FUSED_ROW_BYTES = 65536
+# Widest global memory access one thread issues; blocks are sized so each thread gets whole
+# vectors of this size.
+VECTOR_BYTES = 16
+# Elements per thread we aim for in a register-resident row: enough independent loads in
+# flight to cover memory latency, few enough to avoid spills.
+ELEMENTS_PER_THREAD_TARGET = 16
+MIN_WARPS = 4
+MAX_WARPS_CUDA = 32  # 1024 threads, the CUDA block limit
+MAX_WARPS_HIP = 16  # 1024 threads of 64-wide wavefronts
+# AMD: ask the compiler for this many waves per execution unit on memory-bound kernels.
+HIP_WAVES_PER_EU = 2
+# Grids for memory-bound kernels: this many programs per multiprocessor keep enough bytes in
+# flight without a tail effect.
+PROGRAMS_PER_SM = 8
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def vector_elements(dtype: torch.dtype) -> int:
+    """Elements of `dtype` in one widest vector access."""
+    return max(VECTOR_BYTES // element_size(dtype), 1)
+
+
+def max_fused_row_elements(dtype: torch.dtype) -> int:
+    """Longest row (in elements) that one program may hold whole."""
+    return MAX_FUSED_ROW_BYTES // element_size(dtype)
+
+
+def fused_row_block(n_cols: int, dtype: torch.dtype) -> int | None:
+    """Power-of-two block covering a whole row, or None when the row is too long to hold."""
+    block = next_power_of_2(n_cols)
+    return block if block <= max_fused_row_elements(dtype) else None
+
+
+def looped_row_block(dtype: torch.dtype) -> int:
+    """Chunk size for rows walked in a loop: the largest block that still counts as fused."""
+    return max_fused_row_elements(dtype)
+
+
+def max_warps() -> int:
+    return MAX_WARPS_HIP if backend.is_hip() else MAX_WARPS_CUDA
+
+
+def num_warps_for(block_elements: int) -> int:
+    """Warps for a program that touches `block_elements` elements at once.
+
+    One warp per `warp_size * ELEMENTS_PER_THREAD_TARGET` elements, as a power of two between
+    MIN_WARPS and the backend's maximum. This is the seeds' `calc_num_warps` done right: it counts
+    threads, so a 64-wide wavefront gets half the warps a 32-wide warp does.
+    """
+    per_warp = backend.warp_size() * ELEMENTS_PER_THREAD_TARGET
+    warps = next_power_of_2(cdiv(block_elements, per_warp))
+    return max(MIN_WARPS, min(warps, max_warps()))
+
+
+def launch_options(num_warps: int, num_stages: int | None = None) -> dict:
+    """Keyword arguments for a kernel launch, with the backend's extras."""
+    options: dict = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if backend.is_hip():
+        options["waves_per_eu"] = HIP_WAVES_PER_EU
+    return options
+
+
+def persistent_grid(n_work_items: int, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Programs for a grid that loops over `n_work_items`: at most a few per multiprocessor."""
+    return max(1, min(n_work_items, backend.multiprocessor_count() * programs_per_sm))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile2D:
+    """A rows x cols tile walked by one program, with the warps to launch it."""
+
+    block_rows: int
+    block_cols: int
+    num_warps: int
+
+    @property
+    def elements(self) -> int:
+        return self.block_rows * self.block_cols
+
+
+def tile_2d(n_rows: int, n_cols: int, dtype: torch.dtype, tile_bytes: int, max_cols: int) -> Tile2D:
+    """A tile of about `tile_bytes` of `dtype`: as wide as the row allows (up to `max_cols`),
+    then as many rows as fit. Both sides are powers of two."""
+    elems = max(tile_bytes // element_size(dtype), 1)
+    block_cols = min(next_power_of_2(n_cols), next_power_of_2(max_cols), elems)
+    block_rows = min(max(elems // block_cols, 1), next_power_of_2(n_rows))
+    return Tile2D(block_rows, block_cols, num_warps_for(block_rows * block_cols))

@@ -1,0 +1,241 @@
+"""The reference harness every package's tests (and the main job's check) use.
+
+- device choice: the GPU when there is one, else the CPU through the Triton interpreter, set up
+  by `setup()` before any kernel is defined (the pytest plugin calls it);
+- fresh random inputs on every run (never zeros), optionally as strided, non-contiguous views;
+- comparison against a float64 reference by relative error ||out - ref|| / ||ref||, bounded per
+  dtype, or relative to PyTorch's own error on the same inputs (flash-attention's layer norm
+  tests' rule) where PyTorch is the baseline;
+- outputs poisoned with NaN so any element a kernel did not write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from . import alloc, backend
+
+# Relative error ||out - ref|| / ||ref|| allowed against a float64 reference, by input dtype.
+# fp32 math with fp32 inputs lands near 1e-7..1e-6; half precisions are bound by their rounding
+# of inputs and outputs (2^-11 for fp16, 2^-8 for bf16).
+TOLERANCE = {
+    torch.float32: 2e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+    torch.float64: 1e-12,
+}
+# With a baseline (PyTorch run on the same inputs in the same dtype), fk may be at most this many
+# times as far from the float64 reference as PyTorch is, plus the dtype's floor above.
+BASELINE_FACTOR = 2.0
+
+# Where the check seeds its generator; printed in failures so a run can be repeated.
+SEED_ENV = "FK_TEST_SEED"
+
+
+def setup() -> torch.device:
+    """Pick the test device, turning the interpreter on when there is no GPU."""
+    backend.use_interpreter_without_gpu()
+    seed = int(os.environ.get(SEED_ENV) or int.from_bytes(os.urandom(4), "little"))
+    os.environ[SEED_ENV] = str(seed)
+    torch.manual_seed(seed)
+    return backend.default_device()
+
+
+def device() -> torch.device:
+    return backend.default_device()
+
+
+def on_gpu() -> bool:
+    return not backend.is_interpreter()
+
+
+def seed() -> str:
+    return os.environ.get(SEED_ENV, "unset")
+
+
+def randn(
+    shape: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    *,
+    scale: float = 1.0,
+    shift: float = 0.0,
+    requires_grad: bool = False,
+    layout: str = "contiguous",
+) -> torch.Tensor:
+    """Fresh normal samples (times `scale`, plus `shift`) on the test device.
+
+    `layout` makes kernels honour strides: "contiguous"; "padded_rows", a view whose rows lie
+    further apart than their length; "strided_cols", a view whose last dim has stride 2. The
+    gaps hold random numbers too, so reading them shows up as a wrong answer.
+    """
+    shape = tuple(shape)
+    last = shape[-1] if shape else 1
+    widths = {"contiguous": last, "padded_rows": last + 3, "strided_cols": 2 * last}
+    if layout not in widths:
+        raise ValueError(f"layout must be one of {sorted(widths)}, got {layout!r}")
+    base_shape = shape[:-1] + (widths[layout],) if shape else ()
+    base = torch.randn(base_shape, device=device(), dtype=torch.float32).mul_(scale).add_(shift)
+    base = base.to(dtype)
+    if layout == "padded_rows":
+        base = base[..., :last]
+    elif layout == "strided_cols":
+        base = base[..., ::2]
+    return base.requires_grad_(requires_grad)
+
+
+def rel_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """||actual - reference|| / ||reference|| in float64; inf when anything is NaN or shapes differ."""
+    if actual.shape != reference.shape:
+        return math.inf
+    a = actual.detach().to(torch.float64)
+    r = reference.detach().to(torch.float64)
+    finite_ref = torch.isfinite(r)
+    # Infinite reference entries must be matched exactly (e.g. log_softmax of -inf is -inf).
+    if not torch.equal(torch.isfinite(a), finite_ref) or not torch.equal(
+        a[~finite_ref].nan_to_num(), r[~finite_ref].nan_to_num()
+    ):
+        return math.inf
+    a, r = a[finite_ref], r[finite_ref]
+    if a.numel() == 0:
+        return 0.0
+    diff = torch.linalg.vector_norm(a - r).item()
+    norm = torch.linalg.vector_norm(r).item()
+    if math.isnan(diff):
+        return math.inf
+    return diff / norm if norm > 0 else diff
+
+
+@dataclasses.dataclass
+class Comparison:
+    name: str
+    error: float
+    bound: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.bound
+
+    def __str__(self) -> str:
+        verdict = "ok" if self.ok else "FAIL"
+        return f"{self.name}: rel. error {self.error:.3g} (bound {self.bound:.3g}) {verdict}"
+
+
+def compare(
+    name: str,
+    actual: torch.Tensor,
+    reference: torch.Tensor,
+    dtype: torch.dtype,
+    baseline: torch.Tensor | None = None,
+) -> Comparison:
+    """Error of `actual` against the float64 `reference`, and the bound it must stay under."""
+    bound = TOLERANCE[dtype]
+    if baseline is not None:
+        bound = max(bound, BASELINE_FACTOR * rel_error(baseline, reference))
+    return Comparison(name, rel_error(actual, reference), bound)
+
+
+def assert_close(
+    name: str,
+    actual: torch.Tensor,
+    reference: torch.Tensor,
+    dtype: torch.dtype,
+    baseline: torch.Tensor | None = None,
+) -> None:
+    c = compare(name, actual, reference, dtype, baseline)
+    if not c.ok:
+        raise AssertionError(f"{c} [seed {seed()}; shape {tuple(actual.shape)}, dtype {dtype}]")
+
+
+def _as_tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def to_reference(t):
+    """A float64 leaf copy of a tensor input (other inputs pass through)."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point():
+        return t.detach().to(torch.float64).requires_grad_(t.requires_grad)
+    return t
+
+
+def check_against_reference(
+    fn: Callable,
+    reference_fn: Callable,
+    inputs: Sequence,
+    *,
+    dtype: torch.dtype,
+    names: Sequence[str] | None = None,
+    backward: bool = True,
+    baseline_fn: Callable | None = None,
+) -> list[Comparison]:
+    """Run `fn` (under poisoned outputs) and `reference_fn` (on float64 copies) on `inputs`;
+    compare each output and, with `backward`, the gradient of each input that requires grad,
+    using one fresh random upstream gradient. `baseline_fn` (PyTorch in `dtype`) widens the
+    bound to BASELINE_FACTOR times its own error."""
+    inputs = list(inputs)
+    ref_inputs = [to_reference(t) for t in inputs]
+    with alloc.poisoned_outputs():
+        outs = _as_tuple(fn(*inputs))
+    refs = _as_tuple(reference_fn(*ref_inputs))
+    bases = _as_tuple(baseline_fn(*inputs)) if baseline_fn is not None else (None,) * len(refs)
+    names = list(names or [f"arg{i}" for i in range(len(inputs))])
+    results = [
+        compare(f"out{i}", o, r, dtype, b) for i, (o, r, b) in enumerate(zip(outs, refs, bases))
+    ]
+    if not backward:
+        return results
+    grad_idx = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not grad_idx:
+        return results
+    diff_outs = [(o, r) for o, r in zip(outs, refs) if o.requires_grad]
+    upstream = [randn(o.shape, o.dtype) for o, _ in diff_outs]
+    with alloc.poisoned_outputs():
+        grads = torch.autograd.grad(
+            [o for o, _ in diff_outs], [inputs[i] for i in grad_idx], upstream, allow_unused=True
+        )
+    ref_grads = torch.autograd.grad(
+        [r for _, r in diff_outs],
+        [ref_inputs[i] for i in grad_idx],
+        [u.to(torch.float64) for u in upstream],
+        allow_unused=True,
+    )
+    base_grads: Sequence = (None,) * len(grad_idx)
+    if baseline_fn is not None:
+        base_outs = [b for b, o in zip(bases, outs) if o.requires_grad]
+        base_grads = torch.autograd.grad(
+            base_outs, [inputs[i] for i in grad_idx], upstream, allow_unused=True
+        )
+    for i, g, rg, bg in zip(grad_idx, grads, ref_grads, base_grads):
+        if rg is None:
+            rg = torch.zeros_like(ref_inputs[i])
+        if g is None:
+            g = torch.full_like(inputs[i], math.nan)
+        results.append(compare(f"grad {names[i]}", g, rg, dtype, bg))
+    return results
+
+
+def assert_matches_reference(*args, **kwargs) -> None:
+    """`check_against_reference`, raising with every comparison when one fails."""
+    results = check_against_reference(*args, **kwargs)
+    if not all(r.ok for r in results):
+        lines = "\n  ".join(str(r) for r in results)
+        raise AssertionError(f"mismatch against float64 reference [seed {seed()}]:\n  {lines}")
+
+
+def compile_modes() -> list[str]:
+    """How tests call an op: eager, and through `torch.compile(fullgraph=True)`. On the CPU the
+    compiled mode traces with the `aot_eager` backend (graph breaks and fake kernels are checked
+    there too; Inductor's codegen is exercised on the GPU)."""
+    return ["eager", "compile"]
+
+
+def maybe_compile(fn: Callable, mode: str) -> Callable:
+    if mode == "eager":
+        return fn
+    torch._dynamo.reset()
+    compile_backend = "inductor" if on_gpu() else "aot_eager"
+    return torch.compile(fn, fullgraph=True, backend=compile_backend, dynamic=False)
