@@ -24,6 +24,8 @@ RUNTIME = ROOT / "shared"
 OPS = {p.name.removeprefix("fk-"): p for p in sorted((ROOT / "packages").glob("fk-*")) if p.is_dir()}
 TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
 BENCH_DEPS = ["matplotlib>=3.8", "tqdm>=4.66"]
+# pyflakes, pycodestyle errors, bugbear; set here so that every package lints alike.
+RUFF_ARGS = ["--select", "E4,E7,E9,F,B,W", "--line-length", "110"]
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -85,7 +87,7 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6", "check-jsonschema>=0.29")
-    session.run("ruff", "check", "--line-length", "110", str(ROOT))
+    session.run("ruff", "check", *RUFF_ARGS, str(ROOT))
     workflows = sorted(str(p) for p in (ROOT / ".github" / "workflows").glob("*.yml"))
     session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
 

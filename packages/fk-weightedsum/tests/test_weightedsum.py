@@ -79,7 +79,7 @@ def test_backward_is_deterministic():
     first = torch.autograd.grad(weighted_sum(x, w), [x, w], gy)
     for _ in range(3):
         again = torch.autograd.grad(weighted_sum(x, w), [x, w], gy)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 
 @pytest.mark.parametrize("shape", [(0, 5), (4, 0), (2, 0, 7)], ids=str)

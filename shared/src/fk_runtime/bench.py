@@ -10,6 +10,7 @@ speed ratio to each peer. `write_report` writes JSON, markdown and PNG plots.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -131,9 +132,8 @@ def measure_ceilings() -> Ceilings:
     dev = backend.default_device()
     nbytes = COPY_BYTES_CPU if backend.is_interpreter() else COPY_BYTES_GPU
     src = torch.randn(nbytes // 2, device=dev, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_ms = time_ms([lambda: dst.copy_(src)])
-    del src, dst
+    copy_ms = time_ms([functools.partial(torch.empty_like(src).copy_, src)])
+    del src
     n = MATMUL_N_CPU if backend.is_interpreter() else MATMUL_N_GPU
     mm_dtype = torch.float32 if backend.is_interpreter() else torch.bfloat16
     a = torch.randn(n, n, device=dev, dtype=mm_dtype)
@@ -288,7 +288,7 @@ def plot(results: Sequence[Result], op: str, ceilings: Ceilings, path: Path) -> 
         return None
     directions = sorted({r.direction for r in mine}, key=lambda d: (d != "fwd", d))
     fig, axes = plt.subplots(1, len(directions), figsize=(7 * len(directions), 4.5), squeeze=False)
-    for ax, direction in zip(axes[0], directions):
+    for ax, direction in zip(axes[0], directions, strict=True):
         rows = [r for r in mine if r.direction == direction]
         cases = list(dict.fromkeys(f"{r.shape}\n{r.dtype}" for r in rows))
         variants = list(dict.fromkeys(r.variant for r in rows))

@@ -184,14 +184,14 @@ def check_against_reference(
     bases = _as_tuple(baseline_fn(*inputs)) if baseline_fn is not None else (None,) * len(refs)
     names = list(names or [f"arg{i}" for i in range(len(inputs))])
     results = [
-        compare(f"out{i}", o, r, dtype, b) for i, (o, r, b) in enumerate(zip(outs, refs, bases))
+        compare(f"out{i}", o, r, dtype, b) for i, (o, r, b) in enumerate(zip(outs, refs, bases, strict=True))
     ]
     if not backward:
         return results
     grad_idx = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not grad_idx:
         return results
-    diff_outs = [(o, r) for o, r in zip(outs, refs) if o.requires_grad]
+    diff_outs = [(o, r) for o, r in zip(outs, refs, strict=True) if o.requires_grad]
     upstream = [randn(o.shape, o.dtype) for o, _ in diff_outs]
     with alloc.poisoned_outputs():
         grads = torch.autograd.grad(
@@ -205,11 +205,11 @@ def check_against_reference(
     )
     base_grads: Sequence = (None,) * len(grad_idx)
     if baseline_fn is not None:
-        base_outs = [b for b, o in zip(bases, outs) if o.requires_grad]
+        base_outs = [b for b, o in zip(bases, outs, strict=True) if o.requires_grad]
         base_grads = torch.autograd.grad(
             base_outs, [inputs[i] for i in grad_idx], upstream, allow_unused=True
         )
-    for i, g, rg, bg in zip(grad_idx, grads, ref_grads, base_grads):
+    for i, g, rg, bg in zip(grad_idx, grads, ref_grads, base_grads, strict=True):
         if rg is None:
             rg = torch.zeros_like(ref_inputs[i])
         if g is None:

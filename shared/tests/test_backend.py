@@ -1,0 +1,59 @@
+import subprocess
+import sys
+
+import torch
+
+from fk_runtime import Backend, backend
+
+
+def test_backend_matches_the_machine():
+    expected = {Backend.INTERPRETER} if not torch.cuda.is_available() else {Backend.CUDA, Backend.HIP}
+    if backend.interpreter_requested():
+        expected = {Backend.INTERPRETER}
+    assert backend.backend() in expected
+    assert backend.default_device().type == backend.kernel_device_type()
+    assert backend.multiprocessor_count() >= 1
+    assert backend.warp_size() in (backend.CUDA_WARP, backend.HIP_WAVEFRONT)
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    import os
+
+    full_env = {k: v for k, v in os.environ.items() if k != backend.INTERPRET_ENV}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env)
+
+
+def test_detection_never_touches_the_triton_driver():
+    """With no GPU, `triton.runtime.driver.active` raises; the runtime must not call it."""
+    code = (
+        "import fk_runtime.backend as b, fk_runtime.sizing as s\n"
+        "b.use_interpreter_without_gpu()\n"
+        "print(b.backend().value, s.num_warps_for(4096), b.multiprocessor_count())\n"
+    )
+    out = _run(code, CUDA_VISIBLE_DEVICES="")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "interpreter"
+
+
+def test_interpreter_must_be_set_before_triton_import():
+    code = (
+        "import triton, fk_runtime.backend as b\n"
+        "try:\n    b.use_interpreter_without_gpu()\nexcept RuntimeError as e:\n    print('raised', e)\n"
+    )
+    out = _run(code, CUDA_VISIBLE_DEVICES="")
+    assert out.returncode == 0, out.stderr
+    assert "raised" in out.stdout and "TRITON_INTERPRET=1" in out.stdout
+
+
+def test_backend_is_decided_outside_compiled_code():
+    """torch.compile of a function calling an fk check traces without a graph break."""
+    from fk_runtime import checks
+
+    def f(x):
+        checks.check_tensor("x", x, min_dim=1)
+        return x * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    x = torch.randn(4)
+    torch.testing.assert_close(compiled(x), x * 2)

@@ -1,0 +1,49 @@
+import json
+
+import torch
+
+from fk_runtime import bench, cli, testing
+
+
+def _cases():
+    def make():
+        return [testing.randn((32, 64), requires_grad=True)]
+
+    def failing(x):
+        raise ValueError("peer refuses this shape")
+
+    return [
+        bench.Case("toy", direction, "32×64", torch.float32, bench.GBPS, 2 * 32 * 64 * 4, make,
+                   {"fk": wrap(lambda x: x * 2), "peer": wrap(lambda x: x + x), "broken": wrap(failing)})
+        for direction, wrap in [("fwd", bench.forward), ("bwd", bench.backward)]
+    ]
+
+
+def test_harness_times_reports_and_records_failures(tmp_path):
+    ceilings = bench.Ceilings(copy_gbps=100.0, matmul_tflops=1.0)
+    results = bench.run_cases(_cases(), ceilings, progress=False)
+    assert len(results) == 6
+    ok = [r for r in results if r.variant != "broken"]
+    assert all(r.ms and r.ms > 0 and r.rate > 0 and r.pct_of_ceiling > 0 for r in ok)
+    broken = [r for r in results if r.variant == "broken"]
+    assert all(r.ms is None and "refuses" in r.error for r in broken)
+    table = bench.markdown_table(results, "toy")
+    assert "| 32×64 | float32 | fwd |" in table and "fails" in table and "fk / peer" in table
+    bench.write_json(results, ceilings, bench.environment(), tmp_path / "toy.json")
+    payload = json.loads((tmp_path / "toy.json").read_text())
+    assert {s["peer"] for s in payload["speedups"]} == {"peer", "broken"}
+    assert bench.plot(results, "toy", ceilings, tmp_path / "toy.png").stat().st_size > 1000
+
+
+def test_ceilings_are_measured():
+    c = bench.measure_ceilings()
+    assert c.copy_gbps > 0 and c.matmul_tflops > 0
+
+
+def test_benchmarks_md_is_rebuilt_from_sections(tmp_path):
+    out = tmp_path / "benchmarks"
+    out.mkdir()
+    (out / "a.md").write_text("## a\n")
+    (out / "b.md").write_text("## b\n")
+    text = cli.rebuild_benchmarks_md(out).read_text()
+    assert text.index("## a") < text.index("## b")

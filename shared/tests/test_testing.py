@@ -1,0 +1,63 @@
+import math
+
+import pytest
+import torch
+
+from fk_runtime import alloc, testing
+
+
+def test_inputs_are_fresh_random_and_laid_out_as_asked():
+    a, b = testing.randn((8, 16)), testing.randn((8, 16))
+    assert not torch.equal(a, b) and a.abs().sum() > 0
+    padded = testing.randn((4, 5, 6), layout="padded_rows")
+    assert padded.shape == (4, 5, 6) and not padded.is_contiguous() and padded.stride(-1) == 1
+    strided = testing.randn((4, 6), torch.bfloat16, layout="strided_cols")
+    assert strided.stride(-1) == 2 and strided.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="layout"):
+        testing.randn((2,), layout="diagonal")
+
+
+def test_rel_error_catches_nan_inf_and_shape():
+    ref = torch.tensor([1.0, 2.0, -math.inf])
+    assert testing.rel_error(ref.clone(), ref) == 0.0
+    assert testing.rel_error(torch.tensor([1.0, math.nan, -math.inf]), ref) == math.inf
+    assert testing.rel_error(torch.tensor([1.0, 2.0, 0.0]), ref) == math.inf
+    assert testing.rel_error(torch.ones(2), torch.ones(3)) == math.inf
+
+
+def test_harness_fails_a_wrong_kernel_and_an_unwritten_output():
+    x = testing.randn((4, 8), requires_grad=True)
+
+    def wrong(t):
+        return t.sum(-1) * 1.01
+
+    def unwritten(t):
+        out = alloc.empty((4,), dtype=t.dtype, device=t.device)  # never written
+        return out + 0 * t.sum(-1)
+
+    for fn in (wrong, unwritten):
+        with pytest.raises(AssertionError, match="mismatch"):
+            testing.assert_matches_reference(fn, lambda t: t.sum(-1), [x], dtype=torch.float32)
+    testing.assert_matches_reference(lambda t: t.sum(-1), lambda t: t.sum(-1), [x], dtype=torch.float32)
+
+
+def test_wrong_gradient_is_caught():
+    class BadGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 3
+
+    x = testing.randn((5,), requires_grad=True)
+    results = testing.check_against_reference(BadGrad.apply, lambda t: t * 2, [x], dtype=torch.float32)
+    assert results[0].ok and not results[1].ok
+
+
+def test_baseline_widens_the_bound():
+    ref = torch.ones(100, dtype=torch.float64)
+    noisy = ref.float() * 1.05
+    c = testing.compare("y", noisy, ref, torch.float32, baseline=ref.float() * 1.04)
+    assert c.ok and c.bound == pytest.approx(testing.BASELINE_FACTOR * 0.04)
