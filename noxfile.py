@@ -22,8 +22,9 @@ import nox
 ROOT = Path(__file__).parent
 RUNTIME = ROOT / "shared"
 OPS = {p.name.removeprefix("fk-"): p for p in sorted((ROOT / "packages").glob("fk-*")) if p.is_dir()}
-TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
-BENCH_DEPS = ["matplotlib>=3.8", "tqdm>=4.66"]
+# numpy: the Triton interpreter needs it on a CPU-only machine.
+TEST_DEPS = ["pytest>=8", "hypothesis>=6", "numpy"]
+BENCH_DEPS = ["matplotlib>=3.8", "tqdm>=4.66", "numpy"]
 # pyflakes, pycodestyle errors, bugbear; set here so that every package lints alike.
 RUFF_ARGS = ["--select", "E4,E7,E9,F,B,W", "--line-length", "110"]
 
@@ -45,13 +46,16 @@ def install_packages(session: nox.Session, *paths: Path, extras: list[str] = ())
 
 
 def pytest(session: nox.Session, *targets: Path) -> None:
-    session.run("python", "-m", "pytest", *map(str, targets), *session.posargs)
+    # importlib mode: test modules of different packages may share a file name.
+    session.run("python", "-m", "pytest", "--import-mode=importlib", *map(str, targets), *session.posargs)
 
 
 @nox.session(name="tests")
 def tests(session: nox.Session) -> None:
     """Every package's tests and the cross-package tests, in one environment."""
-    install_packages(session, *OPS.values(), extras=TEST_DEPS + ["setuptools-scm>=10"])
+    # The packaging tests build distributions without isolation: they need the build backend here.
+    packaging = ["build>=1.2", "setuptools>=77", "setuptools-scm>=10"]
+    install_packages(session, *OPS.values(), extras=TEST_DEPS + BENCH_DEPS + packaging)
     pytest(session, RUNTIME / "tests", *(p / "tests" for p in OPS.values()), ROOT / "tests")
 
 
