@@ -41,7 +41,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def vector_elements(dtype: torch.dtype) -> int:

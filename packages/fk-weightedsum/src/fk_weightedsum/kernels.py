@@ -29,8 +29,10 @@ def weighted_sum_fwd_kernel(
     for d0 in range(d_begin, d_end, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         col_mask = cols < d_end
+        # x is read exactly once: evict it first so it does not push w out of the cache.
         x = tl.load(x_rows + cols[None, :] * stride_xd,
-                    mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+                    mask=row_mask[:, None] & col_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
         w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0)
         acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
@@ -66,7 +68,8 @@ def weighted_sum_bwd_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)[:, None]
         gy = tl.load(grad_y_ptr + rows * stride_gy, mask=row_mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :] * stride_xd, mask=mask, other=0.0)
+        x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :] * stride_xd, mask=mask, other=0.0,
+                    eviction_policy="evict_first")
         gx = gy[:, None] * w[None, :]
         tl.store(grad_x_ptr + rows64 * stride_gxr + cols[None, :],
                  gx.to(grad_x_ptr.dtype.element_ty), mask=mask)

@@ -1,15 +1,16 @@
 """Launchers, `torch.library` ops and autograd for the weighted sum.
 
-Path of a call: checks (fk_runtime) -> rows view (einops) -> plan (fk_runtime.tuning) -> kernel.
-The ops are opaque to `torch.compile` (registered with fake implementations), so compiled graphs
-call the same kernels without a graph break.
+Path of a call: checks (fk_runtime) -> autograd.Function -> rows view (einops) -> plan
+(fk_runtime.tuning) -> kernel. Eager calls reach the launchers directly; under `torch.compile`
+they go through the registered ops (opaque, with fake implementations), so compiled graphs call
+the same kernels without a graph break (fk_runtime.dispatch).
 """
 
 from __future__ import annotations
 
 import torch
 from einops import rearrange
-from fk_runtime import alloc, checks
+from fk_runtime import alloc, checks, dispatch
 from fk_runtime import sizing as fk_sizing
 from fk_runtime.tuning import weightedsum as plans
 
@@ -63,11 +64,20 @@ def backward_2d(
     return grad_x, partial.sum(0).to(weight.dtype)
 
 
-@torch.library.custom_op("fk::weighted_sum", mutates_args=())
-def weighted_sum_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     checks.check_kernel_device("x", x)
     checks.check_kernel_device("weight", weight)
     return forward_2d(_rows(x), weight).reshape(x.shape[:-1])
+
+
+def _backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    grad_x, grad_w = backward_2d(grad_y.reshape(-1), _rows(x), weight)
+    return grad_x.reshape(x.shape), grad_w
+
+
+@torch.library.custom_op("fk::weighted_sum", mutates_args=())
+def weighted_sum_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _forward(x, weight)
 
 
 @weighted_sum_op.register_fake
@@ -79,8 +89,7 @@ def _(x, weight):
 def weighted_sum_backward_op(
     grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_x, grad_w = backward_2d(grad_y.reshape(-1), _rows(x), weight)
-    return grad_x.reshape(x.shape), grad_w
+    return _backward(grad_y, x, weight)
 
 
 @weighted_sum_backward_op.register_fake
@@ -88,20 +97,26 @@ def _(grad_y, x, weight):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+_run_forward = dispatch.eager_or_op(weighted_sum_op, _forward)
+_run_backward = dispatch.eager_or_op(weighted_sum_backward_op, _backward)
 
 
-def _backward(ctx, grad_y):
-    x, weight = ctx.saved_tensors
-    grad_x, grad_w = weighted_sum_backward_op(grad_y, x, weight)
-    return (
-        grad_x if ctx.needs_input_grad[0] else None,
-        grad_w if ctx.needs_input_grad[1] else None,
-    )
+class WeightedSumFunction(torch.autograd.Function):
+    """Autograd for the weighted sum: saves x and weight (no copies), one backward kernel."""
 
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _run_forward(x, weight)
 
-weighted_sum_op.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_w = _run_backward(grad_y, x, weight)
+        return (
+            grad_x if ctx.needs_input_grad[0] else None,
+            grad_w if ctx.needs_input_grad[1] else None,
+        )
 
 
 def weighted_sum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -119,4 +134,4 @@ def weighted_sum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"weight must have x's last dim ({x.shape[-1]}) elements, got shape {tuple(weight.shape)}"
         )
-    return weighted_sum_op(x, weight)
+    return WeightedSumFunction.apply(x, weight)
