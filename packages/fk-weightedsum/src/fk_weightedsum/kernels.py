@@ -28,7 +28,9 @@ def weighted_sum_fwd_kernel(
     acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
     for d0 in range(d_begin, d_end, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
-        col_mask = cols < d_end
+        # Splits cover whole tiles, so only the last tile is partial. Masking against n_cols
+        # (not d_end) keeps the mask's 16-element constancy visible: vector loads.
+        col_mask = cols < n_cols
         # x is read exactly once: evict it first so it does not push w out of the cache.
         x = tl.load(x_rows + cols[None, :] * stride_xd,
                     mask=row_mask[:, None] & col_mask[None, :], other=0.0,
@@ -64,7 +66,7 @@ def weighted_sum_bwd_kernel(
     acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
     for r0 in range(row_begin, row_end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
-        row_mask = rows < row_end
+        row_mask = rows < n_rows  # groups cover whole row tiles
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)[:, None]
         gy = tl.load(grad_y_ptr + rows * stride_gy, mask=row_mask, other=0.0).to(tl.float32)
