@@ -1,0 +1,72 @@
+"""fk-softmax's check and benchmark sweep, run by `python -m fk_runtime`.
+
+Peers in the same run: torch.softmax, torch.compile(torch.softmax), Liger (when installed).
+Bytes counted: forward reads x and writes y (2 tensors); backward reads y and grad_y and writes
+grad_x (3 tensors).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from fk_runtime import bench, testing
+
+from .ops import log_softmax, softmax
+
+FULL_SHAPES = [(16384, 1024), (8192, 4096), (4096, 16384), (1024, 65536), (256, 262144), (64, 1048576)]
+SMALL_SHAPES = [(64, 128), (4, 70001)]
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _torch_softmax(x):
+    return torch.softmax(x, -1)
+
+
+@functools.cache
+def _compiled():
+    return torch.compile(_torch_softmax)
+
+
+def _peers() -> dict:
+    peers = {"torch": _torch_softmax, "torch.compile": _compiled()}
+    try:
+        from liger_kernel.ops.softmax import LigerSoftmaxFunction
+
+        peers["liger"] = LigerSoftmaxFunction.apply
+    except ImportError:
+        pass
+    return peers
+
+
+def checks(full: bool):
+    shapes = [(1, 1), (5, 17), (7, 4097), (2, 70001)] + ([(2, 1_000_000), (256, 262144)] if full else [])
+    for shape in shapes:
+        for dtype in DTYPES + [torch.float16]:
+            for name, fn, ref in [("softmax", softmax, _torch_softmax),
+                                  ("log_softmax", log_softmax, lambda t: torch.log_softmax(t, -1))]:
+                def check(shape=shape, dtype=dtype, fn=fn, ref=ref):
+                    x = testing.randn(shape, dtype, scale=3.0, requires_grad=True)
+                    return testing.check_against_reference(fn, ref, [x], dtype=dtype, names=["x"])
+
+                yield f"{name} {shape} {str(dtype).removeprefix('torch.')}", check
+
+
+def cases(full: bool) -> list[bench.Case]:
+    out = []
+    variants = {"fk": softmax, **_peers()}
+    for rows, cols in FULL_SHAPES if full else SMALL_SHAPES:
+        for dtype in DTYPES:
+            tensor_bytes = rows * cols * dtype.itemsize
+
+            def make_inputs(rows=rows, cols=cols, dtype=dtype):
+                return [testing.randn((rows, cols), dtype, requires_grad=True)]
+
+            for direction, wrap, tensors in [("fwd", bench.forward, 2), ("bwd", bench.backward, 3)]:
+                out.append(bench.Case(
+                    op="softmax", direction=direction, shape=f"{rows}×{cols}", dtype=dtype,
+                    unit=bench.GBPS, work=tensors * tensor_bytes, make_inputs=make_inputs,
+                    variants={name: wrap(fn) for name, fn in variants.items()},
+                    input_bytes=tensor_bytes,
+                ))
+    return out

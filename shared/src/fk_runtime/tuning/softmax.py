@@ -1,0 +1,44 @@
+"""Launch table for fk-softmax.
+
+Rows that fit `sizing.fused_row_block` are held whole by one program (several short rows per
+program); longer rows are split into chunks across programs: per-chunk (max, sum) partials, then
+a pass that combines them and writes the chunk. Numbers here are named, with why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from .. import sizing
+
+# Short rows: one program covers about this many bytes of input (several rows), so each program
+# moves enough data to hide latency.
+ROW_TILE_BYTES = 32768
+# Long rows: each program owns one chunk of this many bytes (the fused-row budget).
+CHUNK_BYTES = sizing.MAX_FUSED_ROW_BYTES
+PLAN_CACHE_SIZE = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    fused: bool  # whole rows per program, else chunks
+    block_rows: int  # rows per program (fused)
+    block_cols: int  # columns per program: the padded row (fused) or the chunk (split)
+    chunks: int  # chunks per row (split); 1 when fused
+    chunks_p2: int  # chunks rounded up to a power of two, for the combine step
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
+    block = sizing.fused_row_block(n_cols, dtype)
+    if block is not None:
+        rows = max(1, ROW_TILE_BYTES // (block * sizing.element_size(dtype)))
+        rows = min(sizing.next_power_of_2(rows), sizing.next_power_of_2(n_rows))
+        return Plan(True, rows, block, 1, 1, sizing.num_warps_for(rows * block))
+    chunk = CHUNK_BYTES // sizing.element_size(dtype)
+    chunks = sizing.cdiv(n_cols, chunk)
+    return Plan(False, 1, chunk, chunks, sizing.next_power_of_2(chunks), sizing.num_warps_for(chunk))
