@@ -196,6 +196,9 @@ def run_case(case: Case, ceilings: Ceilings) -> list[Result]:
 def run_cases(cases: Sequence[Case], ceilings: Ceilings, progress: bool = True) -> list[Result]:
     from tqdm import tqdm
 
+    # Backward is timed repeatedly over one graph (retain_graph=True); compiled peers must not
+    # donate their saved buffers to the first call.
+    torch._functorch.config.donated_buffer = False
     results: list[Result] = []
     bar = tqdm(cases, desc="bench", unit="case", disable=not progress)
     for case in bar:

@@ -52,7 +52,7 @@ def run_checks(op: str, bench_module, full: bool) -> bool:
     return ok
 
 
-def section(op: str, results, ceilings, meta: dict, plot_name: str | None) -> str:
+def section(op: str, results, ceilings, meta: dict, plot_names: list[str]) -> str:
     from . import bench
 
     lines = [
@@ -65,11 +65,10 @@ def section(op: str, results, ceilings, meta: dict, plot_name: str | None) -> st
         "",
         f"Command: `{meta['command']}`",
         "",
-        bench.markdown_table(results, op),
-        "",
     ]
-    if plot_name:
-        lines += [f"![{op}](benchmarks/{plot_name})", ""]
+    for name in dict.fromkeys(r.op for r in results):  # an op package may bench several ops
+        lines += [f"### {name}", "", bench.markdown_table(results, name), ""]
+    lines += [f"![{name}](benchmarks/{name})" for name in plot_names] + [""]
     return "\n".join(lines)
 
 
@@ -122,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     for op, module in modules.items():
         results = bench.run_cases(module.cases(full), ceilings)
         bench.write_json(results, ceilings, meta, out / f"{op}.json")
-        plot = bench.plot(results, op, ceilings, out / f"{op}.png")
+        names = list(dict.fromkeys(r.op for r in results))
+        plots = [bench.plot(results, name, ceilings, out / f"{name}.png") for name in names]
         (out / f"{op}.md").write_text(
-            section(op, results, ceilings, meta, plot.name if plot else None)
+            section(op, results, ceilings, meta, [p.name for p in plots if p])
         )
-        print("\n" + bench.markdown_table(results, op))
+        for name in names:
+            print(f"\n{name}\n" + bench.markdown_table(results, name))
     print(f"\nwrote {rebuild_benchmarks_md(out)}")
     return 0 if all_ok else 1
 

@@ -1,0 +1,174 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from fk_runtime import testing
+
+from fk_layernorm import LayerNorm, RMSNorm, layer_norm, rms_norm
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Feature counts: rows held whole (1, 17, 1000, 4097) and rows walked in chunks (past 64 KB).
+SHAPES = [(3, 1), (5, 17), (2, 3, 1000), (9, 4097), (3, 20000)]
+if testing.on_gpu():
+    SHAPES += [(4097, 1024), (2, 262144), (64, 65537), (1000, 8192)]
+
+
+def ref_layer_norm(x, w=None, b=None, stable=False):
+    if stable:
+        x = x / torch.amax(x, dim=-1, keepdim=True)
+    return F.layer_norm(x, x.shape[-1:], w, b, 1e-5)
+
+
+def ref_rms_norm(x, w=None):
+    return F.rms_norm(x, x.shape[-1:], w, 1e-6)
+
+
+def _params(d, dtype, weight=True, bias=True):
+    w = testing.randn((d,), dtype, shift=1.0, requires_grad=True) if weight else None
+    b = testing.randn((d,), dtype, requires_grad=True) if bias else None
+    return w, b
+
+
+@pytest.mark.parametrize("mode", testing.compile_modes())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_layer_norm_matches_float64(shape, dtype, mode):
+    x = testing.randn(shape, dtype, scale=2.0, shift=0.5, requires_grad=True)
+    w, b = _params(shape[-1], dtype)
+    fn = testing.maybe_compile(layer_norm, mode)
+    testing.assert_matches_reference(fn, ref_layer_norm, [x, w, b], dtype=dtype,
+                                     names=["x", "weight", "bias"], baseline_fn=ref_layer_norm)
+
+
+@pytest.mark.parametrize("mode", testing.compile_modes())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 2)] + SHAPES[1:], ids=str)
+def test_rms_norm_matches_float64(shape, dtype, mode):
+    x = testing.randn(shape, dtype, scale=2.0, requires_grad=True)
+    w, _ = _params(shape[-1], dtype, bias=False)
+    fn = testing.maybe_compile(rms_norm, mode)
+    testing.assert_matches_reference(fn, ref_rms_norm, [x, w], dtype=dtype, names=["x", "weight"],
+                                     baseline_fn=ref_rms_norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_one_feature(dtype):
+    """With one feature RMSNorm's input gradient is w*dy * rstd * (1 - x-hat^2): a cancellation
+    that fp32 resolves only to about 1e-7 of w*dy*rstd, so the relative-norm harness does not
+    apply. Checked element-wise against the exact formula with that absolute slack."""
+    x = testing.randn((64, 1), dtype, requires_grad=True)
+    w = testing.randn((1,), dtype, shift=1.0, requires_grad=True)
+    y = rms_norm(x, w)
+    testing.assert_close("y", y, ref_rms_norm(x.double(), w.double()), dtype)
+    g = testing.randn((64, 1), dtype)
+    gx, gw = torch.autograd.grad(y, [x, w], g)
+    xd, wg = x.double(), (g.double() * w.double())
+    rstd = (xd**2 + 1e-6).rsqrt()
+    exact = wg * rstd * (1 - (xd * rstd) ** 2)
+    slack = 1e-5 * wg.abs() * rstd + 4 * testing.TOLERANCE[dtype] * exact.abs() + 1e-7
+    assert ((gx.double() - exact).abs() <= slack).all()
+    testing.assert_close("grad w", gw, (g.double() * x.double() * rstd).sum(0), dtype)
+
+
+@pytest.mark.parametrize("cols", [40, 20000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stable_divides_by_row_max_with_correct_gradient(cols, dtype):
+    # Positive maxima keep the division meaningful; the gradient through the max is checked too.
+    x = testing.randn((6, cols), dtype, shift=0.5, requires_grad=True)
+    w, b = _params(cols, dtype)
+    testing.assert_matches_reference(
+        lambda *a: layer_norm(*a, stable=True), lambda *a: ref_layer_norm(*a, stable=True),
+        [x, w, b], dtype=dtype, names=["x", "weight", "bias"],
+    )
+
+
+@pytest.mark.parametrize("weight,bias", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("cols", [33, 20000])
+def test_optional_parameters(weight, bias, cols):
+    x = testing.randn((4, cols), requires_grad=True)
+    w, b = _params(cols, torch.float32, weight, bias)
+    inputs = [t for t in (x, w, b)]
+    testing.assert_matches_reference(layer_norm, ref_layer_norm, inputs, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["padded_rows", "strided_cols"])
+@pytest.mark.parametrize("cols", [300, 20000])
+def test_strided_inputs(layout, cols):
+    x = testing.randn((2, 3, cols), torch.float16, layout=layout, requires_grad=True)
+    w, b = _params(cols, torch.float16)
+    testing.assert_matches_reference(layer_norm, ref_layer_norm, [x, w, b], dtype=torch.float16)
+    testing.assert_matches_reference(rms_norm, ref_rms_norm, [x, w], dtype=torch.float16)
+
+
+def test_mixed_precision_parameters():
+    """bf16 activations with fp32 parameters, as autocast training keeps them."""
+    x = testing.randn((8, 256), torch.bfloat16, requires_grad=True)
+    w, b = _params(256, torch.float32)
+    y = layer_norm(x, w, b)
+    assert y.dtype == torch.bfloat16
+    testing.assert_close("y", y, ref_layer_norm(x.double(), w.double(), b.double()), torch.bfloat16)
+
+
+@pytest.mark.parametrize("cols", [100, 20000])
+def test_backward_is_deterministic(cols):
+    x = testing.randn((300, cols), requires_grad=True)
+    w, b = _params(cols, torch.float32)
+    g = testing.randn((300, cols))
+    first = torch.autograd.grad(layer_norm(x, w, b), [x, w, b], g)
+    again = torch.autograd.grad(layer_norm(x, w, b), [x, w, b], g)
+    assert all(torch.equal(p, q) for p, q in zip(first, again, strict=True))
+
+
+def test_saves_only_x_and_row_statistics():
+    x = testing.randn((16, 64), requires_grad=True)
+    w, b = _params(64, torch.float32)
+    y = layer_norm(x, w, b)
+    big = [t for t in y.grad_fn.saved_tensors if t is not None and t.numel() >= x.numel()]
+    assert len(big) == 1 and big[0].data_ptr() == x.data_ptr()
+    with torch.no_grad():
+        y = layer_norm(x, w, b)
+    assert y.grad_fn is None
+
+
+def test_empty_inputs():
+    for shape in [(0, 8), (2, 0, 8)]:
+        x = testing.randn(shape, requires_grad=True)
+        w, b = _params(8, torch.float32)
+        y = layer_norm(x, w, b)
+        assert y.shape == x.shape
+        gx, gw, gb = torch.autograd.grad(y, [x, w, b], torch.ones_like(y))
+        assert gx.shape == x.shape and torch.all(gw == 0) and torch.all(gb == 0)
+
+
+def test_modules_are_drop_ins_for_torch():
+    theirs = torch.nn.LayerNorm(48, device=testing.device())
+    with torch.no_grad():
+        theirs.weight.normal_()
+        theirs.bias.normal_()
+    ours = LayerNorm(48, device=testing.device())
+    ours.load_state_dict(theirs.state_dict())
+    x = testing.randn((2, 5, 48))
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+    assert set(LayerNorm(8, bias=False).state_dict()) == set(torch.nn.LayerNorm(8, bias=False).state_dict())
+    assert LayerNorm(8, elementwise_affine=False).weight is None
+    rms_theirs = torch.nn.RMSNorm(48, device=testing.device())
+    rms_ours = RMSNorm(48, device=testing.device())
+    rms_ours.load_state_dict(rms_theirs.state_dict())
+    torch.testing.assert_close(rms_ours(x), rms_theirs(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        LayerNorm((4, 8))
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda x: layer_norm(x, testing.randn((7,))), ValueError, "weight must have x's last dim"),
+        (lambda x: layer_norm(x, testing.randn((8, 1))), ValueError, "weight must have at most 1"),
+        (lambda x: rms_norm(x, torch.ones(8, device="meta")), ValueError, "one device"),
+        (lambda x: layer_norm(x.int()), TypeError, "x must have dtype"),
+        (lambda x: layer_norm(x, eps=-1.0), ValueError, "eps must be a positive"),
+        (lambda x: layer_norm(x, testing.randn((8,)), testing.randn((8,)).half()), TypeError, "one dtype"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call(testing.randn((4, 8)))
