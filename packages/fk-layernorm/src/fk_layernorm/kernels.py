@@ -1,5 +1,8 @@
 """Triton kernels for LayerNorm and RMSNorm over the last dim: one idea each.
 
+Means multiply by `inv_n_cols` (1/n computed on the host): the fp32 `/` Triton emits is an
+approximate division, whose rounding LayerNorm's 1/sqrt(var + eps) would amplify.
+
 Shared flags: IS_RMS (RMSNorm: no mean, no bias), STABLE (rows divided by their max first, the
 seed's `stable`), HAS_W / HAS_B (affine parameters). Statistics are fp32; per row we keep
 `mean` (LayerNorm), `rstd`, and `row_max` (STABLE) for the backward.
@@ -22,7 +25,7 @@ def _affine(xhat, w_ptr, b_ptr, cols, col_mask, HAS_W: tl.constexpr, HAS_B: tl.c
 @triton.jit
 def norm_fwd_fused_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, max_ptr,
-    n_rows, n_cols, stride_xr, stride_xc, stride_yr, eps,
+    n_rows, n_cols, inv_n_cols, stride_xr, stride_xc, stride_yr, eps,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, IS_RMS: tl.constexpr, STABLE: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, SAVE_STATS: tl.constexpr,
 ):
@@ -42,12 +45,12 @@ def norm_fwd_fused_kernel(
         if SAVE_STATS:
             tl.store(max_ptr + rows, row_max, mask=row_mask)
     if IS_RMS:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) * inv_n_cols + eps)
         xhat = x * rstd[:, None]
     else:
-        mean = tl.sum(x, axis=1) / n_cols
+        mean = tl.sum(x, axis=1) * inv_n_cols
         centered = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) * inv_n_cols + eps)
         xhat = centered * rstd[:, None]
         if SAVE_STATS:
             tl.store(mean_ptr + rows, mean, mask=row_mask)
@@ -60,7 +63,7 @@ def norm_fwd_fused_kernel(
 @triton.jit
 def norm_fwd_looped_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, max_ptr,
-    n_cols, stride_xr, stride_xc, stride_yr, eps,
+    n_cols, inv_n_cols, stride_xr, stride_xc, stride_yr, eps,
     BLOCK_D: tl.constexpr, IS_RMS: tl.constexpr, STABLE: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, SAVE_STATS: tl.constexpr,
 ):
@@ -84,7 +87,7 @@ def norm_fwd_looped_kernel(
         for c0 in range(0, n_cols, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)[None, :]
             acc += tl.load(x_row + cols * stride_xc, mask=cols < n_cols, other=0.0).to(tl.float32)
-        mean = tl.sum(tl.sum(acc, axis=1), axis=0) / row_max / n_cols
+        mean = tl.sum(tl.sum(acc, axis=1), axis=0) / row_max * inv_n_cols
         if SAVE_STATS:
             tl.store(mean_ptr + row, mean)
     acc = tl.zeros((1, BLOCK_D), tl.float32)
@@ -94,7 +97,7 @@ def norm_fwd_looped_kernel(
         x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32) / row_max
         d = tl.where(mask, x - mean, 0.0)
         acc += d * d
-    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(acc, axis=1), axis=0) / n_cols + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(acc, axis=1), axis=0) * inv_n_cols + eps)
     if SAVE_STATS:
         tl.store(rstd_ptr + row, rstd)
     for c0 in range(0, n_cols, BLOCK_D):
@@ -120,7 +123,7 @@ def _normalized(x, mean, rstd, row_max, IS_RMS: tl.constexpr, STABLE: tl.constex
 @triton.jit
 def norm_bwd_fused_kernel(
     x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, max_ptr, dw_part_ptr, db_part_ptr,
-    n_rows, n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr, rows_per_group,
+    n_rows, n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr, rows_per_group,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, IS_RMS: tl.constexpr, STABLE: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr,
 ):
@@ -156,10 +159,10 @@ def norm_bwd_fused_kernel(
             row_max = row_max_1d[:, None]
         xhat = tl.where(mask, _normalized(x, mean, rstd[:, None], row_max, IS_RMS, STABLE), 0.0)
         wdy = dy * w
-        c1 = tl.sum(xhat * wdy, axis=1) / n_cols
+        c1 = tl.sum(xhat * wdy, axis=1) * inv_n_cols
         dz = wdy - xhat * c1[:, None]
         if not IS_RMS:
-            dz -= (tl.sum(wdy, axis=1) / n_cols)[:, None]
+            dz -= (tl.sum(wdy, axis=1) * inv_n_cols)[:, None]
         dz = dz * rstd[:, None]
         if STABLE:
             # z = x / max(x): dx = dz / m, and the max's entries get -sum(dz * x) / m^2, shared
@@ -185,7 +188,7 @@ def norm_bwd_fused_kernel(
 @triton.jit
 def norm_bwd_looped_dx_kernel(
     x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, max_ptr,
-    n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr,
+    n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr,
     BLOCK_D: tl.constexpr, IS_RMS: tl.constexpr, STABLE: tl.constexpr, HAS_W: tl.constexpr,
 ):
     """Rows too long for registers: dx of one row, walking it once for the two row sums (and once
@@ -212,10 +215,10 @@ def norm_bwd_looped_dx_kernel(
         xhat = tl.where(mask, _normalized(x, mean, rstd, row_max, IS_RMS, STABLE), 0.0)
         acc1 += xhat * wdy
         acc2 += wdy
-    c1 = tl.sum(tl.sum(acc1, axis=1), axis=0) / n_cols
+    c1 = tl.sum(tl.sum(acc1, axis=1), axis=0) * inv_n_cols
     c2 = 0.0
     if not IS_RMS:
-        c2 = tl.sum(tl.sum(acc2, axis=1), axis=0) / n_cols
+        c2 = tl.sum(tl.sum(acc2, axis=1), axis=0) * inv_n_cols
     through_max = 0.0
     ties = 1.0
     if STABLE:

@@ -48,13 +48,13 @@ def _forward(x, weight, bias, eps: float, is_rms: bool, stable: bool, save_stats
     b = bias if bias is not None else x2
     if p.fused:
         kernels.norm_fwd_fused_kernel[(fk_sizing.cdiv(n_rows, p.block_rows),)](
-            x2, w, b, y2, stats[0], stats[1], stats[2], n_rows, n_cols,
+            x2, w, b, y2, stats[0], stats[1], stats[2], n_rows, n_cols, 1.0 / n_cols,
             x2.stride(0), x2.stride(1), y2.stride(0), eps,
             BLOCK_R=p.block_rows, BLOCK_D=p.block_cols, **common,
         )
     else:
         kernels.norm_fwd_looped_kernel[(n_rows,)](
-            x2, w, b, y2, stats[0], stats[1], stats[2], n_cols,
+            x2, w, b, y2, stats[0], stats[1], stats[2], n_cols, 1.0 / n_cols,
             x2.stride(0), x2.stride(1), y2.stride(0), eps, BLOCK_D=p.block_cols, **common,
         )
     return y, stats
@@ -76,14 +76,14 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
     w = weight if weight is not None else x2
     if p.fused:
         kernels.norm_bwd_fused_kernel[(p.groups,)](
-            x2, w, dy2, dx2, stats[0], stats[1], stats[2], parts[0], parts[1], n_rows, n_cols,
+            x2, w, dy2, dx2, stats[0], stats[1], stats[2], parts[0], parts[1], n_rows, n_cols, 1.0 / n_cols,
             x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), dx2.stride(0), p.rows_per_group,
             BLOCK_R=p.block_rows, BLOCK_D=p.block_cols, **flags,
             **fk_sizing.launch_options(p.num_warps),
         )
     else:
         kernels.norm_bwd_looped_dx_kernel[(n_rows,)](
-            x2, w, dy2, dx2, stats[0], stats[1], stats[2], n_cols,
+            x2, w, dy2, dx2, stats[0], stats[1], stats[2], n_cols, 1.0 / n_cols,
             x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), dx2.stride(0),
             BLOCK_D=p.block_cols, IS_RMS=is_rms, STABLE=stable, HAS_W=weight is not None,
             **fk_sizing.launch_options(p.num_warps),
