@@ -172,3 +172,8 @@ def test_modules_are_drop_ins_for_torch():
 def test_bad_inputs_raise_clear_errors(call, error, match):
     with pytest.raises(error, match=match):
         call(testing.randn((4, 8)))
+
+
+def test_compiled_graph_runs_the_fk_op():
+    x = testing.randn((4, 8), requires_grad=True)
+    assert "fk.norm.default" in testing.compiled_graph_ops(rms_norm, x, testing.randn((8,)))

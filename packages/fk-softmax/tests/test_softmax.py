@@ -123,3 +123,8 @@ def test_backward_saves_only_the_output():
 def test_bad_inputs_raise_clear_errors(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_compiled_graph_runs_the_fk_op():
+    ops = testing.compiled_graph_ops(lambda t: softmax(t, causal=True), testing.randn((4, 8), requires_grad=True))
+    assert "fk.softmax.default" in ops, ops

@@ -135,3 +135,9 @@ def test_non_tensor_raises_type_error():
 def test_mixed_devices_raise():
     with pytest.raises(ValueError, match="one device"):
         weighted_sum(testing.randn((4, 8)), torch.ones(8, device="meta"))
+
+
+def test_compiled_graph_runs_the_fk_op():
+    ops = testing.compiled_graph_ops(weighted_sum, testing.randn((4, 8), requires_grad=True),
+                                     testing.randn((8,), requires_grad=True))
+    assert "fk.weighted_sum.default" in ops, ops

@@ -243,3 +243,20 @@ def maybe_compile(fn: Callable, mode: str) -> Callable:
     torch._dynamo.reset()
     compile_backend = "inductor" if on_gpu() else "aot_eager"
     return torch.compile(fn, fullgraph=True, backend=compile_backend, dynamic=False)
+
+
+def compiled_graph_ops(fn: Callable, *args) -> set[str]:
+    """Every call target in the graphs `torch.compile(fn, fullgraph=True)` captures for `args`
+    (nested graphs included): a test asserts an fk op is among them, i.e. the compiled model runs
+    the fk kernels and not a decomposition or a fallback."""
+    seen: set[str] = set()
+
+    def capture(gm, example_inputs):
+        for module in gm.modules():
+            if isinstance(module, torch.fx.GraphModule):
+                seen.update(str(n.target) for n in module.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    return seen
