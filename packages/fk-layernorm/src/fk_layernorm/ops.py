@@ -60,16 +60,19 @@ def _forward(x, weight, bias, eps: float, is_rms: bool, stable: bool, save_stats
     return y, stats
 
 
+def _absent(x: torch.Tensor) -> torch.Tensor:
+    """Placeholder gradient for a parameter that is None (a custom op returns tensors only; each
+    placeholder is its own tensor, since outputs may not alias)."""
+    return x.new_empty(0)
+
+
 def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
     grad_x = alloc.empty(x.shape, dtype=x.dtype, device=x.device)
-    n_cols = x.shape[-1]
-    # Absent parameters get empty placeholders (a custom op returns tensors only).
-    grad_w = torch.zeros_like(weight) if weight is not None else x.new_empty(0)
-    grad_b = torch.zeros_like(bias) if bias is not None else x.new_empty(0)
     if x.numel() == 0:
-        return grad_x, grad_w, grad_b
+        zeros = [torch.zeros_like(p) if p is not None else _absent(x) for p in (weight, bias)]
+        return grad_x, zeros[0], zeros[1]
     x2, dy2, dx2 = _rows(x), _rows(grad_y), _rows(grad_x)
-    n_rows = x2.shape[0]
+    n_rows, n_cols = x2.shape
     p = plans.backward_plan(n_rows, n_cols, x.dtype)
     flags = _flags(weight, bias, is_rms, stable)
     parts = torch.empty((2, p.groups, n_cols), dtype=torch.float32, device=x.device)
@@ -95,11 +98,11 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
                 BLOCK_R=p.params_block_rows, BLOCK_D=p.params_block_cols,
                 **flags, **fk_sizing.launch_options(p.params_num_warps),
             )
+    if weight is None and bias is None:
+        return grad_x, _absent(x), _absent(x)
     # Group partials reduced in a fixed order: the same bits every run.
-    if weight is not None:
-        grad_w = parts[0].sum(0).to(weight.dtype)
-    if bias is not None:
-        grad_b = parts[1].sum(0).to(bias.dtype)
+    grad_w = parts[0].sum(0).to(weight.dtype) if weight is not None else _absent(x)
+    grad_b = parts[1].sum(0).to(bias.dtype) if bias is not None else _absent(x)
     return grad_x, grad_w, grad_b
 
 
@@ -127,8 +130,8 @@ def norm_backward_op(
 
 @norm_backward_op.register_fake
 def _(grad_y, x, weight, bias, stats, is_rms, stable):
-    return (x.new_empty(x.shape), x.new_empty(0) if weight is None else weight.new_empty(weight.shape),
-            x.new_empty(0) if bias is None else bias.new_empty(bias.shape))
+    return (x.new_empty(x.shape), _absent(x) if weight is None else weight.new_empty(weight.shape),
+            _absent(x) if bias is None else bias.new_empty(bias.shape))
 
 
 _run_forward = dispatch.eager_or_op(norm_op, _forward)

@@ -17,6 +17,10 @@ from .. import backend, sizing
 
 # Forward, short rows: one program covers about this many bytes of input (several rows).
 FORWARD_ROW_TILE_BYTES = 32768
+# Backward: rows are held whole only up to this many elements. Its fused kernel keeps about six
+# row-sized fp32 arrays live (x, dy, x-hat, w*dy, dx, w); past 4096 elements they outgrow the
+# register file and spill (H100, 2026-11-22: 4096x16384 bf16 backward ran at 260 GB/s fused).
+BACKWARD_FUSED_MAX_ELEMENTS = 4096
 # Backward, short rows: rows per loop step, as bytes of one input tile.
 BACKWARD_ROW_TILE_BYTES = 16384
 # Backward row groups per multiprocessor (each group ends in one partial row of dweight/dbias).
@@ -68,7 +72,7 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
-    if block is not None:
+    if block is not None and block <= BACKWARD_FUSED_MAX_ELEMENTS:
         rows = max(1, BACKWARD_ROW_TILE_BYTES // (block * sizing.element_size(dtype)))
         rows = min(sizing.next_power_of_2(rows), sizing.next_power_of_2(n_rows))
         groups, per_group = _groups(n_rows, n_cols, rows, BACKWARD_PROGRAMS_PER_SM)
