@@ -7,8 +7,9 @@ from fk_runtime import testing
 from fk_softmax import LogSoftmax, Softmax, log_softmax, softmax
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Row lengths: fused rows (1, 17, 1000, 4097) and chunked rows (past 64 KB of the dtype).
-SHAPES = [(1,), (3, 1), (5, 17), (2, 3, 1000), (7, 4097), (2, 70001)]
+# Row lengths: fused rows (1, 17, 1000, 4097), rows walked twice by one program (9 rows of 40000:
+# enough rows for the interpreter's 4 "multiprocessors"), and rows split across programs (2 x 70001).
+SHAPES = [(1,), (3, 1), (5, 17), (2, 3, 1000), (7, 4097), (9, 40000), (2, 70001)]
 if testing.on_gpu():
     SHAPES += [(4097, 1024), (3, 262144), (2, 1_000_000), (128, 3, 65537)]
 
@@ -35,7 +36,7 @@ def test_matches_float64_reference(shape, dtype, mode, log):
     testing.assert_matches_reference(fn, ref, [x], dtype=dtype, names=["x"])
 
 
-@pytest.mark.parametrize("shape", [(5, 5), (3, 7, 4), (2, 4, 9), (2, 3, 70001)], ids=str)
+@pytest.mark.parametrize("shape", [(5, 5), (3, 7, 4), (2, 4, 9), (2, 3, 70001), (3, 9, 40000)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_causal_mask_square_and_rectangular(shape, dtype):
     x = testing.randn(shape, dtype, requires_grad=True)
@@ -68,17 +69,17 @@ def test_strided_upstream_gradient():
     testing.assert_close("grad x", ours, ref, torch.float32)
 
 
-@pytest.mark.parametrize("cols", [8, 70001])
+@pytest.mark.parametrize("cols", [8, 40000, 70001])
 @pytest.mark.parametrize("log", [False, True])
 def test_infinities_and_huge_values_as_torch(cols, log):
-    x = testing.randn((4, cols)) * 1e4
+    x = testing.randn((9, cols)) * 1e4
     x[0, : cols // 2] = -math.inf  # some -inf entries
     x[1] = -math.inf  # a whole row of -inf: NaN, as torch gives
     x[2, 3] = 3e4  # a dominant entry
     ours = (log_softmax if log else softmax)(x)
     ref = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
     assert torch.isnan(ours[1]).all() and torch.isnan(ref[1]).all()
-    keep = [0, 2, 3]
+    keep = [0, 2, 3, 8]
     testing.assert_close("y", ours[keep], ref[keep], torch.float32)
 
 

@@ -163,3 +163,78 @@ def softmax_bwd_chunk_write_kernel(
     else:
         gx = y * (g - dot)
     tl.store(gx_ptr + row.to(tl.int64) * stride_gxr + cols, gx.to(gx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def softmax_fwd_looped_kernel(
+    x_ptr, y_ptr, n_cols, seq_rows, stride_xr, stride_xc, stride_yr,
+    CHUNK: tl.constexpr, LOG: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Rows too long for registers, but many of them: one program per row walks it twice. Pass 1
+    keeps an online (max, sum) per lane, rescaling the sum when the max grows; pass 2 re-reads the
+    row, which the program has just read, from the L2 cache, and writes the output."""
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_xr
+    lane_max = tl.full((CHUNK,), -float("inf"), tl.float32)
+    lane_sum = tl.zeros((CHUNK,), tl.float32)
+    for c0 in range(0, n_cols, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        mask = cols < n_cols
+        if CAUSAL:
+            mask &= cols <= row % seq_rows
+        x = tl.load(x_row + cols * stride_xc, mask=mask, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(lane_max, x)
+        # Lanes that have seen only -inf keep sum 0 instead of exp(-inf - -inf) = NaN.
+        safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
+        lane_sum = lane_sum * tl.exp(lane_max - safe_max) + tl.exp(x - safe_max)
+        lane_max = new_max
+    row_max = tl.max(lane_max, axis=0)
+    scale = tl.where(lane_max == -float("inf"), 0.0, tl.exp(lane_max - row_max))
+    total = tl.sum(lane_sum * scale, axis=0)
+    for c0 in range(0, n_cols, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        in_row = cols < n_cols
+        mask = in_row
+        if CAUSAL:
+            mask &= cols <= row % seq_rows
+        x = tl.load(x_row + cols * stride_xc, mask=mask, other=-float("inf"),
+                    eviction_policy="evict_first").to(tl.float32)
+        shifted = x - row_max
+        if LOG:
+            y = shifted - tl.log(total)
+        else:
+            y = tl.exp(shifted) / total
+        tl.store(y_ptr + row.to(tl.int64) * stride_yr + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def softmax_bwd_looped_kernel(
+    y_ptr, gy_ptr, gx_ptr, n_cols, stride_yr, stride_gyr, stride_gyc, stride_gxr,
+    CHUNK: tl.constexpr, LOG: tl.constexpr,
+):
+    """Rows too long for registers, but many of them: pass 1 sums y * g (or g) over the row,
+    pass 2 re-reads the row from the L2 cache and writes grad_x."""
+    row = tl.program_id(0)
+    y_row = y_ptr + row.to(tl.int64) * stride_yr
+    g_row = gy_ptr + row.to(tl.int64) * stride_gyr
+    acc = tl.zeros((CHUNK,), tl.float32)
+    for c0 in range(0, n_cols, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        mask = cols < n_cols
+        g = tl.load(g_row + cols * stride_gyc, mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            acc += g
+        else:
+            acc += tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32) * g
+    dot = tl.sum(acc, axis=0)
+    for c0 in range(0, n_cols, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        mask = cols < n_cols
+        y = tl.load(y_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        g = tl.load(g_row + cols * stride_gyc, mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        if LOG:
+            gx = g - tl.exp(y) * dot
+        else:
+            gx = y * (g - dot)
+        tl.store(gx_ptr + row.to(tl.int64) * stride_gxr + cols, gx.to(gx_ptr.dtype.element_ty), mask=mask)

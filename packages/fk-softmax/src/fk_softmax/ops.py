@@ -41,6 +41,12 @@ def forward_rows(x2: torch.Tensor, y2: torch.Tensor, seq_rows: int, log: bool, c
             BLOCK_R=p.block_rows, BLOCK_C=p.block_cols, LOG=log, CAUSAL=causal, **opts,
         )
         return
+    if p.looped:
+        kernels.softmax_fwd_looped_kernel[(n_rows,)](
+            x2, y2, n_cols, seq_rows, x2.stride(0), x2.stride(1), y2.stride(0),
+            CHUNK=p.block_cols, LOG=log, CAUSAL=causal, **opts,
+        )
+        return
     stats = torch.empty((2, n_rows, p.chunks), dtype=torch.float32, device=x2.device)
     grid = (p.chunks, n_rows)
     kernels.softmax_fwd_chunk_stats_kernel[grid](
@@ -61,6 +67,12 @@ def backward_rows(y2: torch.Tensor, g2: torch.Tensor, gx2: torch.Tensor, log: bo
         kernels.softmax_bwd_rows_kernel[(fk_sizing.cdiv(n_rows, p.block_rows),)](
             y2, g2, gx2, n_rows, n_cols, y2.stride(0), g2.stride(0), g2.stride(1), gx2.stride(0),
             BLOCK_R=p.block_rows, BLOCK_C=p.block_cols, LOG=log, **opts,
+        )
+        return
+    if p.looped:
+        kernels.softmax_bwd_looped_kernel[(n_rows,)](
+            y2, g2, gx2, n_cols, y2.stride(0), g2.stride(0), g2.stride(1), gx2.stride(0),
+            CHUNK=p.block_cols, LOG=log, **opts,
         )
         return
     dots = torch.empty((n_rows, p.chunks), dtype=torch.float32, device=y2.device)
