@@ -303,7 +303,7 @@ def plot(results: Sequence[Result], op: str, ceilings: Ceilings, path: Path) -> 
         unit = rows[0].unit
         ax.axhline(ceilings.of(unit), ls="--", c="k", lw=1, label="ceiling")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
-        ax.set_xticklabels(cases, fontsize=7)
+        ax.set_xticklabels(cases, fontsize=7, rotation=45, ha="right")
         ax.set_ylabel(unit)
         ax.set_title(f"{op} {direction}")
         ax.legend(fontsize=7)

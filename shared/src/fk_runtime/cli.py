@@ -76,8 +76,10 @@ def rebuild_benchmarks_md(out: Path) -> Path:
     target = out.parent / "BENCHMARKS.md"
     sections = [p.read_text() for p in sorted(out.glob("*.md"))]
     header = (
-        "# Benchmarks\n\nThe latest run of each op, written by `python -m fk_runtime` "
-        "(see each section's command). Raw numbers: `benchmarks/<op>.json`.\n\n"
+        "# Benchmarks\n\nThe latest run of each op, written by the main job, `python -m fk_runtime` "
+        "(`nox -s bench`; on a GPU box without network `bash shared/from-source.sh python -m "
+        "fk_runtime`). Each section gives its command, device and the ceilings measured in the "
+        "same run. Raw numbers: `benchmarks/<op>.json`; plots beside them.\n\n"
     )
     target.write_text(header + "\n".join(sections))
     return target
