@@ -23,8 +23,9 @@ FORWARD_ROW_TILE_BYTES = 32768
 BACKWARD_FUSED_MAX_ELEMENTS = 4096
 # Backward, short rows: rows per loop step, as bytes of one input tile.
 BACKWARD_ROW_TILE_BYTES = 16384
-# Backward row groups per multiprocessor (each group ends in one partial row of dweight/dbias).
-BACKWARD_PROGRAMS_PER_SM = 2
+# Backward row groups per multiprocessor (each group ends in one partial row of dweight/dbias);
+# 4 keeps several programs' loads in flight per multiprocessor.
+BACKWARD_PROGRAMS_PER_SM = 4
 # The dweight / dbias partial buffers (fp32, groups x features, two of them) stay under this many
 # bytes, so peak memory stays under PyTorch's for long rows.
 PARTIAL_BYTES_BUDGET = 32 << 20
