@@ -65,6 +65,13 @@ def looped_row_block(dtype: torch.dtype) -> int:
     return max_fused_row_elements(dtype)
 
 
+def rows_per_program(n_rows: int, block_cols: int, dtype: torch.dtype, tile_bytes: int) -> int:
+    """Whole rows of `block_cols` one program takes so that it moves about `tile_bytes`: a power of
+    two, at least one, and no more than the rows there are."""
+    rows = max(1, tile_bytes // (block_cols * element_size(dtype)))
+    return min(next_power_of_2(rows), next_power_of_2(n_rows))
+
+
 def max_warps() -> int:
     return MAX_WARPS_HIP if backend.is_hip() else MAX_WARPS_CUDA
 

@@ -187,6 +187,16 @@ def norm_bwd_fused_kernel(
 
 
 @triton.jit
+def _load_x_wdy(x_row, dy_row, w_ptr, cols, mask, stride_xc, stride_dyc, HAS_W: tl.constexpr):
+    """One chunk of a row's x and w * dy, in fp32."""
+    x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    wdy = tl.load(dy_row + cols * stride_dyc, mask=mask, other=0.0).to(tl.float32)
+    if HAS_W:
+        wdy *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return x, wdy
+
+
+@triton.jit
 def norm_bwd_looped_dx_kernel(
     x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, max_ptr,
     n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr,
@@ -209,10 +219,7 @@ def norm_bwd_looped_dx_kernel(
     for c0 in range(0, n_cols, BLOCK_D):
         cols = c0 + tl.arange(0, BLOCK_D)[None, :]
         mask = cols < n_cols
-        x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        wdy = tl.load(dy_row + cols * stride_dyc, mask=mask, other=0.0).to(tl.float32)
-        if HAS_W:
-            wdy *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x, wdy = _load_x_wdy(x_row, dy_row, w_ptr, cols, mask, stride_xc, stride_dyc, HAS_W)
         xhat = tl.where(mask, _normalized(x, mean, rstd, row_max, IS_RMS, STABLE), 0.0)
         acc1 += xhat * wdy
         acc2 += wdy
@@ -228,10 +235,7 @@ def norm_bwd_looped_dx_kernel(
         for c0 in range(0, n_cols, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)[None, :]
             mask = cols < n_cols
-            x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
-            wdy = tl.load(dy_row + cols * stride_dyc, mask=mask, other=0.0).to(tl.float32)
-            if HAS_W:
-                wdy *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            x, wdy = _load_x_wdy(x_row, dy_row, w_ptr, cols, mask, stride_xc, stride_dyc, HAS_W)
             xhat = _normalized(x, mean, rstd, row_max, IS_RMS, STABLE)
             dz = (wdy - xhat * c1 - c2) * rstd
             acc1 += tl.where(mask, dz * x, 0.0)
@@ -241,10 +245,7 @@ def norm_bwd_looped_dx_kernel(
     for c0 in range(0, n_cols, BLOCK_D):
         cols = c0 + tl.arange(0, BLOCK_D)[None, :]
         mask = cols < n_cols
-        x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        wdy = tl.load(dy_row + cols * stride_dyc, mask=mask, other=0.0).to(tl.float32)
-        if HAS_W:
-            wdy *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x, wdy = _load_x_wdy(x_row, dy_row, w_ptr, cols, mask, stride_xc, stride_dyc, HAS_W)
         xhat = _normalized(x, mean, rstd, row_max, IS_RMS, STABLE)
         dx = (wdy - xhat * c1 - c2) * rstd
         if STABLE:

@@ -99,6 +99,15 @@ def _combine_stats(max_ptr, sum_ptr, row, chunks, CHUNKS_P2: tl.constexpr):
 
 
 @triton.jit
+def _output(x, row_max, total, LOG: tl.constexpr):
+    """softmax or log-softmax of x given its row's max and sum of exp(x - max)."""
+    shifted = x - row_max
+    if LOG:
+        return shifted - tl.log(total)
+    return tl.exp(shifted) / total
+
+
+@triton.jit
 def softmax_fwd_chunk_write_kernel(
     x_ptr, y_ptr, max_ptr, sum_ptr, n_cols, seq_rows, stride_xr, stride_xc, stride_yr, chunks,
     CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, CAUSAL: tl.constexpr,
@@ -114,11 +123,7 @@ def softmax_fwd_chunk_write_kernel(
         mask &= cols <= row % seq_rows
     x = tl.load(x_ptr + row.to(tl.int64) * stride_xr + cols * stride_xc, mask=mask,
                 other=-float("inf"), eviction_policy="evict_first").to(tl.float32)
-    shifted = x - row_max
-    if LOG:
-        y = shifted - tl.log(total)
-    else:
-        y = tl.exp(shifted) / total
+    y = _output(x, row_max, total, LOG)
     tl.store(y_ptr + row.to(tl.int64) * stride_yr + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
 
 
@@ -199,11 +204,7 @@ def softmax_fwd_looped_kernel(
             mask &= cols <= row % seq_rows
         x = tl.load(x_row + cols * stride_xc, mask=mask, other=-float("inf"),
                     eviction_policy="evict_first").to(tl.float32)
-        shifted = x - row_max
-        if LOG:
-            y = shifted - tl.log(total)
-        else:
-            y = tl.exp(shifted) / total
+        y = _output(x, row_max, total, LOG)
         tl.store(y_ptr + row.to(tl.int64) * stride_yr + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
 
 

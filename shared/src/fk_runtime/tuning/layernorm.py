@@ -63,8 +63,7 @@ def _groups(n_rows: int, n_cols: int, block_rows: int, programs_per_sm: int) -> 
 def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
     if block is not None:
-        rows = max(1, FORWARD_ROW_TILE_BYTES // (block * sizing.element_size(dtype)))
-        rows = min(sizing.next_power_of_2(rows), sizing.next_power_of_2(n_rows))
+        rows = sizing.rows_per_program(n_rows, block, dtype, FORWARD_ROW_TILE_BYTES)
         return Plan(True, rows, block, sizing.num_warps_for(rows * block))
     chunk = LOOPED_CHUNK_BYTES // sizing.element_size(dtype)
     return Plan(False, 1, chunk, sizing.num_warps_for(chunk))
@@ -74,8 +73,7 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
 def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
     if block is not None and block <= BACKWARD_FUSED_MAX_ELEMENTS:
-        rows = max(1, BACKWARD_ROW_TILE_BYTES // (block * sizing.element_size(dtype)))
-        rows = min(sizing.next_power_of_2(rows), sizing.next_power_of_2(n_rows))
+        rows = sizing.rows_per_program(n_rows, block, dtype, BACKWARD_ROW_TILE_BYTES)
         groups, per_group = _groups(n_rows, n_cols, rows, BACKWARD_PROGRAMS_PER_SM)
         return Plan(True, rows, block, sizing.num_warps_for(rows * block), groups, per_group)
     chunk = LOOPED_CHUNK_BYTES // sizing.element_size(dtype)

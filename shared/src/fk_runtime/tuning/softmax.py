@@ -46,8 +46,7 @@ class Plan:
 def plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
     if block is not None:
-        rows = max(1, ROW_TILE_BYTES // (block * sizing.element_size(dtype)))
-        rows = min(sizing.next_power_of_2(rows), sizing.next_power_of_2(n_rows))
+        rows = sizing.rows_per_program(n_rows, block, dtype, ROW_TILE_BYTES)
         return Plan(True, False, rows, block, 1, 1, sizing.num_warps_for(rows * block))
     row_bytes = n_cols * sizing.element_size(dtype)
     enough_rows = n_rows >= LOOPED_MIN_ROWS_PER_SM * backend.multiprocessor_count()
