@@ -198,7 +198,9 @@ def run_cases(cases: Sequence[Case], ceilings: Ceilings, progress: bool = True) 
 
     # Backward is timed repeatedly over one graph (retain_graph=True); compiled peers must not
     # donate their saved buffers to the first call.
-    torch._functorch.config.donated_buffer = False
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
     results: list[Result] = []
     bar = tqdm(cases, desc="bench", unit="case", disable=not progress)
     for case in bar:

@@ -29,8 +29,14 @@ TOLERANCE = {
     torch.bfloat16: 1.6e-2,
     torch.float64: 1e-12,
 }
-# Per-element magnitude below which a reference counts as zero (see rel_error).
-ZERO_FLOOR = 1e-6
+# Per-element magnitude below which a reference counts as zero (see rel_error), by input dtype:
+# a gradient that vanishes in exact arithmetic comes out as rounding noise of about this size.
+ZERO_FLOOR = {
+    torch.float32: 1e-6,
+    torch.float16: 1e-4,
+    torch.bfloat16: 1e-3,
+    torch.float64: 1e-12,
+}
 # With a baseline (PyTorch run on the same inputs in the same dtype), fk may be at most this many
 # times as far from the float64 reference as PyTorch is, plus the dtype's floor above.
 BASELINE_FACTOR = 2.0
@@ -90,7 +96,9 @@ def randn(
     return base.requires_grad_(requires_grad)
 
 
-def rel_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+def rel_error(
+    actual: torch.Tensor, reference: torch.Tensor, zero_floor: float = ZERO_FLOOR[torch.float32]
+) -> float:
     """||actual - reference|| / ||reference|| in float64; inf when anything is NaN or shapes differ."""
     if actual.shape != reference.shape:
         return math.inf
@@ -108,7 +116,7 @@ def rel_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
     diff = torch.linalg.vector_norm(a - r).item()
     # A reference that is zero up to float64 rounding (e.g. LayerNorm's grad for one feature)
     # is compared in absolute terms against this floor instead of its own vanishing norm.
-    norm = max(torch.linalg.vector_norm(r).item(), ZERO_FLOOR * math.sqrt(r.numel()))
+    norm = max(torch.linalg.vector_norm(r).item(), zero_floor * math.sqrt(r.numel()))
     if math.isnan(diff):
         return math.inf
     return diff / norm
@@ -138,9 +146,10 @@ def compare(
 ) -> Comparison:
     """Error of `actual` against the float64 `reference`, and the bound it must stay under."""
     bound = TOLERANCE[dtype]
+    floor = ZERO_FLOOR[dtype]
     if baseline is not None:
-        bound = max(bound, BASELINE_FACTOR * rel_error(baseline, reference))
-    return Comparison(name, rel_error(actual, reference), bound)
+        bound = max(bound, BASELINE_FACTOR * rel_error(baseline, reference, floor))
+    return Comparison(name, rel_error(actual, reference, floor), bound)
 
 
 def assert_close(

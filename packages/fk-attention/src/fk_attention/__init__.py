@@ -1,0 +1,9 @@
+"""fk-attention: FlashAttention-style attention, forward and backward in Triton, with GQA."""
+
+from fk_runtime import package_version
+
+from .ops import attention
+
+__version__ = package_version(__name__, __file__)
+
+__all__ = ["attention", "__version__"]
