@@ -1,15 +1,21 @@
+import functools
 import math
 
 import pytest
 import torch
 from fk_runtime import testing
-
+from fk_runtime.tuning import softmax as plans
 from fk_softmax import LogSoftmax, Softmax, log_softmax, softmax
+from fk_softmax import ops as fk_ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Row lengths: fused rows (1, 17, 1000, 4097), rows walked twice by one program (9 rows of 40000:
-# enough rows for the interpreter's 4 "multiprocessors"), and rows split across programs (2 x 70001).
-SHAPES = [(1,), (3, 1), (5, 17), (2, 3, 1000), (7, 4097), (9, 40000), (2, 70001)]
+FUSED, SPLIT, TWO_PASS = plans.Path.FUSED, plans.Path.SPLIT, plans.Path.TWO_PASS
+# Row lengths and the path each takes (asserted below, so that no path goes untested): whole rows
+# (1, 17, 1000, 4097), rows split over sibling programs (40000: 10 chunks of 4096), rows past the
+# split limit in two passes (70001 on the interpreter, past 1.08M columns on an H100).
+SHAPES = [(1,), (3, 1), (5, 17), (2, 3, 1000), (7, 4097), (9, 40000)]
+LONG = (2, 70001) if not testing.on_gpu() else (2, 2_100_001)
+SHAPES.append(LONG)
 if testing.on_gpu():
     SHAPES += [(4097, 1024), (3, 262144), (2, 1_000_000), (128, 3, 65537)]
 
@@ -25,6 +31,19 @@ def torch_log_softmax(x, dim=-1):
     return torch.log_softmax(x, dim)
 
 
+def path_of(shape, dtype):
+    return plans.plan(math.prod(shape[:-1]), shape[-1], dtype).path
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_path_is_reached(dtype):
+    assert path_of((7, 4097), dtype) is FUSED
+    assert path_of((9, 40000), dtype) is SPLIT
+    assert path_of(LONG, dtype) is TWO_PASS
+    if testing.on_gpu():
+        assert {path_of(s, dtype) for s in [(1024, 65536), (3, 262144)]} == {SPLIT}
+
+
 @pytest.mark.parametrize("mode", testing.compile_modes())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -33,82 +52,138 @@ def test_matches_float64_reference(shape, dtype, mode, log):
     x = testing.randn(shape, dtype, scale=3.0, requires_grad=True)
     fn = testing.maybe_compile(log_softmax if log else softmax, mode)
     ref = torch_log_softmax if log else torch_softmax
-    testing.assert_matches_reference(fn, ref, [x], dtype=dtype, names=["x"])
+    testing.assert_matches_reference(fn, ref, [x], dtype=dtype, names=["x"], baseline_fn=ref)
 
 
-@pytest.mark.parametrize("shape", [(5, 5), (3, 7, 4), (2, 4, 9), (2, 3, 70001), (3, 9, 40000)], ids=str)
+@pytest.mark.parametrize("shape", [(5, 5), (3, 7, 4), (2, 4, 9), (2, 3, 40000), (2, 3, 70001)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_causal_mask_square_and_rectangular(shape, dtype):
     x = testing.randn(shape, dtype, requires_grad=True)
+    ref = functools.partial(torch_softmax, causal=True)
+    testing.assert_matches_reference(lambda t: softmax(t, causal=True), ref, [x], dtype=dtype, baseline_fn=ref)
+
+
+@pytest.mark.skipif(not testing.on_gpu(), reason="GPU shapes; the CPU runs the same test at small sizes above")
+@pytest.mark.parametrize("shape", [(4, 1024, 1024), (2, 17, 262144)], ids=str)
+def test_causal_mask_large(shape):
+    x = testing.randn(shape, torch.bfloat16, requires_grad=True)
+    ref = functools.partial(torch_softmax, causal=True)
     testing.assert_matches_reference(
-        lambda t: softmax(t, causal=True), lambda t: torch_softmax(t, causal=True), [x], dtype=dtype
+        lambda t: softmax(t, causal=True), ref, [x], dtype=torch.bfloat16, baseline_fn=ref
     )
 
 
-@pytest.mark.parametrize("dim", [0, 1, -2])
+@pytest.mark.parametrize("shape,dim", [((6, 33, 5), 0), ((6, 33, 5), 1), ((6, 33, 5), -2), ((2, 3, 4, 5), 1),
+                                       ((40000, 3), 0), ((2, 70001, 3), 1)], ids=str)
 @pytest.mark.parametrize("log", [False, True])
-def test_other_dims(dim, log):
-    x = testing.randn((6, 33, 5), requires_grad=True)
+def test_other_dims(shape, dim, log):
+    x = testing.randn(shape, requires_grad=True)
     fn = (lambda t: log_softmax(t, dim)) if log else (lambda t: softmax(t, dim))
     ref = (lambda t: torch.log_softmax(t, dim)) if log else (lambda t: torch.softmax(t, dim))
     testing.assert_matches_reference(fn, ref, [x], dtype=torch.float32)
 
 
+@pytest.mark.parametrize("dim", [0, 1, 2, 3])
+def test_any_dim_is_read_in_place(dim):
+    """The (outer, n, inner) view the kernels read shares x's storage: no dim is copied last."""
+    x = testing.randn((2, 3, 4, 5))
+    x3 = fk_ops._view3(x, dim)
+    assert x3.shape[1] == x.shape[dim] and x3.data_ptr() == x.data_ptr() and x3._base is not None
+
+
 @pytest.mark.parametrize("layout", ["padded_rows", "strided_cols"])
-@pytest.mark.parametrize("cols", [300, 40000])
-def test_strided_inputs(layout, cols):
+@pytest.mark.parametrize("cols", [300, 40000, 70001])
+@pytest.mark.parametrize("log", [False, True])
+def test_strided_inputs(layout, cols, log):
     x = testing.randn((3, cols), torch.float16, layout=layout, requires_grad=True)
-    testing.assert_matches_reference(softmax, torch_softmax, [x], dtype=torch.float16)
+    fn, ref = (log_softmax, torch_log_softmax) if log else (softmax, torch_softmax)
+    testing.assert_matches_reference(fn, ref, [x], dtype=torch.float16, baseline_fn=ref)
 
 
-def test_strided_upstream_gradient():
-    x = testing.randn((4, 50), requires_grad=True)
-    g = testing.randn((50, 4)).t()
-    (ours,) = torch.autograd.grad(softmax(x), [x], g)
-    (ref,) = torch.autograd.grad(torch.softmax(x.double(), -1), [x], g.double())
-    testing.assert_close("grad x", ours, ref, torch.float32)
+def test_permuted_input_and_strided_upstream_gradient():
+    x = testing.randn((5, 50, 4), requires_grad=True)
+    xt = x.transpose(0, 1)  # (50, 5, 4): rows that no single stride walks
+    g = testing.randn((4, 5, 50)).permute(2, 1, 0)
+    for dim in (-1, 1):
+        (ours,) = torch.autograd.grad(softmax(xt, dim), [x], g)
+        (ref,) = torch.autograd.grad(torch.softmax(xt.double(), dim), [x], g.double())
+        testing.assert_close("grad x", ours, ref, torch.float32)
 
 
 @pytest.mark.parametrize("cols", [8, 40000, 70001])
 @pytest.mark.parametrize("log", [False, True])
 def test_infinities_and_huge_values_as_torch(cols, log):
     x = testing.randn((9, cols)) * 1e4
-    x[0, : cols // 2] = -math.inf  # some -inf entries
+    x[0, : cols // 2] = -math.inf  # -inf entries (whole chunks of them on the long paths)
     x[1] = -math.inf  # a whole row of -inf: NaN, as torch gives
     x[2, 3] = 3e4  # a dominant entry
-    ours = (log_softmax if log else softmax)(x)
-    ref = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
-    assert torch.isnan(ours[1]).all() and torch.isnan(ref[1]).all()
-    keep = [0, 2, 3, 8]
+    x[3, -1] = math.inf  # +inf: the row is NaN in torch too
+    x[4, 1:] = -math.inf  # one finite entry
+    x.requires_grad_(True)
+    fn, ref_fn = (log_softmax, torch.log_softmax) if log else (softmax, torch.softmax)
+    ours = fn(x)
+    xd = x.detach().double().requires_grad_(True)
+    ref = ref_fn(xd, -1)
+    nan_rows = [1, 3]
+    assert torch.isnan(ours[nan_rows]).all() and torch.isnan(ref[nan_rows]).all()
+    keep = [0, 2, 4, 5, 8]
     testing.assert_close("y", ours[keep], ref[keep], torch.float32)
+    g = testing.randn((9, cols))
+    g[nan_rows] = 0
+    (gx,) = torch.autograd.grad(ours, [x], g)
+    (rgx,) = torch.autograd.grad(ref, [xd], g.double())
+    testing.assert_close("grad x", gx[keep], rgx[keep], torch.float32)
 
 
 def test_empty_and_scalar():
     for shape in [(0, 5), (4, 0), (2, 0, 3)]:
         x = testing.randn(shape, requires_grad=True)
-        y = softmax(x)
-        assert y.shape == x.shape
-        (g,) = torch.autograd.grad(y, [x], torch.ones_like(y))
-        assert g.shape == x.shape
-    s = testing.randn(())
+        for y in (softmax(x), log_softmax(x, 0), softmax(x, causal=True) if len(shape) > 1 else softmax(x)):
+            assert y.shape == x.shape
+            (g,) = torch.autograd.grad(y, [x], torch.ones_like(y))
+            assert g.shape == x.shape
+    s = testing.randn((), requires_grad=True)
     torch.testing.assert_close(softmax(s), torch.softmax(s, -1))
+    torch.testing.assert_close(log_softmax(s), torch.log_softmax(s, -1))
 
 
-def test_modules_and_determinism():
-    x = testing.randn((3, 4, 50000), requires_grad=True)
-    g = testing.randn((3, 4, 50000))
+@pytest.mark.parametrize("cols", [50000, 70001])
+def test_modules_and_determinism(cols):
+    x = testing.randn((2, 3, cols), requires_grad=True)
+    g = testing.randn((2, 3, cols))
     first = torch.autograd.grad(Softmax(causal=False)(x), [x], g)[0]
     again = torch.autograd.grad(softmax(x), [x], g)[0]
     assert torch.equal(first, again)
-    testing.assert_close("y", LogSoftmax(dim=1)(x), torch.log_softmax(x.double(), 1), torch.float32)
-    assert "causal=True" in repr(Softmax(causal=True))
+    first = torch.autograd.grad(LogSoftmax()(x), [x], g)[0]
+    assert torch.equal(first, torch.autograd.grad(log_softmax(x), [x], g)[0])
+    small = x[:, :, :100]
+    testing.assert_close("y", LogSoftmax(dim=1)(small), torch.log_softmax(small.double(), 1), torch.float32)
+    assert "causal=True" in repr(Softmax(causal=True)) and "dim=1" in repr(LogSoftmax(dim=1))
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_split_rows_when_siblings_stop_waiting(monkeypatch, log):
+    """Programs that stop waiting for their siblings at once leave their chunks to the row's last
+    program (or take them back): same results. On a GPU this races for real."""
+    monkeypatch.setattr(plans, "SPIN_LIMIT", 0)
+    monkeypatch.setattr(plans, "INTERPRETER_SPIN_LIMIT", 0)
+    plans.plan.cache_clear()
+    try:
+        rows = 64 if testing.on_gpu() else 3
+        x = testing.randn((rows, 40000), torch.bfloat16, scale=3.0, requires_grad=True)
+        assert path_of(x.shape, x.dtype) is SPLIT and plans.plan(rows, 40000, x.dtype).spin_limit == 0
+        fn, ref = (log_softmax, torch_log_softmax) if log else (softmax, torch_softmax)
+        testing.assert_matches_reference(fn, ref, [x], dtype=torch.bfloat16, names=["x"], baseline_fn=ref)
+    finally:
+        plans.plan.cache_clear()
 
 
 def test_backward_saves_only_the_output():
-    x = testing.randn((4, 64), requires_grad=True)
-    y = softmax(x)
-    saved = y.grad_fn.saved_tensors
-    assert len(saved) == 1 and saved[0].data_ptr() == y.data_ptr()
+    for fn in (softmax, log_softmax):
+        x = testing.randn((4, 64), requires_grad=True)
+        y = fn(x)
+        saved = y.grad_fn.saved_tensors
+        assert len(saved) == 1 and saved[0].data_ptr() == y.data_ptr()
 
 
 @pytest.mark.parametrize(
@@ -117,8 +192,11 @@ def test_backward_saves_only_the_output():
         (lambda: softmax(testing.randn((5,)), causal=True), ValueError, "at least 2 dims"),
         (lambda: softmax(testing.randn((5, 5)), dim=0, causal=True), ValueError, "dim=-1"),
         (lambda: softmax(torch.ones(3, 3, dtype=torch.int32)), TypeError, "x must have dtype"),
+        (lambda: log_softmax(torch.ones(3, 3, dtype=torch.int64)), TypeError, "x must have dtype"),
         (lambda: softmax(testing.randn((3, 3)), dim=2), ValueError, "out of range"),
+        (lambda: softmax(testing.randn((3, 3)), dim=1.0), TypeError, "dim must be an int"),
         (lambda: softmax("x"), TypeError, "x must be a torch.Tensor"),
+        (lambda: softmax(torch.empty(3, 3, device="meta")), ValueError, "x must be on a"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(call, error, match):
@@ -128,5 +206,5 @@ def test_bad_inputs_raise_clear_errors(call, error, match):
 
 def test_compiled_graph_runs_the_fk_op():
     x = testing.randn((4, 8), requires_grad=True)
-    ops = testing.compiled_graph_ops(lambda t: softmax(t, causal=True), x)
+    ops = testing.compiled_graph_ops(lambda t: softmax(t, causal=True) + log_softmax(t, 0), x)
     assert "fk.softmax.default" in ops, ops

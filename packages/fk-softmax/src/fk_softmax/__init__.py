@@ -7,4 +7,4 @@ from .ops import log_softmax, softmax
 
 __version__ = package_version(__name__, __file__)
 
-__all__ = ["LogSoftmax", "Softmax", "log_softmax", "softmax", "__version__"]
+__all__ = ["LogSoftmax", "Softmax", "__version__", "log_softmax", "softmax"]

@@ -1,8 +1,8 @@
 """fk-softmax's check and benchmark sweep, run by `python -m fk_runtime`.
 
-Peers in the same run: torch.softmax, torch.compile(torch.softmax), Liger (when installed).
-Bytes counted: forward reads x and writes y (2 tensors); backward reads y and grad_y and writes
-grad_x (3 tensors).
+Peers in the same run: torch.softmax, torch.compile(torch.softmax), Liger (when installed; it
+refuses rows past 65536 columns, which the table reports). Bytes counted: forward reads x and
+writes y (2 tensors); backward reads y and grad_y and writes grad_x (3 tensors).
 """
 
 from __future__ import annotations
@@ -15,12 +15,18 @@ from fk_runtime import bench, testing
 from .ops import log_softmax, softmax
 
 FULL_SHAPES = [(16384, 1024), (8192, 4096), (4096, 16384), (1024, 65536), (256, 262144), (64, 1048576)]
-SMALL_SHAPES = [(64, 128), (4, 70001)]
+# The interpreter: one fused shape, one split over sibling programs.
+SMALL_SHAPES = [(64, 128), (4, 40000)]
 DTYPES = [torch.bfloat16, torch.float32]
 
 
 def _torch_softmax(x):
     return torch.softmax(x, -1)
+
+
+def _torch_causal(x):
+    keep = torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device).tril()
+    return torch.softmax(x.masked_fill(~keep, -torch.inf), -1)
 
 
 @functools.cache
@@ -40,14 +46,21 @@ def _peers() -> dict:
 
 
 def checks(full: bool):
-    shapes = [(1, 1), (5, 17), (7, 4097), (2, 70001)] + ([(2, 1_000_000), (256, 262144)] if full else [])
+    """Every path (fused, split, two-pass) in every dtype, both ops, plus causal and dim 0; bounds
+    widen to twice PyTorch's own error in the same dtype."""
+    shapes = [(1, 1), (5, 17), (7, 4097), (3, 40000), (2, 70001)]
+    if full:
+        shapes += [(2, 1_000_000), (256, 262144), (2, 2_100_001)]
+    ops = [("softmax", softmax, _torch_softmax), ("log_softmax", log_softmax, lambda t: torch.log_softmax(t, -1)),
+           ("causal softmax", lambda t: softmax(t, causal=True), _torch_causal),
+           ("softmax dim 0", lambda t: softmax(t, 0), lambda t: torch.softmax(t, 0))]
     for shape in shapes:
         for dtype in DTYPES + [torch.float16]:
-            for name, fn, ref in [("softmax", softmax, _torch_softmax),
-                                  ("log_softmax", log_softmax, lambda t: torch.log_softmax(t, -1))]:
+            for name, fn, ref in ops:
                 def check(shape=shape, dtype=dtype, fn=fn, ref=ref):
                     x = testing.randn(shape, dtype, scale=3.0, requires_grad=True)
-                    return testing.check_against_reference(fn, ref, [x], dtype=dtype, names=["x"])
+                    return testing.check_against_reference(fn, ref, [x], dtype=dtype, names=["x"],
+                                                           baseline_fn=ref)
 
                 yield f"{name} {shape} {str(dtype).removeprefix('torch.')}", check
 

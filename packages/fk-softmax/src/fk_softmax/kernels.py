@@ -1,241 +1,335 @@
 """Triton kernels for softmax and log-softmax over rows: one idea each.
 
-Rows are (n_rows, n_cols) views with arbitrary strides; math in fp32. `LOG` selects
-log-softmax. `CAUSAL` masks column j of row i when j > i, where i is the row's index inside its
-(seq_rows x n_cols) matrix (rows are flattened from [..., seq_rows, n_cols]).
+Row r is x3[r // inner, :, r % inner] of an (outer, n_cols, inner) view of the input (inner = 1
+when the softmax dim is last), so any dim and any strides are read in place. Outputs (y forward,
+grad_x backward) are written contiguously in the same layout: row stride `out_outer` per outer
+index, column stride `inner`. Math in fp32. `LOG` selects log-softmax; `CAUSAL` masks column j
+of row r when j > r % seq_rows (the row's index in its seq_rows x n_cols matrix).
 """
 
 import triton
 import triton.language as tl
 
+# States of a split row's chunk. Its owner writes it, unless the owner stopped waiting for its
+# siblings (ABANDONED); then whichever of the owner and the row's last program first moves it to
+# TAKEN writes it.
+_PENDING = tl.constexpr(0)
+_ABANDONED = tl.constexpr(1)
+_TAKEN = tl.constexpr(2)
+
 
 @triton.jit
-def _row_mask(rows, cols, n_rows, n_cols, seq_rows, CAUSAL: tl.constexpr):
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    if CAUSAL:
-        mask &= cols[None, :] <= (rows % seq_rows)[:, None]
-    return mask
+def _row_offsets(rows, inner, s_outer, s_inner):
+    """int64 offsets of rows' first elements (rows: scalar or vector)."""
+    r = rows.to(tl.int64)
+    outer = r // inner
+    return outer * s_outer + (r - outer * inner) * s_inner
+
+
+@triton.jit
+def _row_output(x, LOG: tl.constexpr):
+    """softmax / log-softmax of whole rows along axis 1. An all -inf row gives NaN, as torch does;
+    masked padding (-inf) gives 0 / -inf and never NaN next to a finite entry."""
+    shifted = x - tl.max(x, axis=1)[:, None]
+    e = tl.exp(shifted)
+    total = tl.sum(e, axis=1)
+    if LOG:
+        return shifted - tl.log(total)[:, None]
+    return e * (1.0 / total)[:, None]
 
 
 @triton.jit
 def softmax_fwd_rows_kernel(
-    x_ptr, y_ptr, n_rows, n_cols, seq_rows,
-    stride_xr, stride_xc, stride_yr,
+    x_ptr, y_ptr, n_rows, n_cols, inner, seq_rows, sx_outer, sx_col, sx_inner, out_outer,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, LOG: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """Whole rows in registers: max, exp, sum, normalise, one read and one write."""
+    """Whole rows in registers, BLOCK_R rows per program: one read and one write."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
-    mask = _row_mask(rows, cols, n_rows, n_cols, seq_rows, CAUSAL)
-    rows64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :] * stride_xc, mask=mask,
-                other=-float("inf"), eviction_policy="evict_first").to(tl.float32)
-    x_max = tl.max(x, axis=1)
-    # All--inf rows give x_max = -inf and NaN below, as torch does.
-    shifted = x - x_max[:, None]
-    e = tl.exp(shifted)
-    total = tl.sum(e, axis=1)
+    inside = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    keep = inside
+    if CAUSAL:
+        keep &= cols[None, :] <= (rows % seq_rows)[:, None]
+    x_off = _row_offsets(rows, inner, sx_outer, sx_inner)[:, None] + cols.to(tl.int64)[None, :] * sx_col
+    x = tl.load(x_ptr + x_off, mask=keep, other=-float("inf")).to(tl.float32)
+    y = _row_output(x, LOG)
+    y_off = _row_offsets(rows, inner, out_outer, 1)[:, None] + cols.to(tl.int64)[None, :] * inner
+    tl.store(y_ptr + y_off, y.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _grad(y, g, total, LOG: tl.constexpr):
+    """softmax: gx = y * (g - sum(y * g)); log-softmax: gx = g - exp(y) * sum(g)."""
     if LOG:
-        y = shifted - tl.log(total)[:, None]
-    else:
-        y = e / total[:, None]
-    in_rows = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    tl.store(y_ptr + rows64 * stride_yr + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=in_rows)
+        return g - tl.exp(y) * total
+    return y * (g - total)
 
 
 @triton.jit
 def softmax_bwd_rows_kernel(
-    y_ptr, gy_ptr, gx_ptr, n_rows, n_cols,
-    stride_yr, stride_gyr, stride_gyc, stride_gxr,
+    y_ptr, g_ptr, gx_ptr, n_rows, n_cols, inner, sy_outer, sy_col, sy_inner,
+    sg_outer, sg_col, sg_inner, out_outer,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, LOG: tl.constexpr,
 ):
-    """softmax: gx = y * (g - sum(y * g)); log-softmax: gx = g - exp(y) * sum(g)."""
+    """Whole rows in registers: read y and grad_y once, reduce, write grad_x."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_C)
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    rows64 = rows.to(tl.int64)[:, None]
-    y = tl.load(y_ptr + rows64 * stride_yr + cols[None, :], mask=mask, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
-    g = tl.load(gy_ptr + rows64 * stride_gyr + cols[None, :] * stride_gyc, mask=mask, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
-    if LOG:
-        gx = g - tl.exp(y) * tl.sum(g, axis=1)[:, None]
-    else:
-        gx = y * (g - tl.sum(y * g, axis=1)[:, None])
-    tl.store(gx_ptr + rows64 * stride_gxr + cols[None, :], gx.to(gx_ptr.dtype.element_ty), mask=mask)
+    cols = tl.arange(0, BLOCK_C)[None, :].to(tl.int64)
+    inside = (rows < n_rows)[:, None] & (cols < n_cols)
+    y = tl.load(y_ptr + _row_offsets(rows, inner, sy_outer, sy_inner)[:, None] + cols * sy_col,
+                mask=inside, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + _row_offsets(rows, inner, sg_outer, sg_inner)[:, None] + cols * sg_col,
+                mask=inside, other=0.0).to(tl.float32)
+    total = tl.sum(g if LOG else y * g, axis=1)[:, None]
+    gx = _grad(y, g, total, LOG)
+    tl.store(gx_ptr + _row_offsets(rows, inner, out_outer, 1)[:, None] + cols * inner,
+             gx.to(gx_ptr.dtype.element_ty), mask=inside)
+
+
+# ---- long rows: chunks of CHUNK columns, one program each ----
 
 
 @triton.jit
-def softmax_fwd_chunk_stats_kernel(
-    x_ptr, max_ptr, sum_ptr, n_cols, seq_rows, stride_xr, stride_xc, chunks,
-    CHUNK: tl.constexpr, CAUSAL: tl.constexpr,
-):
-    """Long rows, pass 1: the (max, sum of exp(x - max)) of one chunk of one row."""
-    chunk = tl.program_id(0)
-    row = tl.program_id(1)
+def _load_chunk(row_ptr, chunk, n_cols, s_col, last_col, other, CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < n_cols
+    keep = cols < n_cols
     if CAUSAL:
-        mask &= cols <= row % seq_rows
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_xr + cols * stride_xc, mask=mask,
-                other=-float("inf")).to(tl.float32)
+        keep &= cols <= last_col
+    return tl.load(row_ptr + cols.to(tl.int64) * s_col, mask=keep, other=other).to(tl.float32)
+
+
+@triton.jit
+def _store_chunk(row_ptr, chunk, n_cols, s_col, values, CHUNK: tl.constexpr):
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    tl.store(row_ptr + cols.to(tl.int64) * s_col, values.to(row_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+@triton.jit
+def _chunk_stats(x):
+    """A chunk's max m, e = exp(x - m) and sum(e). A chunk with no finite entry gets e = 0 and
+    sum 0 (not NaN), so it cannot poison a row that has finite entries elsewhere."""
     m = tl.max(x, axis=0)
-    # A chunk with no valid entry contributes sum 0 (not NaN) so it cannot poison the row.
-    s = tl.where(m == -float("inf"), 0.0, tl.sum(tl.exp(x - m), axis=0))
-    tl.store(max_ptr + row * chunks + chunk, m)
-    tl.store(sum_ptr + row * chunks + chunk, s)
+    e = tl.exp(x - tl.where(m == -float("inf"), 0.0, m))
+    return m, e, tl.sum(e, axis=0)
 
 
 @triton.jit
-def _combine_stats(max_ptr, sum_ptr, row, chunks, CHUNKS_P2: tl.constexpr):
-    """The row's max and sum of exp(x - max) from its chunks' partials (fixed order)."""
-    idx = tl.arange(0, CHUNKS_P2)
-    valid = idx < chunks
-    m = tl.load(max_ptr + row * chunks + idx, mask=valid, other=-float("inf"))
-    s = tl.load(sum_ptr + row * chunks + idx, mask=valid, other=0.0)
-    row_max = tl.max(m, axis=0)
-    scale = tl.where(m == -float("inf"), 0.0, tl.exp(m - row_max))
-    return row_max, tl.sum(s * scale, axis=0)
-
-
-@triton.jit
-def _output(x, row_max, total, LOG: tl.constexpr):
-    """softmax or log-softmax of x given its row's max and sum of exp(x - max)."""
-    shifted = x - row_max
+def _chunk_output(x, e, m, row_max, row_sum, LOG: tl.constexpr):
+    """softmax / log-softmax of a chunk from its own max m and its row's max and sum. An all -inf
+    row has row_max = -inf and gives NaN, as torch does."""
     if LOG:
-        return shifted - tl.log(total)
-    return tl.exp(shifted) / total
+        return x - row_max - tl.log(row_sum)
+    return e * (tl.exp(m - row_max) / row_sum)
 
 
 @triton.jit
-def softmax_fwd_chunk_write_kernel(
-    x_ptr, y_ptr, max_ptr, sum_ptr, n_cols, seq_rows, stride_xr, stride_xc, stride_yr, chunks,
+def _publish(slot_ptr, value):
+    """Write one fp32 partial into the int32 scratch: a scalar atomic, so that the thread issuing
+    it is the one that then releases the arrival count (and the interpreter takes it too)."""
+    tl.atomic_xchg(slot_ptr, value.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _partials(ptr, count, stride, other, N: tl.constexpr):
+    """`count` fp32 partials stored as int32 bits `stride` apart (past L1: other programs wrote
+    them), `other` beyond `count`."""
+    idx = tl.arange(0, N)
+    valid = idx < count
+    bits = tl.load(ptr + stride * idx, mask=valid, other=0, cache_modifier=".cg")
+    return tl.where(valid, bits.to(tl.float32, bitcast=True), other)
+
+
+@triton.jit
+def _row_stats(stats_ptr, chunks, CHUNKS_P2: tl.constexpr):
+    """A row's max and sum of exp(x - max) from its chunks' (max, sum) pairs, in a fixed order."""
+    m = _partials(stats_ptr, chunks, 2, -float("inf"), CHUNKS_P2)
+    s = _partials(stats_ptr + 1, chunks, 2, 0.0, CHUNKS_P2)
+    row_max = tl.max(m, axis=0)
+    return row_max, tl.sum(s * tl.exp(m - row_max), axis=0)
+
+
+@triton.jit
+def _row_total(part_ptr, chunks, CHUNKS_P2: tl.constexpr):
+    """Sum of a row's per-chunk partials, in a fixed order (deterministic)."""
+    return tl.sum(_partials(part_ptr, chunks, 1, 0.0, CHUNKS_P2), axis=0)
+
+
+@triton.jit
+def _await_row(arrived_ptr, state_ptr, chunks, spin_limit):
+    """Count this program in as arrived (its partial is published) and wait for its siblings.
+
+    Returns (ready, last): ready when this program must write its chunk now (every partial of the
+    row is published); last when it was the row's last to arrive, which then writes the chunks
+    of siblings that stopped waiting. A program that waited spin_limit polls marks its chunk
+    ABANDONED, then looks once more: both it and the last program move ABANDONED to TAKEN with a
+    compare-and-swap, so exactly one of them writes the chunk. (All of these are read-modify-write
+    atomics on the counter or the state, so one of the two always sees the other's step.)"""
+    arrived = tl.atomic_add(arrived_ptr, 1, sem="acq_rel") + 1
+    seen = arrived
+    spins = 0
+    while (seen < chunks) & (spins < spin_limit):
+        seen = tl.atomic_add(arrived_ptr, 0, sem="acquire")
+        spins += 1
+    ready = seen >= chunks
+    if seen < chunks:
+        tl.atomic_xchg(state_ptr, _ABANDONED, sem="acq_rel")
+        if tl.atomic_add(arrived_ptr, 0, sem="acq_rel") >= chunks:
+            ready = tl.atomic_cas(state_ptr, _ABANDONED, _TAKEN, sem="acq_rel") == _ABANDONED
+    return ready, arrived == chunks
+
+
+@triton.jit
+def _claim_abandoned(state_ptr, own, chunks, CHUNKS_P2: tl.constexpr):
+    """The last program's sweep: take every chunk of the row whose owner stopped waiting. Lanes
+    past the row point at this program's own chunk, which is never abandoned."""
+    idx = tl.arange(0, CHUNKS_P2)
+    idx = tl.where(idx < chunks, idx, own)
+    old = tl.atomic_cas(state_ptr + idx, tl.full([CHUNKS_P2], _ABANDONED, tl.int32),
+                        tl.full([CHUNKS_P2], _TAKEN, tl.int32), sem="acq_rel")
+    return old == _ABANDONED
+
+
+@triton.jit
+def _lane(flags, i, CHUNKS_P2: tl.constexpr):
+    return tl.max(tl.where(tl.arange(0, CHUNKS_P2) == i, flags, False).to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def softmax_fwd_split_kernel(
+    x_ptr, y_ptr, stats_ptr, arrived_ptr, state_ptr,
+    n_cols, inner, seq_rows, sx_outer, sx_col, sx_inner, out_outer, chunks, spin_limit,
     CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """Long rows, pass 2: combine the row's partials and write this chunk of the output."""
-    chunk = tl.program_id(0)
-    row = tl.program_id(1)
-    row_max, total = _combine_stats(max_ptr, sum_ptr, row, chunks, CHUNKS_P2)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    in_row = cols < n_cols
-    mask = in_row
-    if CAUSAL:
-        mask &= cols <= row % seq_rows
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_xr + cols * stride_xc, mask=mask,
-                other=-float("inf"), eviction_policy="evict_first").to(tl.float32)
-    y = _output(x, row_max, total, LOG)
-    tl.store(y_ptr + row.to(tl.int64) * stride_yr + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
+    """Long rows, one program per (row, chunk), chunk held in registers throughout: publish the
+    chunk's (max, sum), wait until the row's siblings have too, combine, write. One read, one
+    write, like the fused path, for rows of any length the GPU's programs can hold together."""
+    pid = tl.program_id(0)
+    row = pid // chunks
+    chunk = pid - row * chunks
+    x_row = x_ptr + _row_offsets(row, inner, sx_outer, sx_inner)
+    y_row = y_ptr + _row_offsets(row, inner, out_outer, 1)
+    last_col = row % seq_rows
+    x = _load_chunk(x_row, chunk, n_cols, sx_col, last_col, -float("inf"), CHUNK, CAUSAL)
+    m, e, s = _chunk_stats(x)
+    slot = row * chunks + chunk
+    _publish(stats_ptr + 2 * slot, m)
+    _publish(stats_ptr + 2 * slot + 1, s)
+    ready, last = _await_row(arrived_ptr + row, state_ptr + slot, chunks, spin_limit)
+    row_stats = stats_ptr + 2 * row * chunks
+    if ready:
+        row_max, row_sum = _row_stats(row_stats, chunks, CHUNKS_P2)
+        _store_chunk(y_row, chunk, n_cols, inner, _chunk_output(x, e, m, row_max, row_sum, LOG), CHUNK)
+    if last:
+        won = _claim_abandoned(state_ptr + row * chunks, chunk, chunks, CHUNKS_P2)
+        if tl.max(won.to(tl.int32), axis=0) > 0:
+            row_max, row_sum = _row_stats(row_stats, chunks, CHUNKS_P2)
+            for other in range(chunks):
+                if _lane(won, other, CHUNKS_P2):
+                    xo = _load_chunk(x_row, other, n_cols, sx_col, last_col, -float("inf"), CHUNK, CAUSAL)
+                    mo, eo, _ = _chunk_stats(xo)
+                    _store_chunk(y_row, other, n_cols, inner,
+                                 _chunk_output(xo, eo, mo, row_max, row_sum, LOG), CHUNK)
 
 
 @triton.jit
-def softmax_bwd_chunk_dot_kernel(
-    y_ptr, gy_ptr, dot_ptr, n_cols, stride_yr, stride_gyr, stride_gyc, chunks,
+def softmax_bwd_split_kernel(
+    y_ptr, g_ptr, gx_ptr, part_ptr, arrived_ptr, state_ptr,
+    n_cols, inner, sy_outer, sy_col, sy_inner, sg_outer, sg_col, sg_inner, out_outer, chunks, spin_limit,
+    CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, LOG: tl.constexpr,
+):
+    """Backward of the split path: publish the chunk's sum(y * g) (log-softmax: sum(g)), wait for
+    the row's siblings, write grad_x from the y and grad_y chunks still in registers."""
+    pid = tl.program_id(0)
+    row = pid // chunks
+    chunk = pid - row * chunks
+    y_row = y_ptr + _row_offsets(row, inner, sy_outer, sy_inner)
+    g_row = g_ptr + _row_offsets(row, inner, sg_outer, sg_inner)
+    gx_row = gx_ptr + _row_offsets(row, inner, out_outer, 1)
+    y = _load_chunk(y_row, chunk, n_cols, sy_col, 0, 0.0, CHUNK, False)
+    g = _load_chunk(g_row, chunk, n_cols, sg_col, 0, 0.0, CHUNK, False)
+    slot = row * chunks + chunk
+    _publish(part_ptr + slot, tl.sum(g if LOG else y * g, axis=0))
+    ready, last = _await_row(arrived_ptr + row, state_ptr + slot, chunks, spin_limit)
+    if ready:
+        total = _row_total(part_ptr + row * chunks, chunks, CHUNKS_P2)
+        _store_chunk(gx_row, chunk, n_cols, inner, _grad(y, g, total, LOG), CHUNK)
+    if last:
+        won = _claim_abandoned(state_ptr + row * chunks, chunk, chunks, CHUNKS_P2)
+        if tl.max(won.to(tl.int32), axis=0) > 0:
+            total = _row_total(part_ptr + row * chunks, chunks, CHUNKS_P2)
+            for other in range(chunks):
+                if _lane(won, other, CHUNKS_P2):
+                    yo = _load_chunk(y_row, other, n_cols, sy_col, 0, 0.0, CHUNK, False)
+                    go = _load_chunk(g_row, other, n_cols, sg_col, 0, 0.0, CHUNK, False)
+                    _store_chunk(gx_row, other, n_cols, inner, _grad(yo, go, total, LOG), CHUNK)
+
+
+@triton.jit
+def softmax_fwd_partials_kernel(
+    x_ptr, stats_ptr, n_cols, inner, seq_rows, sx_outer, sx_col, sx_inner, chunks,
+    CHUNK: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Two-pass path, pass 1: one chunk's (max, sum of exp(x - max))."""
+    pid = tl.program_id(0)
+    row = pid // chunks
+    chunk = pid - row * chunks
+    x_row = x_ptr + _row_offsets(row, inner, sx_outer, sx_inner)
+    x = _load_chunk(x_row, chunk, n_cols, sx_col, row % seq_rows, -float("inf"), CHUNK, CAUSAL)
+    m, _, s = _chunk_stats(x)
+    tl.store(stats_ptr + 2 * pid, m.to(tl.int32, bitcast=True))
+    tl.store(stats_ptr + 2 * pid + 1, s.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def softmax_fwd_combine_kernel(
+    x_ptr, y_ptr, stats_ptr, n_cols, inner, seq_rows, sx_outer, sx_col, sx_inner, out_outer, chunks,
+    CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Two-pass path, pass 2: combine the row's partials, re-read this chunk and write it."""
+    pid = tl.program_id(0)
+    row = pid // chunks
+    chunk = pid - row * chunks
+    x_row = x_ptr + _row_offsets(row, inner, sx_outer, sx_inner)
+    x = _load_chunk(x_row, chunk, n_cols, sx_col, row % seq_rows, -float("inf"), CHUNK, CAUSAL)
+    m, e, _ = _chunk_stats(x)
+    row_max, row_sum = _row_stats(stats_ptr + 2 * row * chunks, chunks, CHUNKS_P2)
+    _store_chunk(y_ptr + _row_offsets(row, inner, out_outer, 1), chunk, n_cols, inner,
+                 _chunk_output(x, e, m, row_max, row_sum, LOG), CHUNK)
+
+
+@triton.jit
+def softmax_bwd_partials_kernel(
+    y_ptr, g_ptr, part_ptr, n_cols, inner, sy_outer, sy_col, sy_inner, sg_outer, sg_col, sg_inner, chunks,
     CHUNK: tl.constexpr, LOG: tl.constexpr,
 ):
-    """Long rows, backward pass 1: this chunk's sum(y * g) (softmax) or sum(g) (log-softmax)."""
-    chunk = tl.program_id(0)
-    row = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < n_cols
-    g = tl.load(gy_ptr + row.to(tl.int64) * stride_gyr + cols * stride_gyc, mask=mask,
-                other=0.0).to(tl.float32)
+    """Two-pass backward, pass 1: one chunk's sum(y * g) (log-softmax: sum(g))."""
+    pid = tl.program_id(0)
+    row = pid // chunks
+    chunk = pid - row * chunks
+    g = _load_chunk(g_ptr + _row_offsets(row, inner, sg_outer, sg_inner), chunk, n_cols, sg_col, 0, 0.0,
+                    CHUNK, False)
     if LOG:
         part = tl.sum(g, axis=0)
     else:
-        y = tl.load(y_ptr + row.to(tl.int64) * stride_yr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _load_chunk(y_ptr + _row_offsets(row, inner, sy_outer, sy_inner), chunk, n_cols, sy_col, 0, 0.0,
+                        CHUNK, False)
         part = tl.sum(y * g, axis=0)
-    tl.store(dot_ptr + row * chunks + chunk, part)
+    tl.store(part_ptr + pid, part.to(tl.int32, bitcast=True))
 
 
 @triton.jit
-def softmax_bwd_chunk_write_kernel(
-    y_ptr, gy_ptr, gx_ptr, dot_ptr, n_cols, stride_yr, stride_gyr, stride_gyc, stride_gxr, chunks,
+def softmax_bwd_combine_kernel(
+    y_ptr, g_ptr, gx_ptr, part_ptr, n_cols, inner, sy_outer, sy_col, sy_inner, sg_outer, sg_col, sg_inner,
+    out_outer, chunks,
     CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, LOG: tl.constexpr,
 ):
-    """Long rows, backward pass 2: sum the row's partials (fixed order) and write this chunk."""
-    chunk = tl.program_id(0)
-    row = tl.program_id(1)
-    idx = tl.arange(0, CHUNKS_P2)
-    dot = tl.sum(tl.load(dot_ptr + row * chunks + idx, mask=idx < chunks, other=0.0), axis=0)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < n_cols
-    y = tl.load(y_ptr + row.to(tl.int64) * stride_yr + cols, mask=mask, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
-    g = tl.load(gy_ptr + row.to(tl.int64) * stride_gyr + cols * stride_gyc, mask=mask, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
-    if LOG:
-        gx = g - tl.exp(y) * dot
-    else:
-        gx = y * (g - dot)
-    tl.store(gx_ptr + row.to(tl.int64) * stride_gxr + cols, gx.to(gx_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def softmax_fwd_looped_kernel(
-    x_ptr, y_ptr, n_cols, seq_rows, stride_xr, stride_xc, stride_yr,
-    CHUNK: tl.constexpr, LOG: tl.constexpr, CAUSAL: tl.constexpr,
-):
-    """Rows too long for registers, but many of them: one program per row walks it twice. Pass 1
-    keeps an online (max, sum) per lane, rescaling the sum when the max grows; pass 2 re-reads the
-    row, which the program has just read, from the L2 cache, and writes the output."""
-    row = tl.program_id(0)
-    x_row = x_ptr + row.to(tl.int64) * stride_xr
-    lane_max = tl.full((CHUNK,), -float("inf"), tl.float32)
-    lane_sum = tl.zeros((CHUNK,), tl.float32)
-    for c0 in range(0, n_cols, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
-        mask = cols < n_cols
-        if CAUSAL:
-            mask &= cols <= row % seq_rows
-        x = tl.load(x_row + cols * stride_xc, mask=mask, other=-float("inf")).to(tl.float32)
-        new_max = tl.maximum(lane_max, x)
-        # Lanes that have seen only -inf keep sum 0 instead of exp(-inf - -inf) = NaN.
-        safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
-        lane_sum = lane_sum * tl.exp(lane_max - safe_max) + tl.exp(x - safe_max)
-        lane_max = new_max
-    row_max = tl.max(lane_max, axis=0)
-    scale = tl.where(lane_max == -float("inf"), 0.0, tl.exp(lane_max - row_max))
-    total = tl.sum(lane_sum * scale, axis=0)
-    for c0 in range(0, n_cols, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
-        in_row = cols < n_cols
-        mask = in_row
-        if CAUSAL:
-            mask &= cols <= row % seq_rows
-        x = tl.load(x_row + cols * stride_xc, mask=mask, other=-float("inf"),
-                    eviction_policy="evict_first").to(tl.float32)
-        y = _output(x, row_max, total, LOG)
-        tl.store(y_ptr + row.to(tl.int64) * stride_yr + cols, y.to(y_ptr.dtype.element_ty), mask=in_row)
-
-
-@triton.jit
-def softmax_bwd_looped_kernel(
-    y_ptr, gy_ptr, gx_ptr, n_cols, stride_yr, stride_gyr, stride_gyc, stride_gxr,
-    CHUNK: tl.constexpr, LOG: tl.constexpr,
-):
-    """Rows too long for registers, but many of them: pass 1 sums y * g (or g) over the row,
-    pass 2 re-reads the row from the L2 cache and writes grad_x."""
-    row = tl.program_id(0)
-    y_row = y_ptr + row.to(tl.int64) * stride_yr
-    g_row = gy_ptr + row.to(tl.int64) * stride_gyr
-    acc = tl.zeros((CHUNK,), tl.float32)
-    for c0 in range(0, n_cols, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
-        mask = cols < n_cols
-        g = tl.load(g_row + cols * stride_gyc, mask=mask, other=0.0).to(tl.float32)
-        if LOG:
-            acc += g
-        else:
-            acc += tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32) * g
-    dot = tl.sum(acc, axis=0)
-    for c0 in range(0, n_cols, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
-        mask = cols < n_cols
-        y = tl.load(y_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        g = tl.load(g_row + cols * stride_gyc, mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        if LOG:
-            gx = g - tl.exp(y) * dot
-        else:
-            gx = y * (g - dot)
-        tl.store(gx_ptr + row.to(tl.int64) * stride_gxr + cols, gx.to(gx_ptr.dtype.element_ty), mask=mask)
+    """Two-pass backward, pass 2: sum the row's partials, re-read this chunk, write grad_x."""
+    pid = tl.program_id(0)
+    row = pid // chunks
+    chunk = pid - row * chunks
+    y = _load_chunk(y_ptr + _row_offsets(row, inner, sy_outer, sy_inner), chunk, n_cols, sy_col, 0, 0.0,
+                    CHUNK, False)
+    g = _load_chunk(g_ptr + _row_offsets(row, inner, sg_outer, sg_inner), chunk, n_cols, sg_col, 0, 0.0,
+                    CHUNK, False)
+    total = _row_total(part_ptr + row * chunks, chunks, CHUNKS_P2)
+    _store_chunk(gx_ptr + _row_offsets(row, inner, out_outer, 1), chunk, n_cols, inner,
+                 _grad(y, g, total, LOG), CHUNK)

@@ -1,11 +1,15 @@
 """Launchers, `torch.library` ops and autograd for softmax and log-softmax.
 
-Path of a call: checks (fk_runtime) -> autograd.Function -> rows view (dim moved last, einops) ->
-plan (fk_runtime.tuning.softmax: whole rows or chunks) -> kernels. Eager calls reach the launchers
-directly; under `torch.compile` they go through the registered ops (fk_runtime.dispatch).
+Path of a call: checks (fk_runtime) -> autograd.Function -> (outer, n, inner) view of the input
+(einops; the softmax dim in the middle, so no dim is moved or copied) -> plan
+(fk_runtime.tuning.softmax: fused rows, split rows or two passes) -> kernels. Eager calls reach
+the launchers directly; under `torch.compile` they go through the registered ops
+(fk_runtime.dispatch).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from einops import rearrange
@@ -16,92 +20,108 @@ from fk_runtime.tuning import softmax as plans
 from . import kernels
 
 
-def _moved(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return x if dim == x.dim() - 1 else x.movedim(dim, -1)
+@functools.cache
+def _pattern(ndim: int, dim: int) -> str:
+    """einops pattern viewing a tensor as (dims before `dim`, `dim`, dims after `dim`)."""
+    names = [f"d{i}" for i in range(ndim)]
+    return f"{' '.join(names)} -> ({' '.join(names[:dim])}) {names[dim]} ({' '.join(names[dim + 1:])})"
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(rows, n) view of a tensor whose softmax dim is last: a view whenever strides allow."""
-    return rearrange(t, "... n -> (...) n")
+def _view3(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """(outer, n, inner) view of `t` around `dim` (a copy only where strides cannot express it)."""
+    return rearrange(t, _pattern(t.dim(), dim))
 
 
-def _new_output(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Output laid out contiguously with `dim` last, returned in x's dim order."""
-    out = alloc.empty(_moved(x, dim).shape, dtype=x.dtype, device=x.device)
-    return out if dim == x.dim() - 1 else out.movedim(-1, dim)
+def _split_scratch(n_rows: int, programs: int, partials: int, device: torch.device):
+    """The split path's shared state, zeroed in one allocation: an arrival count per row, a state
+    per chunk, then `partials` fp32 partials per chunk (as int32 bits; written before read)."""
+    buf = torch.zeros(n_rows + programs * (1 + partials), dtype=torch.int32, device=device)
+    return buf[:n_rows], buf[n_rows:n_rows + programs], buf[n_rows + programs:]
 
 
-def forward_rows(x2: torch.Tensor, y2: torch.Tensor, seq_rows: int, log: bool, causal: bool) -> None:
-    n_rows, n_cols = x2.shape
-    p = plans.plan(n_rows, n_cols, x2.dtype)
+def _partials(numel: int, device: torch.device) -> torch.Tensor:
+    """The two-pass path's fp32 partials, handed to the kernels as int32 bits (NaN-poisoned in
+    tests, so a partial never written shows up)."""
+    return alloc.empty(numel, dtype=torch.float32, device=device).view(torch.int32)
+
+
+def forward_rows(x3: torch.Tensor, y: torch.Tensor, seq_rows: int, log: bool, causal: bool) -> None:
+    """y (contiguous, same layout as x3) = softmax of x3 over its middle dim."""
+    outer, n_cols, inner = x3.shape
+    n_rows = outer * inner
+    p = plans.plan(n_rows, n_cols, x3.dtype)
     opts = fk_sizing.launch_options(p.num_warps)
-    if p.fused:
-        kernels.softmax_fwd_rows_kernel[(fk_sizing.cdiv(n_rows, p.block_rows),)](
-            x2, y2, n_rows, n_cols, seq_rows, x2.stride(0), x2.stride(1), y2.stride(0),
+    sx = x3.stride()
+    out_outer = n_cols * inner
+    if p.path is plans.Path.FUSED:
+        kernels.softmax_fwd_rows_kernel[(p.programs,)](
+            x3, y, n_rows, n_cols, inner, seq_rows, *sx, out_outer,
             BLOCK_R=p.block_rows, BLOCK_C=p.block_cols, LOG=log, CAUSAL=causal, **opts,
         )
-        return
-    if p.looped:
-        kernels.softmax_fwd_looped_kernel[(n_rows,)](
-            x2, y2, n_cols, seq_rows, x2.stride(0), x2.stride(1), y2.stride(0),
-            CHUNK=p.block_cols, LOG=log, CAUSAL=causal, **opts,
+    elif p.path is plans.Path.SPLIT:
+        arrived, states, stats = _split_scratch(n_rows, p.programs, 2, x3.device)
+        kernels.softmax_fwd_split_kernel[(p.programs,)](
+            x3, y, stats, arrived, states, n_cols, inner, seq_rows, *sx, out_outer, p.chunks,
+            p.spin_limit, CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, LOG=log, CAUSAL=causal, **opts,
         )
-        return
-    stats = torch.empty((2, n_rows, p.chunks), dtype=torch.float32, device=x2.device)
-    grid = (p.chunks, n_rows)
-    kernels.softmax_fwd_chunk_stats_kernel[grid](
-        x2, stats[0], stats[1], n_cols, seq_rows, x2.stride(0), x2.stride(1), p.chunks,
-        CHUNK=p.block_cols, CAUSAL=causal, **opts,
-    )
-    kernels.softmax_fwd_chunk_write_kernel[grid](
-        x2, y2, stats[0], stats[1], n_cols, seq_rows, x2.stride(0), x2.stride(1), y2.stride(0),
-        p.chunks, CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, LOG=log, CAUSAL=causal, **opts,
-    )
+    else:
+        stats = _partials(2 * p.programs, x3.device)
+        kernels.softmax_fwd_partials_kernel[(p.programs,)](
+            x3, stats, n_cols, inner, seq_rows, *sx, p.chunks, CHUNK=p.block_cols, CAUSAL=causal, **opts,
+        )
+        kernels.softmax_fwd_combine_kernel[(p.programs,)](
+            x3, y, stats, n_cols, inner, seq_rows, *sx, out_outer, p.chunks,
+            CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, LOG=log, CAUSAL=causal, **opts,
+        )
 
 
-def backward_rows(y2: torch.Tensor, g2: torch.Tensor, gx2: torch.Tensor, log: bool) -> None:
-    n_rows, n_cols = y2.shape
-    p = plans.plan(n_rows, n_cols, y2.dtype)
+def backward_rows(y3: torch.Tensor, g3: torch.Tensor, gx: torch.Tensor, log: bool) -> None:
+    """gx (contiguous, same layout as y3) = gradient of the input from y3 and grad_y g3."""
+    outer, n_cols, inner = y3.shape
+    n_rows = outer * inner
+    p = plans.plan(n_rows, n_cols, y3.dtype)
     opts = fk_sizing.launch_options(p.num_warps)
-    if p.fused:
-        kernels.softmax_bwd_rows_kernel[(fk_sizing.cdiv(n_rows, p.block_rows),)](
-            y2, g2, gx2, n_rows, n_cols, y2.stride(0), g2.stride(0), g2.stride(1), gx2.stride(0),
+    sy, sg = y3.stride(), g3.stride()
+    out_outer = n_cols * inner
+    if p.path is plans.Path.FUSED:
+        kernels.softmax_bwd_rows_kernel[(p.programs,)](
+            y3, g3, gx, n_rows, n_cols, inner, *sy, *sg, out_outer,
             BLOCK_R=p.block_rows, BLOCK_C=p.block_cols, LOG=log, **opts,
         )
-        return
-    if p.looped:
-        kernels.softmax_bwd_looped_kernel[(n_rows,)](
-            y2, g2, gx2, n_cols, y2.stride(0), g2.stride(0), g2.stride(1), gx2.stride(0),
-            CHUNK=p.block_cols, LOG=log, **opts,
+    elif p.path is plans.Path.SPLIT:
+        arrived, states, parts = _split_scratch(n_rows, p.programs, 1, y3.device)
+        kernels.softmax_bwd_split_kernel[(p.programs,)](
+            y3, g3, gx, parts, arrived, states, n_cols, inner, *sy, *sg, out_outer, p.chunks,
+            p.spin_limit, CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, LOG=log, **opts,
         )
-        return
-    dots = torch.empty((n_rows, p.chunks), dtype=torch.float32, device=y2.device)
-    grid = (p.chunks, n_rows)
-    kernels.softmax_bwd_chunk_dot_kernel[grid](
-        y2, g2, dots, n_cols, y2.stride(0), g2.stride(0), g2.stride(1), p.chunks,
-        CHUNK=p.block_cols, LOG=log, **opts,
-    )
-    kernels.softmax_bwd_chunk_write_kernel[grid](
-        y2, g2, gx2, dots, n_cols, y2.stride(0), g2.stride(0), g2.stride(1), gx2.stride(0),
-        p.chunks, CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, LOG=log, **opts,
-    )
+    else:
+        parts = _partials(p.programs, y3.device)
+        kernels.softmax_bwd_partials_kernel[(p.programs,)](
+            y3, g3, parts, n_cols, inner, *sy, *sg, p.chunks, CHUNK=p.block_cols, LOG=log, **opts,
+        )
+        kernels.softmax_bwd_combine_kernel[(p.programs,)](
+            y3, g3, gx, parts, n_cols, inner, *sy, *sg, out_outer, p.chunks,
+            CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, LOG=log, **opts,
+        )
+
+
+def _new_output(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous, in t's shape: the layout the kernels write."""
+    return alloc.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _forward(x: torch.Tensor, dim: int, causal: bool, log: bool) -> torch.Tensor:
     checks.check_kernel_device("x", x)
-    y = _new_output(x, dim)
-    if x.numel() == 0:
-        return y
-    seq_rows = x.shape[-2] if causal else 1
-    forward_rows(_rows(_moved(x, dim)), _rows(_moved(y, dim)), seq_rows, log, causal)
+    y = _new_output(x)
+    if x.numel() > 0:
+        forward_rows(_view3(x, dim), y, x.shape[-2] if causal else 1, log, causal)
     return y
 
 
 def _backward(y: torch.Tensor, grad_y: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    grad_x = _new_output(y, dim)
-    if y.numel() == 0:
-        return grad_x
-    backward_rows(_rows(_moved(y, dim)), _rows(_moved(grad_y, dim)), _rows(_moved(grad_x, dim)), log)
+    grad_x = _new_output(y)
+    if y.numel() > 0:
+        backward_rows(_view3(y, dim), _view3(grad_y, dim), grad_x, log)
     return grad_x
 
 
@@ -112,7 +132,7 @@ def softmax_op(x: torch.Tensor, dim: int, causal: bool, log: bool) -> torch.Tens
 
 @softmax_op.register_fake
 def _(x, dim, causal, log):
-    return _new_output(x, dim)
+    return _new_output(x)
 
 
 @torch.library.custom_op("fk::softmax_backward", mutates_args=())
@@ -122,7 +142,7 @@ def softmax_backward_op(y: torch.Tensor, grad_y: torch.Tensor, dim: int, log: bo
 
 @softmax_backward_op.register_fake
 def _(y, grad_y, dim, log):
-    return _new_output(y, dim)
+    return _new_output(y)
 
 
 _run_forward = dispatch.eager_or_op(softmax_op, _forward)
@@ -166,8 +186,8 @@ def _apply(x: torch.Tensor, dim: int, causal: bool, log: bool) -> torch.Tensor:
 def softmax(x: torch.Tensor, dim: int = -1, causal: bool = False) -> torch.Tensor:
     """`torch.softmax(x, dim)`, optionally masking x[..., i, j] for j > i (`causal`, last dim only).
 
-    fp32/fp16/bf16 with fp32 math, any row length, any dim, strided inputs; the backward saves only
-    the output."""
+    fp32/fp16/bf16 with fp32 math, any row length, any dim, strided inputs; the output is
+    contiguous in x's shape; the backward saves only the output."""
     return _apply(x, dim, causal, False)
 
 

@@ -1,58 +1,106 @@
-"""Launch table for fk-softmax.
+"""Launch table for fk-softmax (softmax and log-softmax share it, forward and backward).
 
-Rows that fit `sizing.fused_row_block` are held whole by one program (several short rows per
-program); longer rows are walked twice by one program each when there are enough of them (the
-second walk hits the L2 cache), else split into chunks across programs: per-chunk (max, sum)
-partials, then a pass that combines them and writes the chunk.
+Three paths, by row length:
+- fused: rows that fit `sizing.fused_row_block` are held whole in registers, one or a few rows per
+  program: one read and one write of HBM per tensor;
+- split: longer rows are cut into chunks, one program per (row, chunk). The
+  programs of a row ("siblings") publish per-chunk partials (max and sum of exp, or sum of y*g),
+  wait for each other, then write their chunk from registers: still one read and one write. This
+  needs the siblings resident together, so a row may have at most `max_siblings()` chunks;
+- two-pass: rows with more chunks than that (past 2 x 132 x 4096 = 1.08M columns on an H100): a
+  partials kernel, then a kernel that combines the row's partials and re-reads its chunk to write
+  it (one more read of the input), over chunks of the fused size.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 
 import torch
 
 from .. import backend, sizing
 
-# Short rows: one program covers about this many bytes of input (several rows), so each program
-# moves enough data to hide latency.
-ROW_TILE_BYTES = 32768
-# Long rows: each program owns one chunk of this many bytes (the fused-row budget).
-CHUNK_BYTES = sizing.MAX_FUSED_ROW_BYTES
-# Rows past the fused budget but at most this long, with enough rows to give every
-# multiprocessor LOOPED_MIN_ROWS_PER_SM of them, take the looped path: one program per row, two
-# walks over it, the second served by the L2 cache (a multiprocessor's rows in flight stay well
-# inside the H100's 50 MB of L2). Other long rows are split into chunks across programs.
-LOOPED_MAX_ROW_BYTES = 256 << 10
-LOOPED_MIN_ROWS_PER_SM = 2
-# Chunk one looped program walks per step.
-LOOPED_CHUNK_BYTES = 16384
+# Short rows: a program takes whole rows until it holds at least this many bytes of input. H100
+# run of 2026-11-22 (BENCHMARKS.md), 1024 columns: Liger's one row per 4-warp program reached 90%
+# of copy bandwidth in fp32 (4 KB a program) and 82% in bf16 (2 KB), fk's 16-32 KB multi-row tiles
+# on 16-32 warps 55-69%. 4 KB gives bf16 programs the bytes of that fp32 program (2 rows).
+FUSED_TILE_BYTES = 4096
+# Warps for a program holding `elements` values (whole rows or one chunk): (max elements, warps),
+# first match wins. Same run: 4 warps at 1024 elements, 8 at 4096 and 16 at 16384 (8 to 32 values
+# per thread, Liger's settings) reached 82-99% of copy bandwidth forward and backward; fk's 32
+# warps at 16384 were 1-2 points behind.
+WARPS_BY_ELEMENTS = ((2048, 4), (4096, 8), (16384, 16), (None, 32))
+# Split rows: columns per program. 4096 (8 warps by the table above, 16 values per thread) keeps
+# the chunk (two chunks backward) in registers at 32-54 registers per thread (ptxas for sm_90 via
+# Triton 3.9, every dtype / LOG / CAUSAL variant, 2-256 chunks), so 4-6 programs fit a
+# multiprocessor: while some wait for their siblings, the others keep loads in flight. Twice the
+# columns on 16 warps needed 54-64 registers: 2 programs per multiprocessor, no margin.
+SPLIT_CHUNK_ELEMENTS = 4096
+# Siblings per multiprocessor the plan counts on being resident at once (4-6 fit, above). The GPU
+# starts programs in launch order, a row's siblings one after another, so a row of at most this
+# many chunks per multiprocessor never waits on a sibling that cannot start; 64 x 1M columns (256
+# chunks a row) stays on the split path on 132 multiprocessors.
+SIBLINGS_PER_SM = 2
+# A split program polls its row's arrival counter at most this many times before it stops
+# waiting and leaves its chunk to the row's last program (a safety net for siblings that are not
+# resident, e.g. on a shared GPU; normally the last sibling arrives within tens of polls, a few
+# microseconds, where 4096 polls take milliseconds). The interpreter
+# runs programs one after another, so waiting there is pointless: it gives up at once, which is
+# also how the tests reach the hand-off.
+SPIN_LIMIT = 1 << 12
+INTERPRETER_SPIN_LIMIT = 1
+# The interpreter has no residency to respect: split rows up to 16 chunks (65536 columns) there,
+# so that CPU tests reach the split path in every dtype and the two-pass path past 65536 columns.
+INTERPRETER_MAX_SIBLINGS = 16
 PLAN_CACHE_SIZE = 1024
+
+
+class Path(str, enum.Enum):
+    FUSED = "fused"
+    SPLIT = "split"
+    TWO_PASS = "two_pass"
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    fused: bool  # whole rows per program
-    looped: bool  # one program walks its row in chunks (else, if not fused: split rows)
-    block_rows: int  # rows per program (fused)
-    block_cols: int  # columns per program: the padded row (fused) or the chunk (split)
-    chunks: int  # chunks per row (split); 1 when fused
-    chunks_p2: int  # chunks rounded up to a power of two, for the combine step
+    path: Path
+    block_rows: int  # rows per program (fused), else 1
+    block_cols: int  # the padded row (fused) or one chunk (split, two-pass)
+    chunks: int  # chunks per row; 1 when fused
+    chunks_p2: int  # chunks rounded up to a power of two, for combining a row's partials
     num_warps: int
+    programs: int  # grid size
+    spin_limit: int
 
 
+def warps_for(elements: int) -> int:
+    warps = next(w for limit, w in WARPS_BY_ELEMENTS if limit is None or elements <= limit)
+    return max(sizing.MIN_WARPS, min(warps, sizing.max_warps()))
+
+
+def max_siblings() -> int:
+    """Most chunks a split row may have: siblings the GPU surely holds at once."""
+    if backend.is_interpreter():
+        return INTERPRETER_MAX_SIBLINGS
+    return backend.multiprocessor_count() * SIBLINGS_PER_SM
+
+
+def spin_limit() -> int:
+    return INTERPRETER_SPIN_LIMIT if backend.is_interpreter() else SPIN_LIMIT
+
+
+# Plans depend only on the shape and dtype: cached, so a call pays for a dict lookup.
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
     if block is not None:
-        rows = sizing.rows_per_program(n_rows, block, dtype, ROW_TILE_BYTES)
-        return Plan(True, False, rows, block, 1, 1, sizing.num_warps_for(rows * block))
-    row_bytes = n_cols * sizing.element_size(dtype)
-    enough_rows = n_rows >= LOOPED_MIN_ROWS_PER_SM * backend.multiprocessor_count()
-    if row_bytes <= LOOPED_MAX_ROW_BYTES and enough_rows:
-        chunk = LOOPED_CHUNK_BYTES // sizing.element_size(dtype)
-        return Plan(False, True, 1, chunk, 1, 1, sizing.num_warps_for(chunk))
-    chunk = CHUNK_BYTES // sizing.element_size(dtype)
+        rows = sizing.rows_per_program(n_rows, block, dtype, FUSED_TILE_BYTES)
+        return Plan(Path.FUSED, rows, block, 1, 1, warps_for(rows * block), sizing.cdiv(n_rows, rows), 0)
+    chunk, path = SPLIT_CHUNK_ELEMENTS, Path.SPLIT
+    if sizing.cdiv(n_cols, chunk) > max_siblings():
+        chunk, path = sizing.looped_row_block(dtype), Path.TWO_PASS
     chunks = sizing.cdiv(n_cols, chunk)
-    return Plan(False, False, 1, chunk, chunks, sizing.next_power_of_2(chunks), sizing.num_warps_for(chunk))
+    return Plan(path, 1, chunk, chunks, sizing.next_power_of_2(chunks), warps_for(chunk),
+                n_rows * chunks, spin_limit())
