@@ -14,11 +14,24 @@ from collections.abc import Callable
 import torch
 
 
+# Tensor types the implementation may touch directly (data pointers, strides of real memory).
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _traced(args) -> bool:
+    """Whether a tracer is running: Dynamo says so, but AOTAutograd tracing a backward registered
+    with `register_autograd` does not; its tensors are fake / functional subclasses, so any
+    tensor that is not plain sends the call through the registered op."""
+    return torch.compiler.is_compiling() or any(
+        isinstance(a, torch.Tensor) and type(a) not in PLAIN_TENSOR_TYPES for a in args
+    )
+
+
 def eager_or_op(op: Callable, impl: Callable) -> Callable:
     """A callable running `impl` in eager mode and the registered `op` while compiling."""
 
     def call(*args):
-        if torch.compiler.is_compiling():
+        if _traced(args):
             return op(*args)
         return impl(*args)
 
