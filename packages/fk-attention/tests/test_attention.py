@@ -4,30 +4,57 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fk_runtime import testing
+from fk_runtime.tuning import attention as table
 
-from fk_attention import attention
+from fk_attention import SelfAttention, attention, ops
 
 # The interpreter's tl.dot is wrong on bf16 (right on fp16 / fp32): bf16 runs on the GPU.
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if testing.on_gpu() else [])
-# (B, Hq, Hk, Nq, Nk, D): odd lengths, Nq != Nk both ways, GQA and MQA, padded head dims.
+# (B, Hq, Hk, Nq, Nk, D): two queries (causal: the first sees one key), odd lengths, Nq != Nk both ways, GQA and MQA, padded head
+# dims (24, 40), several blocks per program on the interpreter's 16 x 16 blocks.
 SHAPES = [
-    (1, 1, 1, 3, 5, 16),
+    (1, 1, 1, 2, 5, 16),
     (2, 4, 2, 33, 33, 40),
     (1, 3, 1, 17, 50, 16),
     (1, 2, 2, 50, 17, 24),
+    (1, 2, 1, 70, 70, 64),
 ]
+CASES = [(shape, dtype) for shape in SHAPES for dtype in DTYPES]
 if testing.on_gpu():
-    SHAPES += [
-        (2, 8, 2, 1000, 1000, 64), (1, 4, 4, 333, 1025, 96), (1, 2, 1, 4097, 4097, 128),
-        (1, 2, 2, 600, 600, 256), (1, 4, 1, 129, 77, 80), (1, 2, 2, 700, 700, 192),
+    # The issue's sizes in half precision: long and odd lengths, head dims 64, 80, 96, 128, 192,
+    # 256, Nq != Nk, GQA/MQA, N = 16384 (autotuned; float64 reference of 2 x 16384^2 scores).
+    # Each shape in one of the two dtypes (every head dim is a compile per dtype), both overall.
+    CASES += [
+        ((2, 8, 2, 1000, 1000, 64), torch.bfloat16), ((1, 4, 4, 333, 1025, 96), torch.float16),
+        ((1, 2, 1, 4097, 4097, 128), torch.bfloat16), ((1, 2, 2, 600, 600, 256), torch.float16),
+        ((1, 4, 1, 129, 77, 80), torch.bfloat16), ((1, 2, 2, 700, 700, 192), torch.float16),
+        ((2, 4, 4, 1000, 1000, 96), torch.bfloat16), ((1, 2, 2, 600, 600, 256), torch.bfloat16),
+        ((1, 2, 1, 16384, 16384, 128), torch.bfloat16), ((1, 2, 1, 4096, 4096, 64), torch.float16),
     ]
+FP8_DTYPES = table.FP8_DTYPES
+# fp8 P @ V rounds P to the input's mantissa (3 bits e4m3, 2 bits e5m2): a few % relative error.
+FP8_TOLERANCE = {torch.float8_e4m3fn: 0.08, torch.float8_e5m2: 0.15}
 
 
-def reference(q, k, v, causal=False, scale=None):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+def reference(q, k, v, causal=False, scale=None, lse=False):
+    """softmax(q k^T * scale + mask) v in the inputs' dtype (float64 in the checks), GQA by
+    repeating each KV head over its query heads; top-left causal mask as SDPA's."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if causal:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, -math.inf)
+    out = torch.softmax(scores, -1) @ v
+    return (out, torch.logsumexp(scores, -1)) if lse else out
 
 
-def make(shape, dtype, layout="bhnd"):
+def sdpa(causal, scale=None):
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                          enable_gqa=True)
+
+
+def make(shape, dtype, layout="bhnd", requires_grad=True):
     b, hq, hk, nq, nk, d = shape
     if layout == "bnhd":  # (B, N, H, D) storage, seen as (B, H, N, D): strided, no copy
         q = testing.randn((b, nq, hq, d), dtype).transpose(1, 2)
@@ -35,32 +62,141 @@ def make(shape, dtype, layout="bhnd"):
         v = testing.randn((b, nk, hk, d), dtype).transpose(1, 2)
     else:
         q, k, v = (testing.randn(s, dtype) for s in ((b, hq, nq, d), (b, hk, nk, d), (b, hk, nk, d)))
-    return [t.requires_grad_() for t in (q, k, v)]
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_matches_float64_reference(shape, dtype, causal):
-    inputs = make(shape, dtype)
+def check(fn, inputs, dtype, causal, scale=None):
+    """Forward and every gradient against float64, bounds widened by SDPA's own error in half
+    precision."""
     testing.assert_matches_reference(
-        lambda q, k, v: attention(q, k, v, causal=causal),
-        lambda q, k, v: reference(q, k, v, causal),
-        inputs, dtype=dtype, names=["q", "k", "v"],
-        baseline_fn=None if dtype == torch.float32 else (lambda q, k, v: reference(q, k, v, causal)),
+        fn, lambda q, k, v: reference(q, k, v, causal, scale), inputs, dtype=dtype,
+        names=["q", "k", "v"], baseline_fn=None if dtype == torch.float32 else sdpa(causal, scale),
     )
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape,dtype", CASES, ids=str)
+def test_matches_float64_reference(shape, dtype, causal):
+    check(lambda q, k, v: attention(q, k, v, causal=causal), make(shape, dtype), dtype, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_single_query_decoding(dtype):
+    """One new query against a KV cache (GQA), non-causal as decoding calls it."""
+    check(lambda q, k, v: attention(q, k, v), make((2, 8, 2, 1, 45, 64), dtype), dtype, False)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mode", testing.compile_modes())
-def test_strided_bnhd_inputs_and_compile(mode):
-    inputs = make((2, 4, 2, 21, 37, 32), torch.float16, layout="bnhd")
+def test_strided_bnhd_inputs(mode, causal):
+    """(B, N, H, D) tensors transposed: read through their strides, output and gradients come
+    back in the same storage order."""
+    dtype = torch.float16
+    inputs = make((2, 4, 2, 21, 37, 32), dtype, layout="bnhd")
     assert not inputs[0].is_contiguous()
-    fn = testing.maybe_compile(lambda q, k, v: attention(q, k, v, causal=True), mode)
-    ref = lambda q, k, v: reference(q, k, v, True)  # noqa: E731
-    testing.assert_matches_reference(fn, ref, inputs, dtype=torch.float16, baseline_fn=ref)
+    fn = testing.maybe_compile(lambda q, k, v: attention(q, k, v, causal=causal), mode)
+    check(fn, inputs, dtype, causal)
+    out = fn(*inputs)
+    assert out.transpose(1, 2).is_contiguous()
+    grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+    assert all(g.transpose(1, 2).is_contiguous() for g in grads)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_inputs_reach_the_kernel_without_copies(monkeypatch):
+    seen = []
+    real = ops._launch
+
+    def spy(kernel, kind, n_rows, programs, args, *rest):
+        seen.append([a.data_ptr() for a in args[:3]])
+        return real(kernel, kind, n_rows, programs, args, *rest)
+
+    monkeypatch.setattr(ops, "_launch", spy)
+    q, k, v = make((1, 2, 1, 20, 20, 16), torch.float32, layout="bnhd")
+    attention(q, k, v).sum().backward()
+    assert seen and all(ptrs == [q.data_ptr(), k.data_ptr(), v.data_ptr()] for ptrs in seen)
+
+
+# Forced launches: uneven block shapes (more queries than keys per step and the reverse), both
+# load paths (TMA descriptors run on the interpreter too), GQA, odd lengths both ways.
+# (Fewer on the GPU, where every tiling is a compile and the main test covers the tuned ones.)
+TILINGS = [(16, 16, False), (32, 16, True), (16, 64, True)] + (
+    [] if testing.on_gpu() else [(16, 32, False), (64, 16, True)])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("tiling", TILINGS, ids=str)
+@pytest.mark.parametrize("lengths", [(37, 70), (70, 37)], ids=str)
+def test_every_tiling_and_load_path(tiling, lengths, causal):
+    block_m, block_n, descriptors = tiling
+    n_q, n_k = lengths
+    q, k, v = make((1, 4, 2, n_q, n_k, 40), torch.float32, requires_grad=False)
+    if descriptors and testing.on_gpu() and not table.use_descriptors(q, k, v):
+        pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
+    fwd = table.Config(block_m, block_n, 4, 1, descriptors)
+    # dK/dV walks queries in steps of BLOCK_M with BLOCK_N keys held: swap for the other shape.
+    bwd = (fwd, table.Config(block_n, block_m, 4, 1, descriptors))
+    scale = 0.3
+    out, lse = ops.forward(q, k, v, causal, scale, config=fwd)
+    ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference(*ref_inputs, causal=causal, scale=scale, lse=True)
+    testing.assert_close("out", out, ref_out, torch.float32)
+    testing.assert_close("lse", lse, ref_lse, torch.float32)
+    g_out, g_lse = testing.randn(out.shape), testing.randn(lse.shape)
+    grads = ops.backward(g_out, g_lse, q, k, v, out, lse, causal, scale, configs=bwd)
+    ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [g_out.double(), g_lse.double()])
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        testing.assert_close(f"grad {name}", g, r, torch.float32)
+
+
+def test_autotuned_launch_runs_every_candidate(monkeypatch):
+    """The GPU's autotuned path (candidates through TMA and through pointers, pruning, grids from
+    the chosen blocks). On the interpreter the tuner's timer is replaced by one run per candidate."""
+    runs = []
+    if not testing.on_gpu():
+        real = table.autotuned
+
+        def with_fake_timer(kernel, kind, head_dim, descriptors):
+            tuned = real(kernel, kind, head_dim, descriptors)
+            tuned.__dict__["do_bench"] = lambda call, quantiles: (call(), runs.append(kind), [1.0] * 3)[2]
+            return tuned
+
+        monkeypatch.setattr(table, "autotuned", with_fake_timer)
+        monkeypatch.setattr(table, "use_descriptors", table.descriptors_allowed)
+    monkeypatch.setattr(table, "should_autotune", lambda *args: True)
+    dtype = torch.float16
+    inputs = make((1, 2, 1, 150, 130, 40), dtype)
+    check(lambda q, k, v: attention(q, k, v, causal=True), inputs, dtype, True)
+    if not testing.on_gpu():
+        tried = {kind: runs.count(kind) for kind in table.Kind}
+        expected = {kind: len(table.candidates(kind, 40, True)) for kind in table.Kind}
+        assert tried == expected
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_log_sum_exp_and_its_gradient(causal):
+    """return_lse=True: the fp32 natural-log row log-sum-exp, differentiable (what merging
+    partial attentions across devices needs)."""
+    inputs = make((1, 4, 2, 19, 23, 16), torch.float32)
+    results = testing.check_against_reference(
+        lambda q, k, v: attention(q, k, v, causal=causal, sm_scale=0.3, return_lse=True),
+        lambda q, k, v: reference(q, k, v, causal, 0.3, lse=True),
+        inputs, dtype=torch.float32, names=["q", "k", "v"],
+    )
+    assert len(results) == 5 and all(r.ok for r in results), "\n".join(map(str, results))
+    _, lse = attention(*inputs, return_lse=True)
+    assert lse.shape == (1, 4, 19) and lse.dtype == torch.float32
+
+
+def test_merging_two_halves_by_log_sum_exp_gives_the_whole():
+    q, k, v = make((1, 2, 1, 9, 40, 16), torch.float32, requires_grad=False)
+    o1, l1 = attention(q, k[:, :, :17], v[:, :, :17], return_lse=True)
+    o2, l2 = attention(q, k[:, :, 17:], v[:, :, 17:], return_lse=True)
+    lse = torch.logaddexp(l1, l2)
+    merged = o1 * (l1 - lse).exp()[..., None] + o2 * (l2 - lse).exp()[..., None]
+    testing.assert_close("merged", merged, reference(q.double(), k.double(), v.double()), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_one_key(dtype):
     """One key: the output is v, the gradient goes to v alone; q's and k's gradients vanish in
     exact arithmetic and are rounding noise here (relative error is meaningless on them)."""
@@ -75,28 +211,112 @@ def test_one_key(dtype):
     assert dk.abs().max() <= noise * g.abs().max() * v.abs().max() * q.abs().max() * 3 + noise
 
 
-def test_scale_and_log_sum_exp():
-    q, k, v = make((1, 2, 1, 19, 23, 16), torch.float32)
-    out, lse = attention(q, k, v, causal=True, sm_scale=0.3, return_lse=True)
-    testing.assert_close("out", out, reference(q.double(), k.double(), v.double(), True, 0.3), torch.float32)
-    scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) * 0.3
-    keep = torch.ones(19, 23, dtype=torch.bool, device=q.device).tril()
-    ref_lse = torch.logsumexp(scores.masked_fill(~keep, -math.inf), -1)
-    testing.assert_close("lse", lse, ref_lse, torch.float32)
-    assert lse.dtype == torch.float32 and not lse.requires_grad
+@pytest.mark.parametrize("shape", [(1, 2, 1, 0, 5, 16), (1, 2, 1, 4, 0, 16), (0, 2, 2, 4, 4, 16)], ids=str)
+def test_empty(shape):
+    """No queries or no batch: empty outputs. No keys: zeros (as SDPA), lse -inf, zero grads."""
+    q, k, v = make(shape, torch.float32)
+    out, lse = attention(q, k, v, return_lse=True)
+    torch.testing.assert_close(out, reference(q, k, v).nan_to_num())
+    assert lse.shape == q.shape[:3] and bool((lse == -math.inf).all())
+    grads = torch.autograd.grad(out, [q, k, v], torch.ones_like(out))
+    assert all(g.shape == t.shape and not g.any() for g, t in zip(grads, (q, k, v), strict=True))
+
+
+def test_sm_scale_default_and_custom():
+    q, k, v = make((1, 2, 2, 11, 13, 24), torch.float32, requires_grad=False)
+    for scale in (None, 0.05, 2.0):
+        ref = reference(q.double(), k.double(), v.double(), scale=scale)
+        testing.assert_close(f"scale {scale}", attention(q, k, v, sm_scale=scale), ref, torch.float32)
+
+
+def test_large_scores_stay_finite():
+    """Scores around +-300 (scaled): the online softmax's running max keeps exp2 in range."""
+    q, k, v = make((1, 1, 1, 40, 40, 16), torch.float32, requires_grad=False)
+    q = q * 30
+    for causal in (False, True):
+        out, lse = attention(q, k, v, causal=causal, return_lse=True)
+        ref, ref_lse = reference(q.double(), k.double(), v.double(), causal, lse=True)
+        testing.assert_close("out", out, ref, torch.float32)
+        testing.assert_close("lse", lse, ref_lse, torch.float32)
 
 
 def test_backward_is_deterministic():
     q, k, v = make((1, 4, 1, 40, 40, 16), torch.float16)
     g = testing.randn(q.shape, torch.float16)
     first = torch.autograd.grad(attention(q, k, v, causal=True), [q, k, v], g)
-    again = torch.autograd.grad(attention(q, k, v, causal=True), [q, k, v], g)
-    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    for _ in range(2):
+        again = torch.autograd.grad(attention(q, k, v, causal=True), [q, k, v], g)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 
-def test_compiled_graph_runs_the_fk_op():
+def test_compiled_graph_runs_the_fk_ops():
     q, k, v = make((1, 2, 1, 8, 8, 16), torch.float32)
-    assert "fk.attention.default" in testing.compiled_graph_ops(attention, q, k, v)
+    ops_seen = testing.compiled_graph_ops(lambda q, k, v: attention(q, k, v, causal=True), q, k, v)
+    assert {"fk.attention.default", "fk.attention_backward.default"} <= ops_seen
+
+
+@pytest.mark.parametrize("mode", testing.compile_modes())
+def test_registered_op_is_differentiable(mode):
+    """torch.ops.fk.attention on its own (register_autograd), eager and compiled."""
+    inputs = make((1, 2, 1, 13, 21, 16), torch.float32)
+    fn = testing.maybe_compile(lambda q, k, v: torch.ops.fk.attention(q, k, v, True, 0.25), mode)
+    results = testing.check_against_reference(
+        fn, lambda q, k, v: reference(q, k, v, True, 0.25, lse=True), inputs, dtype=torch.float32,
+    )
+    assert all(r.ok for r in results), "\n".join(map(str, results))
+
+
+@pytest.mark.parametrize("mode", testing.compile_modes())
+def test_self_attention_module(mode):
+    torch.manual_seed(0)
+    layer = SelfAttention(64, num_heads=4, num_kv_heads=2, causal=True, bias=True, device=testing.device())
+    x = testing.randn((2, 19, 64), requires_grad=True)
+
+    def torch_layer(x, w_qkv, b_qkv, w_proj, b_proj):
+        q, k, v = F.linear(x, w_qkv, b_qkv).split((64, 32, 32), dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, 16)).transpose(1, 2) for t in (q, k, v))
+        return F.linear(reference(q, k, v, causal=True).transpose(1, 2).flatten(-2), w_proj, b_proj)
+
+    params = [layer.qkv.weight, layer.qkv.bias, layer.proj.weight, layer.proj.bias]
+    fn = testing.maybe_compile(lambda x, *p: layer(x), mode)
+    testing.assert_matches_reference(fn, torch_layer, [x, *params], dtype=torch.float32,
+                                     names=["x", "w_qkv", "b_qkv", "w_proj", "b_proj"])
+    assert "num_kv_heads=2" in repr(layer)
+
+
+@pytest.mark.skipif(not testing.on_gpu(), reason="memory statistics need a GPU")
+def test_memory_is_linear_in_length():
+    """N = 16384: forward and backward allocate O(N) (N x N bf16 scores would be 1 GiB). The
+    shape of the main test's longest case: its kernels are compiled and tuned already."""
+    q, k, v = make((1, 2, 1, 16384, 16384, 128), torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = attention(q, k, v, causal=True)
+    torch.autograd.grad(out, [q, k, v], torch.ones_like(out))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    input_bytes = sum(t.numel() * t.element_size() for t in (q, k, v))
+    assert peak < 8 * input_bytes, f"peak {peak / 2**20:.0f} MiB for {input_bytes / 2**20:.0f} MiB of inputs"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+def test_fp8_forward(dtype, causal):
+    """fp8 inputs (inference): bf16 output, on CUDA GPUs of compute capability >= 8.9; a clear
+    TypeError elsewhere (the interpreter included)."""
+    shape = (1, 4, 2, 300, 300, 64) if testing.on_gpu() else (1, 2, 1, 20, 20, 32)
+    q, k, v = (t.to(dtype) for t in make(shape, torch.float32, requires_grad=False))
+    supported, _ = table.fp8_supported()
+    if not supported:
+        with pytest.raises(TypeError, match="fp8 attention needs"):
+            attention(q, k, v, causal=causal)
+        return
+    out = attention(q, k, v, causal=causal)
+    assert out.dtype == table.FP8_OUTPUT_DTYPE
+    ref = reference(q.double(), k.double(), v.double(), causal)
+    c = testing.Comparison("fp8 out", testing.rel_error(out, ref), FP8_TOLERANCE[dtype])
+    assert c.ok, str(c)
 
 
 @pytest.mark.parametrize(
@@ -104,9 +324,15 @@ def test_compiled_graph_runs_the_fk_op():
     [
         (((1, 2, 8, 16), (1, 2, 8, 24), (1, 2, 8, 24)), None, ValueError, "head dim"),
         (((1, 3, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)), None, ValueError, "multiple of"),
-        (((1, 2, 8, 12), (1, 2, 8, 12), (1, 2, 8, 12)), None, ValueError, "multiple of 8"),
+        (((1, 2, 8, 12),) * 3, None, ValueError, "multiple of 8"),
+        (((1, 2, 8, 8),) * 3, None, ValueError, "from 16 to 256"),
+        (((1, 2, 8, 264),) * 3, None, ValueError, "from 16 to 256"),
+        (((1, 2, 8, 16), (1, 2, 9, 16), (1, 2, 8, 16)), None, ValueError, "one shape"),
+        (((2, 2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)), None, ValueError, "batch size"),
         (((1, 2, 8, 16),) * 3, (torch.float32, torch.float16), TypeError, "one dtype"),
+        (((1, 2, 8, 16),) * 3, (torch.float64, torch.float64), TypeError, "dtype in"),
         (((2, 8, 16), (2, 8, 16), (2, 8, 16)), None, ValueError, "at least 4 dims"),
+        (((1, 1, 2, 8, 16),) * 3, None, ValueError, "at most 4 dims"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(shapes, dtypes, error, match):
@@ -117,7 +343,18 @@ def test_bad_inputs_raise_clear_errors(shapes, dtypes, error, match):
         attention(q, k, v)
 
 
-def test_mixed_devices_raise():
+def test_bad_arguments_raise_clear_errors():
     q = testing.randn((1, 1, 4, 16))
     with pytest.raises(ValueError, match="one device"):
         attention(q, torch.ones(1, 1, 4, 16, device="meta"), torch.ones(1, 1, 4, 16, device="meta"))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        attention(q, q.tolist(), q)
+    for scale in (0.0, -1.0):
+        with pytest.raises(ValueError, match="sm_scale"):
+            attention(q, q, q, sm_scale=scale)
+    if FP8_DTYPES:
+        f8 = q.to(FP8_DTYPES[0]).requires_grad_()
+        with pytest.raises(ValueError, match="forward-only"):
+            attention(f8, f8, f8)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        SelfAttention(64, num_heads=4, num_kv_heads=3)

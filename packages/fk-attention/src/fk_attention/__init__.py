@@ -2,8 +2,9 @@
 
 from fk_runtime import package_version
 
+from .module import SelfAttention
 from .ops import attention
 
 __version__ = package_version(__name__, __file__)
 
-__all__ = ["attention", "__version__"]
+__all__ = ["SelfAttention", "__version__", "attention"]
