@@ -32,13 +32,16 @@ FUSED_TILE_BYTES = 4096
 # per thread, Liger's settings) reached 82-99% of copy bandwidth forward and backward; fk's 32
 # warps at 16384 were 1-2 points behind.
 WARPS_BY_ELEMENTS = ((2048, 4), (4096, 8), (16384, 16), (None, 32))
-# Split rows: columns per program. 4096 (8 warps by the table above, 16 values per thread) keeps
-# the chunk (two chunks backward) in registers at 32-54 registers per thread (ptxas for sm_90 via
-# Triton 3.9, every dtype / LOG / CAUSAL variant, 2-256 chunks), so 4-6 programs fit a
-# multiprocessor: while some wait for their siblings, the others keep loads in flight. Twice the
-# columns on 16 warps needed 54-64 registers: 2 programs per multiprocessor, no margin.
+# Split rows: columns per program, on SPLIT_NUM_WARPS warps. H100 sweep of 2026-11-22 (launcher
+# timed alone, 1024x65536, 256x262144, 64x1048576, bf16 and fp32; chunks 2048-16384 on 4-16
+# warps): 4096 columns on 4 warps (32 values per thread) was best or within 3% of best forward
+# in 5 of 6 cases and backward in all (fp32 forward 2536-2657 GB/s, bf16 1995-2126; the 8-warp
+# 4096 chunk gave 1634-2058 bf16). Few threads per program keep many programs resident per
+# multiprocessor: while some wait for their siblings, the others keep loads in flight.
 SPLIT_CHUNK_ELEMENTS = 4096
-# Siblings per multiprocessor the plan counts on being resident at once (4-6 fit, above). The GPU
+SPLIT_NUM_WARPS = 4
+# Siblings per multiprocessor the plan counts on being resident at once (4-warp programs: several
+# fit). The GPU
 # starts programs in launch order, a row's siblings one after another, so a row of at most this
 # many chunks per multiprocessor never waits on a sibling that cannot start; 64 x 1M columns (256
 # chunks a row) stays on the split path on 132 multiprocessors.
@@ -102,5 +105,6 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
     if sizing.cdiv(n_cols, chunk) > max_siblings():
         chunk, path = sizing.looped_row_block(dtype), Path.TWO_PASS
     chunks = sizing.cdiv(n_cols, chunk)
-    return Plan(path, 1, chunk, chunks, sizing.next_power_of_2(chunks), warps_for(chunk),
+    warps = SPLIT_NUM_WARPS if path is Path.SPLIT else warps_for(chunk)
+    return Plan(path, 1, chunk, chunks, sizing.next_power_of_2(chunks), warps,
                 n_rows * chunks, spin_limit())
