@@ -135,9 +135,10 @@ def norm_bwd_fused_kernel(
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) if HAS_W else 1.0
-    # Row-shaped accumulators: reduced over rows once at the end, not on every step.
-    dw_acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-    db_acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    # One row of accumulators, each step's rows summed into it: a row-shaped accumulator per
+    # step's rows would double the registers that whole rows of 8192 features already fill.
+    dw_acc = tl.zeros((BLOCK_D,), tl.float32)
+    db_acc = tl.zeros((BLOCK_D,), tl.float32)
     row_begin = group * rows_per_group
     row_end = tl.minimum(row_begin + rows_per_group, n_rows)
     for r0 in range(row_begin, row_end, BLOCK_R):
@@ -177,13 +178,13 @@ def norm_bwd_fused_kernel(
             dx = dz
         tl.store(dx_ptr + rows64 * stride_dxr + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_W:
-            dw_acc += dy * xhat
+            dw_acc += tl.sum(dy * xhat, axis=0)
         if HAS_B:
-            db_acc += dy
+            db_acc += tl.sum(dy, axis=0)
     if HAS_W:
-        tl.store(dw_part_ptr + group.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        tl.store(dw_part_ptr + group.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
     if HAS_B:
-        tl.store(db_part_ptr + group.to(tl.int64) * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+        tl.store(db_part_ptr + group.to(tl.int64) * n_cols + cols, db_acc, mask=col_mask)
 
 
 @triton.jit

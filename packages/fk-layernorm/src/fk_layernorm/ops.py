@@ -1,6 +1,6 @@
 """Launchers, `torch.library` ops and autograd for LayerNorm and RMSNorm.
 
-Path of a call: checks (fk_runtime) -> autograd.Function -> rows view (einops) -> plan
+Path of a call: checks (fk_runtime) -> autograd.Function -> rows view (fk_runtime.views) -> plan
 (fk_runtime.tuning.layernorm: whole rows or chunks) -> kernels. The forward writes per-row
 statistics only when autograd will need them; backward saves x itself and those statistics.
 Eager calls reach the launchers directly; under `torch.compile` they go through the registered
@@ -12,16 +12,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from einops import rearrange
-from fk_runtime import alloc, checks, dispatch
+from fk_runtime import alloc, checks, dispatch, views
 from fk_runtime import sizing as fk_sizing
 from fk_runtime.tuning import layernorm as plans
 
 from . import kernels
 
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return rearrange(t, "... d -> (...) d")
 
 
 def _flags(weight, bias, is_rms: bool, stable: bool) -> dict:
@@ -36,7 +32,7 @@ def _stats(n_rows: int, device, save: bool) -> torch.Tensor:
 def _forward(x, weight, bias, eps: float, is_rms: bool, stable: bool, save_stats: bool):
     checks.check_kernel_device("x", x)
     y = alloc.empty(x.shape, dtype=x.dtype, device=x.device)
-    x2, y2 = _rows(x), _rows(y)
+    x2, y2 = views.rows(x), views.rows(y)
     n_rows, n_cols = x2.shape
     stats = _stats(n_rows, x.device, save_stats)
     if x.numel() == 0:
@@ -71,7 +67,7 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
     if x.numel() == 0:
         zeros = [torch.zeros_like(p) if p is not None else _absent(x) for p in (weight, bias)]
         return grad_x, zeros[0], zeros[1]
-    x2, dy2, dx2 = _rows(x), _rows(grad_y), _rows(grad_x)
+    x2, dy2, dx2 = views.rows(x), views.rows(grad_y), views.rows(grad_x)
     n_rows, n_cols = x2.shape
     p = plans.backward_plan(n_rows, n_cols, x.dtype)
     flags = _flags(weight, bias, is_rms, stable)
@@ -82,7 +78,7 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
             x2, w, dy2, dx2, stats[0], stats[1], stats[2], parts[0], parts[1], n_rows, n_cols, 1.0 / n_cols,
             x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), dx2.stride(0), p.rows_per_group,
             BLOCK_R=p.block_rows, BLOCK_D=p.block_cols, **flags,
-            **fk_sizing.launch_options(p.num_warps),
+            **fk_sizing.launch_options(p.num_warps, plans.BACKWARD_NUM_STAGES),
         )
     else:
         kernels.norm_bwd_looped_dx_kernel[(n_rows,)](

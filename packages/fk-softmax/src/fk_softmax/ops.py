@@ -1,7 +1,7 @@
 """Launchers, `torch.library` ops and autograd for softmax and log-softmax.
 
 Path of a call: checks (fk_runtime) -> autograd.Function -> (outer, n, inner) view of the input
-(einops; the softmax dim in the middle, so no dim is moved or copied) -> plan
+(fk_runtime.views; the softmax dim in the middle, so no dim is moved or copied) -> plan
 (fk_runtime.tuning.softmax: fused rows, split rows or two passes) -> kernels. Eager calls reach
 the launchers directly; under `torch.compile` they go through the registered ops
 (fk_runtime.dispatch).
@@ -9,27 +9,13 @@ the launchers directly; under `torch.compile` they go through the registered ops
 
 from __future__ import annotations
 
-import functools
 
 import torch
-from einops import rearrange
-from fk_runtime import alloc, checks, dispatch
+from fk_runtime import alloc, checks, dispatch, views
 from fk_runtime import sizing as fk_sizing
 from fk_runtime.tuning import softmax as plans
 
 from . import kernels
-
-
-@functools.cache
-def _pattern(ndim: int, dim: int) -> str:
-    """einops pattern viewing a tensor as (dims before `dim`, `dim`, dims after `dim`)."""
-    names = [f"d{i}" for i in range(ndim)]
-    return f"{' '.join(names)} -> ({' '.join(names[:dim])}) {names[dim]} ({' '.join(names[dim + 1:])})"
-
-
-def _view3(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """(outer, n, inner) view of `t` around `dim` (a copy only where strides cannot express it)."""
-    return rearrange(t, _pattern(t.dim(), dim))
 
 
 def _split_scratch(n_rows: int, programs: int, partials: int, device: torch.device):
@@ -114,14 +100,14 @@ def _forward(x: torch.Tensor, dim: int, causal: bool, log: bool) -> torch.Tensor
     checks.check_kernel_device("x", x)
     y = _new_output(x)
     if x.numel() > 0:
-        forward_rows(_view3(x, dim), y, x.shape[-2] if causal else 1, log, causal)
+        forward_rows(views.around(x, dim), y, x.shape[-2] if causal else 1, log, causal)
     return y
 
 
 def _backward(y: torch.Tensor, grad_y: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     grad_x = _new_output(y)
     if y.numel() > 0:
-        backward_rows(_view3(y, dim), _view3(grad_y, dim), grad_x, log)
+        backward_rows(views.around(y, dim), views.around(grad_y, dim), grad_x, log)
     return grad_x
 
 

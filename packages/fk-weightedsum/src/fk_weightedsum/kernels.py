@@ -54,7 +54,9 @@ def weighted_sum_bwd_kernel(
 
     Program (g, j) walks the rows of group g in D tile j: it writes grad_x for them and sums
     x * grad_y over those rows into partial_grad_w[g, tile j]. The launcher reduces the groups in
-    a fixed order, so grad_w has the same bits every run.
+    a fixed order, so grad_w has the same bits every run. The running sum is one D-tile vector
+    (each step's tile reduced over its rows): a row-shaped accumulator would double the tile's
+    registers and spill.
     """
     group = tl.program_id(0)
     d_tile = tl.program_id(1)
@@ -63,7 +65,7 @@ def weighted_sum_bwd_kernel(
     w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)
     row_begin = group * rows_per_group
     row_end = tl.minimum(row_begin + rows_per_group, n_rows)
-    acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for r0 in range(row_begin, row_end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         row_mask = rows < n_rows  # groups cover whole row tiles
@@ -75,6 +77,5 @@ def weighted_sum_bwd_kernel(
         gx = gy[:, None] * w[None, :]
         tl.store(grad_x_ptr + rows64 * stride_gxr + cols[None, :],
                  gx.to(grad_x_ptr.dtype.element_ty), mask=mask)
-        acc += x.to(tl.float32) * gy[:, None]
-    tl.store(partial_grad_w_ptr + group.to(tl.int64) * n_cols + cols, tl.sum(acc, axis=0),
-             mask=col_mask)
+        acc += tl.sum(x.to(tl.float32) * gy[:, None], axis=0)
+    tl.store(partial_grad_w_ptr + group.to(tl.int64) * n_cols + cols, acc, mask=col_mask)

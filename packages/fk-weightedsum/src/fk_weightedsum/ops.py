@@ -1,6 +1,6 @@
 """Launchers, `torch.library` ops and autograd for the weighted sum.
 
-Path of a call: checks (fk_runtime) -> autograd.Function -> rows view (einops) -> plan
+Path of a call: checks (fk_runtime) -> autograd.Function -> rows view (fk_runtime.views) -> plan
 (fk_runtime.tuning) -> kernel. Eager calls reach the launchers directly; under `torch.compile`
 they go through the registered ops (opaque, with fake implementations), so compiled graphs call
 the same kernels without a graph break (fk_runtime.dispatch).
@@ -9,17 +9,12 @@ the same kernels without a graph break (fk_runtime.dispatch).
 from __future__ import annotations
 
 import torch
-from einops import rearrange
-from fk_runtime import alloc, checks, dispatch
+from fk_runtime import alloc, checks, dispatch, views
 from fk_runtime import sizing as fk_sizing
 from fk_runtime.tuning import weightedsum as plans
 
 from .kernels import weighted_sum_bwd_kernel, weighted_sum_fwd_kernel
 
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as (rows, D): a view whenever the leading dims can merge (no copy of strided x then)."""
-    return rearrange(x, "... d -> (...) d")
 
 
 def forward_2d(x2: torch.Tensor, weight: torch.Tensor, plan: plans.Plan | None = None) -> torch.Tensor:
@@ -58,7 +53,7 @@ def backward_2d(
         x2.stride(0), x2.stride(1), weight.stride(0), grad_y.stride(0), grad_x.stride(0),
         plan.span,
         BLOCK_R=plan.tile.block_rows, BLOCK_D=plan.tile.block_cols,
-        **fk_sizing.launch_options(plan.tile.num_warps),
+        **fk_sizing.launch_options(plan.tile.num_warps, plans.BACKWARD_NUM_STAGES),
     )
     # Row groups reduced in a fixed order: grad_w has the same bits every run.
     return grad_x, partial.sum(0).to(weight.dtype)
@@ -67,11 +62,11 @@ def backward_2d(
 def _forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     checks.check_kernel_device("x", x)
     checks.check_kernel_device("weight", weight)
-    return forward_2d(_rows(x), weight).reshape(x.shape[:-1])
+    return forward_2d(views.rows(x), weight).reshape(x.shape[:-1])
 
 
 def _backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
-    grad_x, grad_w = backward_2d(grad_y.reshape(-1), _rows(x), weight)
+    grad_x, grad_w = backward_2d(grad_y.reshape(-1), views.rows(x), weight)
     return grad_x.reshape(x.shape), grad_w
 
 

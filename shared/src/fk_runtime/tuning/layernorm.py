@@ -15,17 +15,24 @@ import torch
 
 from .. import backend, sizing
 
-# Forward, short rows: one program covers about this many bytes of input (several rows).
-FORWARD_ROW_TILE_BYTES = 32768
-# Backward: rows are held whole only up to this many elements. Its fused kernel keeps about six
-# row-sized fp32 arrays live (x, dy, x-hat, w*dy, dx, w); past 4096 elements they outgrow the
-# register file and spill (H100, 2026-11-22: 4096x16384 bf16 backward ran at 260 GB/s fused).
-BACKWARD_FUSED_MAX_ELEMENTS = 4096
-# Backward, short rows: rows per loop step, as bytes of one input tile.
+# Forward, short rows: a program takes whole rows until it holds about this many bytes of input,
+# on `sizing.row_warps` warps. H100 sweep of 2026-11-22 (1024-16384 features, bf16 and fp32, 1-8
+# rows on 4-32 warps): 8 KB tiles reached 2590-2900 GB/s; the 32 KB tiles of before fell to
+# 1800 GB/s (bf16, 1024 features) and 2060 (bf16, 16384 features on 32 warps).
+FORWARD_ROW_TILE_BYTES = 8192
+# Backward: rows are held whole up to this many features. Same sweep: 8192 features (one row on
+# 16 warps) ran at 2390 GB/s bf16 and 2740 fp32; 16384 spilled at any warp count (330 GB/s), so
+# longer rows take the chunked kernels.
+BACKWARD_FUSED_MAX_ELEMENTS = 8192
+# Backward, short rows: rows per loop step, as bytes of one input tile (16 KB: 8 rows of 1024
+# bf16 features, 4 of fp32; 2510 and 2720 GB/s in that sweep).
 BACKWARD_ROW_TILE_BYTES = 16384
-# Backward row groups per multiprocessor (each group ends in one partial row of dweight/dbias);
-# 4 keeps several programs' loads in flight per multiprocessor.
-BACKWARD_PROGRAMS_PER_SM = 4
+# Backward: warps from one row's features (`sizing.row_warps`: 4 at 1024, 8 at 4096, 16 at 8192),
+# and as many row groups per multiprocessor as fill BACKWARD_WARPS_PER_SM warps (4, 2 and 1
+# groups there: the sweep's best at each width). Each group ends in one partial row of dweight /
+# dbias. One stage: the loop's loads gain nothing from pipelining (1 and 2 stages tied).
+BACKWARD_WARPS_PER_SM = 16
+BACKWARD_NUM_STAGES = 1
 # The dweight / dbias partial buffers (fp32, groups x features, two of them) stay under this many
 # bytes, so peak memory stays under PyTorch's for long rows.
 PARTIAL_BYTES_BUDGET = 32 << 20
@@ -64,7 +71,7 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
     if block is not None:
         rows = sizing.rows_per_program(n_rows, block, dtype, FORWARD_ROW_TILE_BYTES)
-        return Plan(True, rows, block, sizing.num_warps_for(rows * block))
+        return Plan(True, rows, block, sizing.row_warps(rows * block))
     chunk = LOOPED_CHUNK_BYTES // sizing.element_size(dtype)
     return Plan(False, 1, chunk, sizing.num_warps_for(chunk))
 
@@ -74,8 +81,9 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
     if block is not None and block <= BACKWARD_FUSED_MAX_ELEMENTS:
         rows = sizing.rows_per_program(n_rows, block, dtype, BACKWARD_ROW_TILE_BYTES)
-        groups, per_group = _groups(n_rows, n_cols, rows, BACKWARD_PROGRAMS_PER_SM)
-        return Plan(True, rows, block, sizing.num_warps_for(rows * block), groups, per_group)
+        warps = sizing.row_warps(block)
+        groups, per_group = _groups(n_rows, n_cols, rows, max(1, BACKWARD_WARPS_PER_SM // warps))
+        return Plan(True, rows, block, warps, groups, per_group)
     chunk = LOOPED_CHUNK_BYTES // sizing.element_size(dtype)
     tile = sizing.tile_2d(n_rows, n_cols, dtype, PARAMS_TILE_BYTES, PARAMS_MAX_BLOCK_D)
     col_tiles = sizing.cdiv(n_cols, tile.block_cols)

@@ -27,11 +27,6 @@ from .. import backend, sizing
 # of copy bandwidth in fp32 (4 KB a program) and 82% in bf16 (2 KB), fk's 16-32 KB multi-row tiles
 # on 16-32 warps 55-69%. 4 KB gives bf16 programs the bytes of that fp32 program (2 rows).
 FUSED_TILE_BYTES = 4096
-# Warps for a program holding `elements` values (whole rows or one chunk): (max elements, warps),
-# first match wins. Same run: 4 warps at 1024 elements, 8 at 4096 and 16 at 16384 (8 to 32 values
-# per thread, Liger's settings) reached 82-99% of copy bandwidth forward and backward; fk's 32
-# warps at 16384 were 1-2 points behind.
-WARPS_BY_ELEMENTS = ((2048, 4), (4096, 8), (16384, 16), (None, 32))
 # Split rows: columns per program, on SPLIT_NUM_WARPS warps. H100 sweep of 2026-11-22 (launcher
 # timed alone, 1024x65536, 256x262144, 64x1048576, bf16 and fp32; chunks 2048-16384 on 4-16
 # warps): 4096 columns on 4 warps (32 values per thread) was best or within 3% of best forward
@@ -78,11 +73,6 @@ class Plan:
     spin_limit: int
 
 
-def warps_for(elements: int) -> int:
-    warps = next(w for limit, w in WARPS_BY_ELEMENTS if limit is None or elements <= limit)
-    return max(sizing.MIN_WARPS, min(warps, sizing.max_warps()))
-
-
 def max_siblings() -> int:
     """Most chunks a split row may have: siblings the GPU surely holds at once."""
     if backend.is_interpreter():
@@ -100,11 +90,11 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
     if block is not None:
         rows = sizing.rows_per_program(n_rows, block, dtype, FUSED_TILE_BYTES)
-        return Plan(Path.FUSED, rows, block, 1, 1, warps_for(rows * block), sizing.cdiv(n_rows, rows), 0)
+        return Plan(Path.FUSED, rows, block, 1, 1, sizing.row_warps(rows * block), sizing.cdiv(n_rows, rows), 0)
     chunk, path = SPLIT_CHUNK_ELEMENTS, Path.SPLIT
     if sizing.cdiv(n_cols, chunk) > max_siblings():
         chunk, path = sizing.looped_row_block(dtype), Path.TWO_PASS
     chunks = sizing.cdiv(n_cols, chunk)
-    warps = SPLIT_NUM_WARPS if path is Path.SPLIT else warps_for(chunk)
+    warps = SPLIT_NUM_WARPS if path is Path.SPLIT else sizing.row_warps(chunk)
     return Plan(path, 1, chunk, chunks, sizing.next_power_of_2(chunks), warps,
                 n_rows * chunks, spin_limit())

@@ -9,24 +9,31 @@ import torch
 
 from .. import backend, sizing
 
-# Bytes of x one program loads per loop step (a BLOCK_R x BLOCK_D tile). H100 sweep
+# Forward: bytes of x one program loads per loop step (a BLOCK_R x BLOCK_D tile). H100 sweep
 # (2026-11-22, 5 shapes x fp32/bf16, tiles 8-64 KB, 4-16 warps): 32 KB tiles led in both dtypes.
 FORWARD_TILE_BYTES = 32768
-BACKWARD_TILE_BYTES = 32768
 # Elements of the tile per thread: 64 gave the best forward rates (4 warps for fp32 tiles, 8 for
 # bf16); more warps per program only cost registers here.
 FORWARD_ELEMENTS_PER_THREAD = 64
-BACKWARD_NUM_WARPS = 4
-# Widest D tile. Forward: 4096 (wider tiles read longer contiguous runs; the sweep tied or won
-# at 4096 on every shape). Backward: 512 (more D tiles give more programs without longer rows).
+# Widest forward D tile: 4096 (wider tiles read longer contiguous runs; the sweep tied or won at
+# 4096 on every shape).
 FORWARD_MAX_BLOCK_D = 4096
-BACKWARD_MAX_BLOCK_D = 512
-# Backward row groups per multiprocessor, by D: short rows want many small programs (16 led at
-# D <= 256), long rows fewer (4 led at D >= 1024). (max D, programs per SM), first match wins.
-BACKWARD_PROGRAMS_PER_SM = ((256, 16), (None, 4))
 # Forward: when row tiles alone give fewer programs than this many per multiprocessor, D is
 # split across programs too (partial sums reduced afterwards).
 FORWARD_MIN_PROGRAMS_PER_SM = 4
+# Backward tile: BACKWARD_TILE_ELEMENTS values (its fp32 products set the register use, whatever
+# the dtype), D up to BACKWARD_MAX_BLOCK_D wide, at most BACKWARD_MAX_BLOCK_ROWS rows. H100 sweep
+# of 2026-11-22 (65536x1024, 16384x4096, 262144x256, bf16 and fp32; tiles 8-32 rows x 128-1024,
+# 4-8 warps, 4-16 programs per SM, 1-3 stages): 16 x 1024 (32 x 256 for short rows) gave
+# 2618-2803 GB/s, within 2% of each case's best; the 32 KB tiles of before spilled in bf16
+# (665 GB/s at 16384x4096).
+BACKWARD_TILE_ELEMENTS = 16384
+BACKWARD_MAX_BLOCK_D = 1024
+BACKWARD_MAX_BLOCK_ROWS = 32
+BACKWARD_NUM_STAGES = 1
+# Backward (warps, row groups per multiprocessor) by element size: same sweep, bf16 led on 4
+# warps with 8 groups per SM, fp32 on 8 warps with 16.
+BACKWARD_LAUNCH_BY_ITEMSIZE = {2: (4, 8), 4: (8, 16)}
 PLAN_CACHE_SIZE = 1024
 
 
@@ -61,13 +68,13 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
-    tile = _with_warps(
-        sizing.tile_2d(n_rows, n_cols, dtype, BACKWARD_TILE_BYTES, BACKWARD_MAX_BLOCK_D),
-        BACKWARD_NUM_WARPS,
-    )
+    block_cols = min(sizing.next_power_of_2(n_cols), BACKWARD_MAX_BLOCK_D)
+    block_rows = min(BACKWARD_TILE_ELEMENTS // block_cols, BACKWARD_MAX_BLOCK_ROWS,
+                     sizing.next_power_of_2(n_rows))
+    num_warps, per_sm = BACKWARD_LAUNCH_BY_ITEMSIZE[sizing.element_size(dtype)]
+    tile = _with_warps(sizing.Tile2D(block_rows, block_cols, num_warps), num_warps)
     col_programs = sizing.cdiv(n_cols, tile.block_cols)
     row_tiles = sizing.cdiv(n_rows, tile.block_rows)
-    per_sm = next(p for limit, p in BACKWARD_PROGRAMS_PER_SM if limit is None or n_cols <= limit)
     total = sizing.persistent_grid(row_tiles * col_programs, programs_per_sm=per_sm)
     groups = max(1, min(row_tiles, total // col_programs))
     rows_per_group = sizing.cdiv(row_tiles, groups) * tile.block_rows
