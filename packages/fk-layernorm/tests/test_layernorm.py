@@ -1,15 +1,31 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from fk_runtime import testing
+from fk_runtime import siblings, testing
+from fk_runtime.tuning import layernorm as plans
 
 from fk_layernorm import LayerNorm, RMSNorm, layer_norm, rms_norm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Feature counts: rows held whole (1, 17, 1000, 4097) and rows walked in chunks (past 64 KB).
+# Feature counts: rows held whole (1, 17, 1000, 4097), rows split over sibling programs (20000;
+# fp32 forward and every backward), and rows past the split limit walked in a loop (70001 on the
+# interpreter, 1.1M features on an H100). `test_every_path_is_covered` keeps this true.
 SHAPES = [(3, 1), (5, 17), (2, 3, 1000), (9, 4097), (3, 20000)]
+LONG = (2, 70001) if not testing.on_gpu() else (2, 1_100_001)
+SHAPES.append(LONG)
 if testing.on_gpu():
     SHAPES += [(4097, 1024), (2, 262144), (64, 65537), (1000, 8192)]
+FUSED, SPLIT, LOOPED = plans.Path.FUSED, plans.Path.SPLIT, plans.Path.LOOPED
+
+
+def test_every_path_is_covered():
+    rows, cols = 3, 20000
+    assert plans.forward_plan(rows, cols, torch.float32).path is SPLIT
+    assert plans.backward_plan(rows, cols, torch.bfloat16).path is SPLIT
+    assert plans.backward_plan(rows, cols, torch.float32, stable=True).path is LOOPED
+    assert plans.forward_plan(*LONG, torch.float32).path is LOOPED
+    assert plans.backward_plan(*LONG, torch.float32).path is LOOPED
+    assert plans.backward_plan(9, 4097, torch.float32).path is FUSED
 
 
 def ref_layer_norm(x, w=None, b=None, stable=False):
@@ -79,6 +95,29 @@ def test_stable_divides_by_row_max_with_correct_gradient(cols, dtype):
         lambda *a: layer_norm(*a, stable=True), lambda *a: ref_layer_norm(*a, stable=True),
         [x, w, b], dtype=dtype, names=["x", "weight", "bias"],
     )
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_split_rows_when_siblings_stop_waiting(monkeypatch, rms):
+    """Programs that stop waiting for their siblings at once leave their chunks to the row's last
+    program (or take them back): same results. On a GPU this races for real."""
+    monkeypatch.setattr(siblings, "SPIN_LIMIT", 0)
+    monkeypatch.setattr(siblings, "INTERPRETER_SPIN_LIMIT", 0)
+    plans.forward_plan.cache_clear()
+    plans.backward_plan.cache_clear()
+    try:
+        rows = 300 if testing.on_gpu() else 3
+        x = testing.randn((rows, 30000), torch.float32, scale=3.0, shift=1.0, requires_grad=True)
+        w, b = _params(30000, torch.float32)
+        assert plans.forward_plan(rows, 30000, x.dtype).spin_limit == 0
+        assert plans.backward_plan(rows, 30000, x.dtype).path is SPLIT
+        if rms:
+            testing.assert_matches_reference(rms_norm, ref_rms_norm, [x, w], dtype=x.dtype)
+        else:
+            testing.assert_matches_reference(layer_norm, ref_layer_norm, [x, w, b], dtype=x.dtype)
+    finally:
+        plans.forward_plan.cache_clear()
+        plans.backward_plan.cache_clear()
 
 
 @pytest.mark.parametrize("weight,bias", [(False, False), (True, False), (False, True)])

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 from fk_runtime import testing
+from fk_runtime import siblings
 from fk_runtime.tuning import softmax as plans
 from fk_softmax import LogSoftmax, Softmax, log_softmax, softmax
 
@@ -156,8 +157,8 @@ def test_modules_and_determinism(cols):
 def test_split_rows_when_siblings_stop_waiting(monkeypatch, log):
     """Programs that stop waiting for their siblings at once leave their chunks to the row's last
     program (or take them back): same results. On a GPU this races for real."""
-    monkeypatch.setattr(plans, "SPIN_LIMIT", 0)
-    monkeypatch.setattr(plans, "INTERPRETER_SPIN_LIMIT", 0)
+    monkeypatch.setattr(siblings, "SPIN_LIMIT", 0)
+    monkeypatch.setattr(siblings, "INTERPRETER_SPIN_LIMIT", 0)
     plans.plan.cache_clear()
     try:
         rows = 64 if testing.on_gpu() else 3

@@ -5,6 +5,11 @@ An op's `bench.py` returns `Case`s: one shape, dtype and direction each, with th
 ceilings (copy bandwidth, matmul rate) in the same run, times every variant with `do_bench`
 medians over rotating input sets, and reports ms, GB/s or TFLOP/s, % of the ceiling and fk's
 speed ratio to each peer. `write_report` writes JSON, markdown and PNG plots.
+
+On a GPU each variant's calls are captured in CUDA graphs and `do_bench` times their replays:
+the device time of the kernels, without the launch gaps that Python (fk's autograd functions,
+Liger's, torch.compile's wrappers) leaves when one short call is timed alone. fk's eager time,
+host work included, is reported beside it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ ROTATE_L2_FACTOR = 3
 MAX_INPUT_SETS = 4
 # On the interpreter nothing is worth timing precisely: a few host-timed runs.
 INTERPRETER_REPS = 3
+# Calls run before capture, so that compilation, autotuning and lazy allocations stay outside it.
+GRAPH_WARMUP_CALLS = 3
 COPY_BYTES_GPU = 1 << 30
 COPY_BYTES_CPU = 1 << 24
 MATMUL_N_GPU = 8192
@@ -75,6 +82,9 @@ class Result:
     pct_of_ceiling: float | None
     error: str | None = None
     peak_mib: float | None = None
+    # "graph": device time of captured replays; "eager": launched from Python each call.
+    timing: str = "eager"
+    eager_ms: float | None = None
 
 
 @dataclasses.dataclass
@@ -126,6 +136,23 @@ def time_ms(calls: Sequence[Callable[[], object]]) -> float:
     return triton.testing.do_bench(step, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
 
 
+def graphed(calls: Sequence[Callable[[], object]], stream) -> list[Callable[[], object]]:
+    """Each call captured in its own CUDA graph on `stream` (which must be current and must have
+    run the calls' forward, so autograd's backward streams match); returns the replays."""
+    for _ in range(GRAPH_WARMUP_CALLS):
+        for call in calls:
+            call()
+    stream.synchronize()
+    pool = torch.cuda.graph_pool_handle()
+    graphs = []
+    for call in calls:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            call()
+        graphs.append(graph)
+    return [graph.replay for graph in graphs]
+
+
 def measure_ceilings() -> Ceilings:
     """This card's device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate,
     on random data."""
@@ -165,16 +192,35 @@ def _peak_mib(prepare, inputs) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def _time_variant(prepare, input_sets, eager: bool) -> tuple[float, str, float | None]:
+    """(ms, timing, eager ms): graph replays on a GPU, falling back to eager timing for a
+    variant that cannot be captured; `eager` also times the plain calls."""
+    if backend.is_interpreter():
+        ms = time_ms([prepare(inputs) for inputs in input_sets])
+        return ms, "eager", ms
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls = [prepare(inputs) for inputs in input_sets]
+        eager_ms = time_ms(calls) if eager else None
+        try:
+            ms, timing = time_ms(graphed(calls, stream)), "graph"
+        except RuntimeError:
+            torch.cuda.synchronize()
+            ms, timing = eager_ms if eager_ms is not None else time_ms(calls), "eager"
+    torch.cuda.synchronize()
+    return ms, timing, eager_ms
+
+
 def run_case(case: Case, ceilings: Ceilings) -> list[Result]:
     results = []
     input_sets = [case.make_inputs() for _ in range(_input_sets(case))]
     for name, prepare in case.variants.items():
-        ms = rate = pct = peak = None
+        ms = rate = pct = peak = eager_ms = None
+        timing = "eager"
         error = None
         try:
-            calls = [prepare(inputs) for inputs in input_sets]
-            ms = time_ms(calls)
-            del calls
+            ms, timing, eager_ms = _time_variant(prepare, input_sets, eager=name == FK)
             scale = 1e6 if case.unit == GBPS else 1e9
             rate = case.work / ms / scale
             pct = 100.0 * rate / ceilings.of(case.unit)
@@ -185,7 +231,7 @@ def run_case(case: Case, ceilings: Ceilings) -> list[Result]:
         results.append(
             Result(
                 case.op, case.direction, case.shape, str(case.dtype).removeprefix("torch."),
-                name, case.unit, ms, rate, pct, error, peak,
+                name, case.unit, ms, rate, pct, error, peak, timing, eager_ms,
             )
         )
         if not backend.is_interpreter():
@@ -239,6 +285,11 @@ def _fmt(x: float | None, digits: int = 0) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def _eager_mark(r: Result) -> str:
+    """Marks a time that could not come from graph replays (interpreter, or capture failed)."""
+    return "" if r.timing == "graph" or backend.is_interpreter() else " (eager)"
+
+
 def markdown_table(results: Sequence[Result], op: str) -> str:
     """One row per case: fk's time, rate and % of ceiling, then each peer's rate and fk's ratio."""
     groups = {k: v for k, v in _groups(results).items() if k[0] == op}
@@ -248,7 +299,7 @@ def markdown_table(results: Sequence[Result], op: str) -> str:
             if r.variant != FK and r.variant not in peers:
                 peers.append(r.variant)
     has_memory = any(r.peak_mib is not None for g in groups.values() for r in g)
-    head = ["shape", "dtype", "dir", "fk ms", "fk rate", "% ceiling"]
+    head = ["shape", "dtype", "dir", "fk ms", "fk rate", "% ceiling", "fk eager ms"]
     for p in peers:
         head += [f"{p} rate", f"fk / {p}"]
     if has_memory:
@@ -260,8 +311,8 @@ def markdown_table(results: Sequence[Result], op: str) -> str:
         if ours is None:
             continue
         unit = ours.unit
-        row = [shape, dtype, direction, _fmt(ours.ms, 3), f"{_fmt(ours.rate)} {unit}",
-               _fmt(ours.pct_of_ceiling, 1)]
+        row = [shape, dtype, direction, _fmt(ours.ms, 3) + _eager_mark(ours),
+               f"{_fmt(ours.rate)} {unit}", _fmt(ours.pct_of_ceiling, 1), _fmt(ours.eager_ms, 3)]
         for p in peers:
             r = by_name.get(p)
             if r is None:
@@ -270,7 +321,7 @@ def markdown_table(results: Sequence[Result], op: str) -> str:
                 row += ["fails", "–"]
             else:
                 ratio = r.ms / ours.ms if ours.ms else None
-                row += [_fmt(r.rate), f"{_fmt(ratio, 2)}×"]
+                row += [_fmt(r.rate) + _eager_mark(r), f"{_fmt(ratio, 2)}×"]
         if has_memory:
             row += [_fmt(ours.peak_mib)] + [_fmt(by_name[p].peak_mib) if p in by_name else ""
                                             for p in peers]

@@ -60,8 +60,11 @@ def section(op: str, results, ceilings, meta: dict, plot_names: list[str]) -> st
         "",
         f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. "
         f"Ceilings measured in the same run: copy {ceilings.copy_gbps:.0f} GB/s (read + write), "
-        f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s. Rates are `do_bench` medians; "
-        "`fk / peer` is the peer's time over fk's (above 1: fk is faster).",
+        f"bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s. Times and rates are `do_bench` medians "
+        "of CUDA-graph replays, for every variant alike: device time, without the launch gaps "
+        "Python leaves when one short call is timed alone (`(eager)` marks a variant that could "
+        "not be captured). `fk eager ms` is fk launched from Python each call, host work "
+        "included. `fk / peer` is the peer's time over fk's (above 1: fk is faster).",
         "",
         f"Command: `{meta['command']}`",
         "",

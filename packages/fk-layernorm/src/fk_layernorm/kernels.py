@@ -10,6 +10,12 @@ seed's `stable`), HAS_W / HAS_B (affine parameters). Statistics are fp32; per ro
 
 import triton
 import triton.language as tl
+from fk_runtime.siblings import await_row, claim_abandoned, lane, partials, publish
+
+# fp32 partials a split row's chunk publishes: (sum, sum of squares centred on the chunk's own
+# mean (RMSNorm: not centred), max) forward; (sum of x-hat * w*dy, sum of w*dy) backward.
+FWD_PARTIALS = tl.constexpr(3)
+BWD_PARTIALS = tl.constexpr(2)
 
 
 @triton.jit
@@ -108,6 +114,111 @@ def norm_fwd_looped_kernel(
         y = _affine((x - mean) * rstd, w_ptr, b_ptr, cols, col_mask, HAS_W, HAS_B)
         tl.store(y_ptr + row.to(tl.int64) * stride_yr + cols[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=col_mask[None, :])
+
+
+@triton.jit
+def _total(x):
+    """Sum of a (1, CHUNK) chunk."""
+    return tl.sum(tl.sum(x, axis=1), axis=0)
+
+
+@triton.jit
+def _chunk_partials(x, mask, n_in_chunk, IS_RMS: tl.constexpr):
+    """A chunk's sum and its sum of squares, centred on the chunk's own mean for LayerNorm (so
+    that combining chunks never subtracts two large sums: Chan's parallel variance)."""
+    total = _total(x)
+    if IS_RMS:
+        return total, _total(x * x)
+    d = tl.where(mask, x - total / n_in_chunk, 0.0)
+    return total, _total(d * d)
+
+
+@triton.jit
+def _split_row_stats(part_ptr, chunks, n_cols, inv_n_cols, eps,
+                     CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, IS_RMS: tl.constexpr,
+                     STABLE: tl.constexpr):
+    """(mean, rstd, row_max) of a split row from its chunks' partials, combined in a fixed order.
+    STABLE statistics are those of x / row_max: the mean scales by 1/row_max, the variance by
+    1/row_max^2."""
+    sums = partials(part_ptr, chunks, FWD_PARTIALS, 0.0, CHUNKS_P2)
+    squares = partials(part_ptr + 1, chunks, FWD_PARTIALS, 0.0, CHUNKS_P2)
+    mean = 0.0
+    if IS_RMS:
+        var = tl.sum(squares, axis=0) * inv_n_cols
+    else:
+        mean = tl.sum(sums, axis=0) * inv_n_cols
+        idx = tl.arange(0, CHUNKS_P2)
+        n_in = tl.minimum(tl.maximum(n_cols - idx * CHUNK, 0), CHUNK).to(tl.float32)
+        between = n_in * (sums / tl.maximum(n_in, 1.0) - mean) * (sums / tl.maximum(n_in, 1.0) - mean)
+        var = (tl.sum(squares, axis=0) + tl.sum(between, axis=0)) * inv_n_cols
+    row_max = 1.0
+    if STABLE:
+        row_max = tl.max(partials(part_ptr + 2, chunks, FWD_PARTIALS, -float("inf"), CHUNKS_P2), axis=0)
+        mean = mean / row_max
+        var = var / (row_max * row_max)
+    return mean, 1.0 / tl.sqrt(var + eps), row_max
+
+
+@triton.jit
+def _write_split_chunk(x, y_row, w_ptr, b_ptr, cols, col_mask, mean, rstd, row_max,
+                       STABLE: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    if STABLE:
+        x = x / row_max
+    y = _affine((x - mean) * rstd, w_ptr, b_ptr, cols, col_mask, HAS_W, HAS_B)
+    tl.store(y_row + cols[None, :], y.to(y_row.dtype.element_ty), mask=col_mask[None, :])
+
+
+@triton.jit
+def norm_fwd_split_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, max_ptr, part_ptr, arrived_ptr, state_ptr,
+    n_cols, inv_n_cols, stride_xr, stride_xc, stride_yr, eps, chunks, spin_limit,
+    CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, IS_RMS: tl.constexpr, STABLE: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, SAVE_STATS: tl.constexpr,
+):
+    """Long rows, one program per (row, chunk) (fk_runtime.siblings): publish the chunk's
+    partials, wait for the row's siblings, combine, write the chunk still in registers. One
+    read and one write; the row's last program saves its statistics."""
+    pid = tl.program_id(0)
+    row = pid // chunks
+    chunk = pid - row * chunks
+    x_row = x_ptr + row.to(tl.int64) * stride_xr
+    y_row = y_ptr + row.to(tl.int64) * stride_yr
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    col_mask = cols < n_cols
+    x = tl.load(x_row + cols[None, :].to(tl.int64) * stride_xc, mask=col_mask[None, :], other=0.0,
+                eviction_policy="evict_first").to(tl.float32)
+    slot = row * chunks + chunk
+    total, squares = _chunk_partials(x, col_mask[None, :], tl.minimum(n_cols - chunk * CHUNK, CHUNK),
+                                     IS_RMS)
+    publish(part_ptr + FWD_PARTIALS * slot, total)
+    publish(part_ptr + FWD_PARTIALS * slot + 1, squares)
+    if STABLE:
+        publish(part_ptr + FWD_PARTIALS * slot + 2, tl.max(tl.max(tl.where(col_mask[None, :], x, -float("inf")),
+                                                                   axis=1), axis=0))
+    ready, last = await_row(arrived_ptr + row, state_ptr + slot, chunks, spin_limit)
+    row_parts = part_ptr + FWD_PARTIALS * row * chunks
+    if ready:
+        mean, rstd, row_max = _split_row_stats(row_parts, chunks, n_cols, inv_n_cols, eps,
+                                               CHUNK, CHUNKS_P2, IS_RMS, STABLE)
+        _write_split_chunk(x, y_row, w_ptr, b_ptr, cols, col_mask, mean, rstd, row_max, STABLE, HAS_W, HAS_B)
+    if last:
+        mean, rstd, row_max = _split_row_stats(row_parts, chunks, n_cols, inv_n_cols, eps,
+                                               CHUNK, CHUNKS_P2, IS_RMS, STABLE)
+        if SAVE_STATS:
+            tl.store(mean_ptr + row, mean)
+            tl.store(rstd_ptr + row, rstd)
+            if STABLE:
+                tl.store(max_ptr + row, row_max)
+        won = claim_abandoned(state_ptr + row * chunks, chunk, chunks, CHUNKS_P2)
+        if tl.max(won.to(tl.int32), axis=0) > 0:
+            for other in range(chunks):
+                if lane(won, other, CHUNKS_P2):
+                    ocols = other * CHUNK + tl.arange(0, CHUNK)
+                    omask = ocols < n_cols
+                    xo = tl.load(x_row + ocols[None, :].to(tl.int64) * stride_xc, mask=omask[None, :],
+                                 other=0.0).to(tl.float32)
+                    _write_split_chunk(xo, y_row, w_ptr, b_ptr, ocols, omask, mean, rstd, row_max,
+                                       STABLE, HAS_W, HAS_B)
 
 
 @triton.jit
@@ -289,6 +400,99 @@ def norm_bwd_params_kernel(
             dw_acc += tl.sum(dy * _normalized(x, mean, rstd, row_max, IS_RMS, STABLE), axis=0)
         if HAS_B:
             db_acc += tl.sum(dy, axis=0)
+    if HAS_W:
+        tl.store(dw_part_ptr + group.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
+    if HAS_B:
+        tl.store(db_part_ptr + group.to(tl.int64) * n_cols + cols, db_acc, mask=col_mask)
+
+
+@triton.jit
+def _split_dx(x, wdy, mean, rstd, c1, c2, IS_RMS: tl.constexpr):
+    return (wdy - _normalized(x, mean, rstd, 1.0, IS_RMS, False) * c1 - c2) * rstd
+
+
+@triton.jit
+def norm_bwd_split_kernel(
+    x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
+    part_ptr, arrived_ptr, state_ptr,
+    n_rows, n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr,
+    groups, chunks, spin_limit,
+    CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Long rows (not STABLE): program (group, chunk) walks rows group, group + groups, ... with
+    the row's other chunks' programs as siblings (fk_runtime.siblings). Per row it publishes its
+    chunk's sums of x-hat * w*dy and w*dy, adds dy * x-hat and dy to its dweight / dbias
+    partials (which need only the saved statistics), waits for its siblings and writes dx from
+    registers. One read of x and dy, one write of dx; the partials are reduced in a fixed order."""
+    pid = tl.program_id(0)
+    group = pid // chunks
+    chunk = pid - group * chunks
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    col_mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) if HAS_W else 1.0
+    dw_acc = tl.zeros((CHUNK,), tl.float32)
+    db_acc = tl.zeros((CHUNK,), tl.float32)
+    x_offs = cols.to(tl.int64) * stride_xc
+    dy_offs = cols.to(tl.int64) * stride_dyc
+    if PREFETCH:
+        # The next row's chunk is loaded before this row's wait, so that the loads overlap it.
+        # (The first row, `group`, exists: there are no more groups than rows.)
+        x_next = tl.load(x_ptr + tl.cast(group, tl.int64) * stride_xr + x_offs, mask=col_mask,
+                         other=0.0, eviction_policy="evict_first")
+        dy_next = tl.load(dy_ptr + tl.cast(group, tl.int64) * stride_dyr + dy_offs, mask=col_mask,
+                          other=0.0, eviction_policy="evict_first")
+    for row in range(group, n_rows, groups):
+        row64 = tl.cast(row, tl.int64)  # a plain int on the interpreter
+        x_row = x_ptr + row64 * stride_xr
+        dy_row = dy_ptr + row64 * stride_dyr
+        dx_row = dx_ptr + row64 * stride_dxr
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            # Past the last row, re-read the last row (one chunk per program) rather than mask.
+            following = tl.minimum(row64 + groups, n_rows - 1)
+            x_next = tl.load(x_ptr + following * stride_xr + x_offs, mask=col_mask, other=0.0,
+                             eviction_policy="evict_first")
+            dy_next = tl.load(dy_ptr + following * stride_dyr + dy_offs, mask=col_mask, other=0.0,
+                              eviction_policy="evict_first")
+        else:
+            x = tl.load(x_row + x_offs, mask=col_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            dy = tl.load(dy_row + dy_offs, mask=col_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        mean = 0.0
+        if not IS_RMS:
+            mean = tl.load(mean_ptr + row)
+        xhat = tl.where(col_mask, _normalized(x, mean, rstd, 1.0, IS_RMS, False), 0.0)
+        wdy = dy * w
+        slot = row * chunks + chunk
+        publish(part_ptr + BWD_PARTIALS * slot, tl.sum(xhat * wdy, axis=0))
+        publish(part_ptr + BWD_PARTIALS * slot + 1, tl.sum(wdy, axis=0))
+        if HAS_W:
+            dw_acc += dy * xhat
+        if HAS_B:
+            db_acc += dy
+        ready, last = await_row(arrived_ptr + row, state_ptr + slot, chunks, spin_limit)
+        row_parts = part_ptr + BWD_PARTIALS * row * chunks
+        if ready | last:
+            c1 = tl.sum(partials(row_parts, chunks, BWD_PARTIALS, 0.0, CHUNKS_P2), axis=0) * inv_n_cols
+            c2 = 0.0
+            if not IS_RMS:
+                c2 = tl.sum(partials(row_parts + 1, chunks, BWD_PARTIALS, 0.0, CHUNKS_P2), axis=0) * inv_n_cols
+            if ready:
+                dx = _split_dx(x, wdy, mean, rstd, c1, c2, IS_RMS)
+                tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
+            if last:
+                won = claim_abandoned(state_ptr + row * chunks, chunk, chunks, CHUNKS_P2)
+                if tl.max(won.to(tl.int32), axis=0) > 0:
+                    for other in range(chunks):
+                        if lane(won, other, CHUNKS_P2):
+                            ocols = other * CHUNK + tl.arange(0, CHUNK)
+                            omask = ocols < n_cols
+                            xo, wdyo = _load_x_wdy(x_row, dy_row, w_ptr, ocols, omask, stride_xc,
+                                                   stride_dyc, HAS_W)
+                            tl.store(dx_row + ocols, _split_dx(xo, wdyo, mean, rstd, c1, c2, IS_RMS)
+                                     .to(dx_ptr.dtype.element_ty), mask=omask)
     if HAS_W:
         tl.store(dw_part_ptr + group.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
     if HAS_B:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from fk_runtime import alloc, checks, dispatch, views
+from fk_runtime import alloc, checks, dispatch, siblings, views
 from fk_runtime import sizing as fk_sizing
 from fk_runtime.tuning import layernorm as plans
 
@@ -42,11 +42,18 @@ def _forward(x, weight, bias, eps: float, is_rms: bool, stable: bool, save_stats
                   **fk_sizing.launch_options(p.num_warps))
     w = weight if weight is not None else x2
     b = bias if bias is not None else x2
-    if p.fused:
+    if p.path is plans.Path.FUSED:
         kernels.norm_fwd_fused_kernel[(fk_sizing.cdiv(n_rows, p.block_rows),)](
             x2, w, b, y2, stats[0], stats[1], stats[2], n_rows, n_cols, 1.0 / n_cols,
             x2.stride(0), x2.stride(1), y2.stride(0), eps,
             BLOCK_R=p.block_rows, BLOCK_D=p.block_cols, **common,
+        )
+    elif p.path is plans.Path.SPLIT:
+        arrived, states, parts = siblings.scratch(n_rows, p.chunks, kernels.FWD_PARTIALS.value, x.device)
+        kernels.norm_fwd_split_kernel[(n_rows * p.chunks,)](
+            x2, w, b, y2, stats[0], stats[1], stats[2], parts, arrived, states, n_cols, 1.0 / n_cols,
+            x2.stride(0), x2.stride(1), y2.stride(0), eps, p.chunks, p.spin_limit,
+            CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, **common,
         )
     else:
         kernels.norm_fwd_looped_kernel[(n_rows,)](
@@ -69,11 +76,20 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
         return grad_x, zeros[0], zeros[1]
     x2, dy2, dx2 = views.rows(x), views.rows(grad_y), views.rows(grad_x)
     n_rows, n_cols = x2.shape
-    p = plans.backward_plan(n_rows, n_cols, x.dtype)
+    p = plans.backward_plan(n_rows, n_cols, x.dtype, stable)
     flags = _flags(weight, bias, is_rms, stable)
     parts = torch.empty((2, p.groups, n_cols), dtype=torch.float32, device=x.device)
     w = weight if weight is not None else x2
-    if p.fused:
+    if p.path is plans.Path.SPLIT:
+        arrived, states, sums = siblings.scratch(n_rows, p.chunks, kernels.BWD_PARTIALS.value, x.device)
+        kernels.norm_bwd_split_kernel[(p.groups * p.chunks,)](
+            x2, w, dy2, dx2, stats[0], stats[1], parts[0], parts[1], sums, arrived, states,
+            n_rows, n_cols, 1.0 / n_cols, x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
+            dx2.stride(0), p.groups, p.chunks, p.spin_limit, CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2,
+            IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, PREFETCH=p.prefetch,
+            **fk_sizing.launch_options(p.num_warps),
+        )
+    elif p.path is plans.Path.FUSED:
         kernels.norm_bwd_fused_kernel[(p.groups,)](
             x2, w, dy2, dx2, stats[0], stats[1], stats[2], parts[0], parts[1], n_rows, n_cols, 1.0 / n_cols,
             x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), dx2.stride(0), p.rows_per_group,

@@ -9,14 +9,7 @@ of row r when j > r % seq_rows (the row's index in its seq_rows x n_cols matrix)
 
 import triton
 import triton.language as tl
-
-# States of a split row's chunk. Its owner writes it, unless the owner stopped waiting for its
-# siblings (ABANDONED); then whichever of the owner and the row's last program first moves it to
-# TAKEN writes it.
-_PENDING = tl.constexpr(0)
-_ABANDONED = tl.constexpr(1)
-_TAKEN = tl.constexpr(2)
-
+from fk_runtime.siblings import await_row, claim_abandoned, lane, partials, publish
 
 @triton.jit
 def _row_offsets(rows, inner, s_outer, s_inner):
@@ -122,27 +115,10 @@ def _chunk_output(x, e, m, row_max, row_sum, LOG: tl.constexpr):
 
 
 @triton.jit
-def _publish(slot_ptr, value):
-    """Write one fp32 partial into the int32 scratch: a scalar atomic, so that the thread issuing
-    it is the one that then releases the arrival count (and the interpreter takes it too)."""
-    tl.atomic_xchg(slot_ptr, value.to(tl.int32, bitcast=True), sem="relaxed")
-
-
-@triton.jit
-def _partials(ptr, count, stride, other, N: tl.constexpr):
-    """`count` fp32 partials stored as int32 bits `stride` apart (past L1: other programs wrote
-    them), `other` beyond `count`."""
-    idx = tl.arange(0, N)
-    valid = idx < count
-    bits = tl.load(ptr + stride * idx, mask=valid, other=0, cache_modifier=".cg")
-    return tl.where(valid, bits.to(tl.float32, bitcast=True), other)
-
-
-@triton.jit
 def _row_stats(stats_ptr, chunks, CHUNKS_P2: tl.constexpr):
     """A row's max and sum of exp(x - max) from its chunks' (max, sum) pairs, in a fixed order."""
-    m = _partials(stats_ptr, chunks, 2, -float("inf"), CHUNKS_P2)
-    s = _partials(stats_ptr + 1, chunks, 2, 0.0, CHUNKS_P2)
+    m = partials(stats_ptr, chunks, 2, -float("inf"), CHUNKS_P2)
+    s = partials(stats_ptr + 1, chunks, 2, 0.0, CHUNKS_P2)
     row_max = tl.max(m, axis=0)
     return row_max, tl.sum(s * tl.exp(m - row_max), axis=0)
 
@@ -150,47 +126,7 @@ def _row_stats(stats_ptr, chunks, CHUNKS_P2: tl.constexpr):
 @triton.jit
 def _row_total(part_ptr, chunks, CHUNKS_P2: tl.constexpr):
     """Sum of a row's per-chunk partials, in a fixed order (deterministic)."""
-    return tl.sum(_partials(part_ptr, chunks, 1, 0.0, CHUNKS_P2), axis=0)
-
-
-@triton.jit
-def _await_row(arrived_ptr, state_ptr, chunks, spin_limit):
-    """Count this program in as arrived (its partial is published) and wait for its siblings.
-
-    Returns (ready, last): ready when this program must write its chunk now (every partial of the
-    row is published); last when it was the row's last to arrive, which then writes the chunks
-    of siblings that stopped waiting. A program that waited spin_limit polls marks its chunk
-    ABANDONED, then looks once more: both it and the last program move ABANDONED to TAKEN with a
-    compare-and-swap, so exactly one of them writes the chunk. (All of these are read-modify-write
-    atomics on the counter or the state, so one of the two always sees the other's step.)"""
-    arrived = tl.atomic_add(arrived_ptr, 1, sem="acq_rel") + 1
-    seen = arrived
-    spins = 0
-    while (seen < chunks) & (spins < spin_limit):
-        seen = tl.atomic_add(arrived_ptr, 0, sem="acquire")
-        spins += 1
-    ready = seen >= chunks
-    if seen < chunks:
-        tl.atomic_xchg(state_ptr, _ABANDONED, sem="acq_rel")
-        if tl.atomic_add(arrived_ptr, 0, sem="acq_rel") >= chunks:
-            ready = tl.atomic_cas(state_ptr, _ABANDONED, _TAKEN, sem="acq_rel") == _ABANDONED
-    return ready, arrived == chunks
-
-
-@triton.jit
-def _claim_abandoned(state_ptr, own, chunks, CHUNKS_P2: tl.constexpr):
-    """The last program's sweep: take every chunk of the row whose owner stopped waiting. Lanes
-    past the row point at this program's own chunk, which is never abandoned."""
-    idx = tl.arange(0, CHUNKS_P2)
-    idx = tl.where(idx < chunks, idx, own)
-    old = tl.atomic_cas(state_ptr + idx, tl.full([CHUNKS_P2], _ABANDONED, tl.int32),
-                        tl.full([CHUNKS_P2], _TAKEN, tl.int32), sem="acq_rel")
-    return old == _ABANDONED
-
-
-@triton.jit
-def _lane(flags, i, CHUNKS_P2: tl.constexpr):
-    return tl.max(tl.where(tl.arange(0, CHUNKS_P2) == i, flags, False).to(tl.int32), axis=0) > 0
+    return tl.sum(partials(part_ptr, chunks, 1, 0.0, CHUNKS_P2), axis=0)
 
 
 @triton.jit
@@ -211,19 +147,19 @@ def softmax_fwd_split_kernel(
     x = _load_chunk(x_row, chunk, n_cols, sx_col, last_col, -float("inf"), CHUNK, CAUSAL)
     m, e, s = _chunk_stats(x)
     slot = row * chunks + chunk
-    _publish(stats_ptr + 2 * slot, m)
-    _publish(stats_ptr + 2 * slot + 1, s)
-    ready, last = _await_row(arrived_ptr + row, state_ptr + slot, chunks, spin_limit)
+    publish(stats_ptr + 2 * slot, m)
+    publish(stats_ptr + 2 * slot + 1, s)
+    ready, last = await_row(arrived_ptr + row, state_ptr + slot, chunks, spin_limit)
     row_stats = stats_ptr + 2 * row * chunks
     if ready:
         row_max, row_sum = _row_stats(row_stats, chunks, CHUNKS_P2)
         _store_chunk(y_row, chunk, n_cols, inner, _chunk_output(x, e, m, row_max, row_sum, LOG), CHUNK)
     if last:
-        won = _claim_abandoned(state_ptr + row * chunks, chunk, chunks, CHUNKS_P2)
+        won = claim_abandoned(state_ptr + row * chunks, chunk, chunks, CHUNKS_P2)
         if tl.max(won.to(tl.int32), axis=0) > 0:
             row_max, row_sum = _row_stats(row_stats, chunks, CHUNKS_P2)
             for other in range(chunks):
-                if _lane(won, other, CHUNKS_P2):
+                if lane(won, other, CHUNKS_P2):
                     xo = _load_chunk(x_row, other, n_cols, sx_col, last_col, -float("inf"), CHUNK, CAUSAL)
                     mo, eo, _ = _chunk_stats(xo)
                     _store_chunk(y_row, other, n_cols, inner,
@@ -247,17 +183,17 @@ def softmax_bwd_split_kernel(
     y = _load_chunk(y_row, chunk, n_cols, sy_col, 0, 0.0, CHUNK, False)
     g = _load_chunk(g_row, chunk, n_cols, sg_col, 0, 0.0, CHUNK, False)
     slot = row * chunks + chunk
-    _publish(part_ptr + slot, tl.sum(g if LOG else y * g, axis=0))
-    ready, last = _await_row(arrived_ptr + row, state_ptr + slot, chunks, spin_limit)
+    publish(part_ptr + slot, tl.sum(g if LOG else y * g, axis=0))
+    ready, last = await_row(arrived_ptr + row, state_ptr + slot, chunks, spin_limit)
     if ready:
         total = _row_total(part_ptr + row * chunks, chunks, CHUNKS_P2)
         _store_chunk(gx_row, chunk, n_cols, inner, _grad(y, g, total, LOG), CHUNK)
     if last:
-        won = _claim_abandoned(state_ptr + row * chunks, chunk, chunks, CHUNKS_P2)
+        won = claim_abandoned(state_ptr + row * chunks, chunk, chunks, CHUNKS_P2)
         if tl.max(won.to(tl.int32), axis=0) > 0:
             total = _row_total(part_ptr + row * chunks, chunks, CHUNKS_P2)
             for other in range(chunks):
-                if _lane(won, other, CHUNKS_P2):
+                if lane(won, other, CHUNKS_P2):
                     yo = _load_chunk(y_row, other, n_cols, sy_col, 0, 0.0, CHUNK, False)
                     go = _load_chunk(g_row, other, n_cols, sg_col, 0, 0.0, CHUNK, False)
                     _store_chunk(gx_row, other, n_cols, inner, _grad(yo, go, total, LOG), CHUNK)

@@ -11,18 +11,11 @@ from __future__ import annotations
 
 
 import torch
-from fk_runtime import alloc, checks, dispatch, views
+from fk_runtime import alloc, checks, dispatch, siblings, views
 from fk_runtime import sizing as fk_sizing
 from fk_runtime.tuning import softmax as plans
 
 from . import kernels
-
-
-def _split_scratch(n_rows: int, programs: int, partials: int, device: torch.device):
-    """The split path's shared state, zeroed in one allocation: an arrival count per row, a state
-    per chunk, then `partials` fp32 partials per chunk (as int32 bits; written before read)."""
-    buf = torch.zeros(n_rows + programs * (1 + partials), dtype=torch.int32, device=device)
-    return buf[:n_rows], buf[n_rows:n_rows + programs], buf[n_rows + programs:]
 
 
 def _partials(numel: int, device: torch.device) -> torch.Tensor:
@@ -45,7 +38,7 @@ def forward_rows(x3: torch.Tensor, y: torch.Tensor, seq_rows: int, log: bool, ca
             BLOCK_R=p.block_rows, BLOCK_C=p.block_cols, LOG=log, CAUSAL=causal, **opts,
         )
     elif p.path is plans.Path.SPLIT:
-        arrived, states, stats = _split_scratch(n_rows, p.programs, 2, x3.device)
+        arrived, states, stats = siblings.scratch(n_rows, p.chunks, 2, x3.device)
         kernels.softmax_fwd_split_kernel[(p.programs,)](
             x3, y, stats, arrived, states, n_cols, inner, seq_rows, *sx, out_outer, p.chunks,
             p.spin_limit, CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, LOG=log, CAUSAL=causal, **opts,
@@ -75,7 +68,7 @@ def backward_rows(y3: torch.Tensor, g3: torch.Tensor, gx: torch.Tensor, log: boo
             BLOCK_R=p.block_rows, BLOCK_C=p.block_cols, LOG=log, **opts,
         )
     elif p.path is plans.Path.SPLIT:
-        arrived, states, parts = _split_scratch(n_rows, p.programs, 1, y3.device)
+        arrived, states, parts = siblings.scratch(n_rows, p.chunks, 1, y3.device)
         kernels.softmax_bwd_split_kernel[(p.programs,)](
             y3, g3, gx, parts, arrived, states, n_cols, inner, *sy, *sg, out_outer, p.chunks,
             p.spin_limit, CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, LOG=log, **opts,

@@ -1,19 +1,28 @@
 """Launch table for fk-layernorm (LayerNorm and RMSNorm share it).
 
-Rows that fit `sizing.fused_row_block` are held whole in registers: several rows per program in
-the forward, and a persistent backward where each program walks a group of rows and keeps its
-dweight / dbias partial sums in registers. Longer rows are walked in chunks by one program per row,
-with dweight / dbias from a column-tiled kernel.
+Three paths, by row length:
+- fused: rows that fit `sizing.fused_row_block` (backward: up to BACKWARD_FUSED_MAX_ELEMENTS) are
+  held whole in registers: several rows per program in the forward, and a persistent backward
+  where each program walks a group of rows and keeps its dweight / dbias partial sums in
+  registers;
+- split: longer rows are cut into chunks whose programs meet as siblings (fk_runtime.siblings):
+  one read and one write per tensor. The backward's programs are persistent over a group of
+  rows, keeping dweight / dbias partials of their chunk in registers;
+- looped: rows with more chunks than `siblings.max_siblings()` allows, and the STABLE backward
+  of long rows: one program per row walks it in chunks (re-reading it from L2), dweight / dbias
+  from a column-tiled kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 
 import torch
 
 from .. import backend, sizing
+from ..siblings import max_siblings, spin_limit
 
 # Forward, short rows: a program takes whole rows until it holds about this many bytes of input,
 # on `sizing.row_warps` warps. H100 sweep of 2026-11-22 (1024-16384 features, bf16 and fp32, 1-8
@@ -40,17 +49,40 @@ PARTIAL_BYTES_BUDGET = 32 << 20
 LOOPED_CHUNK_BYTES = 16384
 PARAMS_TILE_BYTES = 16384
 PARAMS_MAX_BLOCK_D = 512
+# Split rows: each program's chunk, on SPLIT_NUM_WARPS warps (4: a quarter of an SM's threads,
+# so that siblings.SIBLINGS_PER_SM programs fit on a multiprocessor whatever their registers).
+# H100 sweep of 2026-11-22 (1024x65536, 256x262144): forward 16 KB chunks (8192 bf16, 4096 fp32)
+# reached 2010-2020 GB/s bf16 and 2360-2460 fp32, 8 KB chunks 1310-1520 and 2080-1980; backward
+# (4096x16384 to 256x262144) 4096 columns 1150-1375 GB/s bf16 and 1670-2200 fp32, 2048 columns
+# 740-950 and 1190-1490 (more siblings per SM, or 8-warp programs, did not help).
+SPLIT_FORWARD_CHUNK_BYTES = 16384
+SPLIT_BACKWARD_CHUNK_ELEMENTS = 4096
+# Backward: load the next row's chunk before waiting on this row's siblings, for inputs of at
+# most this many bytes per element. Same sweep: bf16 1150-1485 GB/s with it, 1150-1375 without;
+# fp32 1485-1655 with it (registers), 1670-2200 without.
+SPLIT_BACKWARD_PREFETCH_MAX_ITEMSIZE = 2
+SPLIT_NUM_WARPS = 4
 PLAN_CACHE_SIZE = 1024
+
+
+class Path(str, enum.Enum):
+    FUSED = "fused"
+    SPLIT = "split"
+    LOOPED = "looped"
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    fused: bool
+    path: Path
     block_rows: int
-    block_cols: int
+    block_cols: int  # the padded row (fused) or one chunk (split, looped)
     num_warps: int
     groups: int = 1  # backward: row groups (partial rows of dweight / dbias)
     rows_per_group: int = 0
+    chunks: int = 1  # split: chunks per row, and that rounded up to a power of two
+    chunks_p2: int = 1
+    spin_limit: int = 0
+    prefetch: bool = False  # split backward: next row's loads issued before this row's wait
     col_tiles: int = 1  # backward, long rows: column tiles of the parameter kernel
     params_block_rows: int = 1
     params_block_cols: int = 1
@@ -66,27 +98,46 @@ def _groups(n_rows: int, n_cols: int, block_rows: int, programs_per_sm: int) -> 
     return sizing.cdiv(n_rows, rows_per_group), rows_per_group
 
 
+def _split_chunks(n_cols: int, chunk: int) -> int | None:
+    chunks = sizing.cdiv(n_cols, chunk)
+    return chunks if chunks <= max_siblings() else None
+
+
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
     if block is not None:
         rows = sizing.rows_per_program(n_rows, block, dtype, FORWARD_ROW_TILE_BYTES)
-        return Plan(True, rows, block, sizing.row_warps(rows * block))
+        return Plan(Path.FUSED, rows, block, sizing.row_warps(rows * block))
+    chunk = SPLIT_FORWARD_CHUNK_BYTES // sizing.element_size(dtype)
+    chunks = _split_chunks(n_cols, chunk)
+    if chunks is not None:
+        return Plan(Path.SPLIT, 1, chunk, SPLIT_NUM_WARPS, chunks=chunks,
+                    chunks_p2=sizing.next_power_of_2(chunks), spin_limit=spin_limit())
     chunk = LOOPED_CHUNK_BYTES // sizing.element_size(dtype)
-    return Plan(False, 1, chunk, sizing.num_warps_for(chunk))
+    return Plan(Path.LOOPED, 1, chunk, sizing.num_warps_for(chunk))
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
+def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = False) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
     if block is not None and block <= BACKWARD_FUSED_MAX_ELEMENTS:
         rows = sizing.rows_per_program(n_rows, block, dtype, BACKWARD_ROW_TILE_BYTES)
         warps = sizing.row_warps(block)
         groups, per_group = _groups(n_rows, n_cols, rows, max(1, BACKWARD_WARPS_PER_SM // warps))
-        return Plan(True, rows, block, warps, groups, per_group)
+        return Plan(Path.FUSED, rows, block, warps, groups, per_group)
+    chunks = None if stable else _split_chunks(n_cols, SPLIT_BACKWARD_CHUNK_ELEMENTS)
+    if chunks is not None:
+        # Every program of the launch is a sibling of the others in its group: all must be
+        # resident together, so the groups share max_siblings() programs.
+        groups = max(1, min(n_rows, max_siblings() // chunks))
+        return Plan(Path.SPLIT, 1, SPLIT_BACKWARD_CHUNK_ELEMENTS, SPLIT_NUM_WARPS, groups,
+                    chunks=chunks, chunks_p2=sizing.next_power_of_2(chunks), spin_limit=spin_limit(),
+                    prefetch=sizing.element_size(dtype) <= SPLIT_BACKWARD_PREFETCH_MAX_ITEMSIZE)
     chunk = LOOPED_CHUNK_BYTES // sizing.element_size(dtype)
     tile = sizing.tile_2d(n_rows, n_cols, dtype, PARAMS_TILE_BYTES, PARAMS_MAX_BLOCK_D)
     col_tiles = sizing.cdiv(n_cols, tile.block_cols)
     groups, per_group = _groups(n_rows, n_cols, tile.block_rows, 1)
-    return Plan(False, 1, chunk, sizing.num_warps_for(chunk), groups, per_group, col_tiles,
-                tile.block_rows, tile.block_cols, tile.num_warps)
+    return Plan(Path.LOOPED, 1, chunk, sizing.num_warps_for(chunk), groups, per_group,
+                col_tiles=col_tiles, params_block_rows=tile.block_rows,
+                params_block_cols=tile.block_cols, params_num_warps=tile.num_warps)

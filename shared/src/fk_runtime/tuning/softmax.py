@@ -20,7 +20,8 @@ import functools
 
 import torch
 
-from .. import backend, sizing
+from .. import sizing
+from ..siblings import max_siblings, spin_limit
 
 # Short rows: a program takes whole rows until it holds at least this many bytes of input. H100
 # run of 2026-11-22 (BENCHMARKS.md), 1024 columns: Liger's one row per 4-warp program reached 90%
@@ -35,23 +36,6 @@ FUSED_TILE_BYTES = 4096
 # multiprocessor: while some wait for their siblings, the others keep loads in flight.
 SPLIT_CHUNK_ELEMENTS = 4096
 SPLIT_NUM_WARPS = 4
-# Siblings per multiprocessor the plan counts on being resident at once (4-warp programs: several
-# fit). The GPU
-# starts programs in launch order, a row's siblings one after another, so a row of at most this
-# many chunks per multiprocessor never waits on a sibling that cannot start; 64 x 1M columns (256
-# chunks a row) stays on the split path on 132 multiprocessors.
-SIBLINGS_PER_SM = 2
-# A split program polls its row's arrival counter at most this many times before it stops
-# waiting and leaves its chunk to the row's last program (a safety net for siblings that are not
-# resident, e.g. on a shared GPU; normally the last sibling arrives within tens of polls, a few
-# microseconds, where 4096 polls take milliseconds). The interpreter
-# runs programs one after another, so waiting there is pointless: it gives up at once, which is
-# also how the tests reach the hand-off.
-SPIN_LIMIT = 1 << 12
-INTERPRETER_SPIN_LIMIT = 1
-# The interpreter has no residency to respect: split rows up to 16 chunks (65536 columns) there,
-# so that CPU tests reach the split path in every dtype and the two-pass path past 65536 columns.
-INTERPRETER_MAX_SIBLINGS = 16
 PLAN_CACHE_SIZE = 1024
 
 
@@ -71,17 +55,6 @@ class Plan:
     num_warps: int
     programs: int  # grid size
     spin_limit: int
-
-
-def max_siblings() -> int:
-    """Most chunks a split row may have: siblings the GPU surely holds at once."""
-    if backend.is_interpreter():
-        return INTERPRETER_MAX_SIBLINGS
-    return backend.multiprocessor_count() * SIBLINGS_PER_SM
-
-
-def spin_limit() -> int:
-    return INTERPRETER_SPIN_LIMIT if backend.is_interpreter() else SPIN_LIMIT
 
 
 # Plans depend only on the shape and dtype: cached, so a call pays for a dict lookup.

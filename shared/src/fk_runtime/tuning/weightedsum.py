@@ -9,12 +9,13 @@ import torch
 
 from .. import backend, sizing
 
-# Forward: bytes of x one program loads per loop step (a BLOCK_R x BLOCK_D tile). H100 sweep
-# (2026-11-22, 5 shapes x fp32/bf16, tiles 8-64 KB, 4-16 warps): 32 KB tiles led in both dtypes.
-FORWARD_TILE_BYTES = 32768
-# Elements of the tile per thread: 64 gave the best forward rates (4 warps for fp32 tiles, 8 for
-# bf16); more warps per program only cost registers here.
-FORWARD_ELEMENTS_PER_THREAD = 64
+# Forward: elements of x one program loads per loop step (a BLOCK_R x BLOCK_D tile), and tile
+# elements per thread by element size (which sets the warps). H100 sweep of 2026-11-22 (5 shapes
+# x bf16/fp32, tiles 8-64 KB x 16-128 elements per thread, timed as CUDA graph replays): 8192
+# elements on 8 warps (bf16) or 4 warps (fp32) came within 0.5% (bf16) and 3% (fp32) of each
+# shape's best, 2500-2910 GB/s; the 32 KB bf16 tiles of before reached 2070 on short rows.
+FORWARD_TILE_ELEMENTS = 8192
+FORWARD_ELEMENTS_PER_THREAD_BY_ITEMSIZE = {1: 32, 2: 32, 4: 64, 8: 64}
 # Widest forward D tile: 4096 (wider tiles read longer contiguous runs; the sweep tied or won at
 # 4096 on every shape).
 FORWARD_MAX_BLOCK_D = 4096
@@ -53,8 +54,9 @@ def _with_warps(tile: sizing.Tile2D, num_warps: int) -> sizing.Tile2D:
 # arithmetic (host time matters when the kernel itself takes tens of microseconds).
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
-    tile = sizing.tile_2d(n_rows, n_cols, dtype, FORWARD_TILE_BYTES, FORWARD_MAX_BLOCK_D)
-    threads = sizing.cdiv(tile.elements, FORWARD_ELEMENTS_PER_THREAD)
+    itemsize = sizing.element_size(dtype)
+    tile = sizing.tile_2d(n_rows, n_cols, dtype, FORWARD_TILE_ELEMENTS * itemsize, FORWARD_MAX_BLOCK_D)
+    threads = sizing.cdiv(tile.elements, FORWARD_ELEMENTS_PER_THREAD_BY_ITEMSIZE[itemsize])
     tile = _with_warps(tile, sizing.next_power_of_2(sizing.cdiv(threads, backend.warp_size())))
     row_programs = sizing.cdiv(n_rows, tile.block_rows)
     wanted = backend.multiprocessor_count() * FORWARD_MIN_PROGRAMS_PER_SM
