@@ -60,4 +60,7 @@ def test_baseline_widens_the_bound():
     ref = torch.ones(100, dtype=torch.float64)
     noisy = ref.float() * 1.05
     c = testing.compare("y", noisy, ref, torch.float32, baseline=ref.float() * 1.04)
-    assert c.ok and c.bound == pytest.approx(testing.BASELINE_FACTOR * 0.04)
+    expected = testing.TOLERANCE[torch.float32] + testing.BASELINE_FACTOR * 0.04
+    assert c.ok and c.bound == pytest.approx(expected)
+    worse = testing.compare("y", ref.float() * 1.09, ref, torch.float32, baseline=ref.float() * 1.04)
+    assert not worse.ok

@@ -1,7 +1,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from fk_runtime import siblings, testing
+from fk_runtime import testing
 from fk_runtime.tuning import layernorm as plans
 
 from fk_layernorm import LayerNorm, RMSNorm, layer_norm, rms_norm
@@ -98,14 +98,10 @@ def test_stable_divides_by_row_max_with_correct_gradient(cols, dtype):
 
 
 @pytest.mark.parametrize("rms", [False, True])
-def test_split_rows_when_siblings_stop_waiting(monkeypatch, rms):
+def test_split_rows_when_siblings_stop_waiting(rms):
     """Programs that stop waiting for their siblings at once leave their chunks to the row's last
     program (or take them back): same results. On a GPU this races for real."""
-    monkeypatch.setattr(siblings, "SPIN_LIMIT", 0)
-    monkeypatch.setattr(siblings, "INTERPRETER_SPIN_LIMIT", 0)
-    plans.forward_plan.cache_clear()
-    plans.backward_plan.cache_clear()
-    try:
+    with testing.siblings_give_up_at_once(plans.forward_plan, plans.backward_plan):
         rows = 300 if testing.on_gpu() else 3
         x = testing.randn((rows, 30000), torch.float32, scale=3.0, shift=1.0, requires_grad=True)
         w, b = _params(30000, torch.float32)
@@ -115,9 +111,6 @@ def test_split_rows_when_siblings_stop_waiting(monkeypatch, rms):
             testing.assert_matches_reference(rms_norm, ref_rms_norm, [x, w], dtype=x.dtype)
         else:
             testing.assert_matches_reference(layer_norm, ref_layer_norm, [x, w, b], dtype=x.dtype)
-    finally:
-        plans.forward_plan.cache_clear()
-        plans.backward_plan.cache_clear()
 
 
 @pytest.mark.parametrize("weight,bias", [(False, False), (True, False), (False, True)])

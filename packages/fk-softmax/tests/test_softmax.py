@@ -4,7 +4,6 @@ import math
 import pytest
 import torch
 from fk_runtime import testing
-from fk_runtime import siblings
 from fk_runtime.tuning import softmax as plans
 from fk_softmax import LogSoftmax, Softmax, log_softmax, softmax
 
@@ -154,20 +153,15 @@ def test_modules_and_determinism(cols):
 
 
 @pytest.mark.parametrize("log", [False, True])
-def test_split_rows_when_siblings_stop_waiting(monkeypatch, log):
+def test_split_rows_when_siblings_stop_waiting(log):
     """Programs that stop waiting for their siblings at once leave their chunks to the row's last
     program (or take them back): same results. On a GPU this races for real."""
-    monkeypatch.setattr(siblings, "SPIN_LIMIT", 0)
-    monkeypatch.setattr(siblings, "INTERPRETER_SPIN_LIMIT", 0)
-    plans.plan.cache_clear()
-    try:
+    with testing.siblings_give_up_at_once(plans.plan):
         rows = 64 if testing.on_gpu() else 3
         x = testing.randn((rows, 40000), torch.bfloat16, scale=3.0, requires_grad=True)
         assert path_of(x.shape, x.dtype) is SPLIT and plans.plan(rows, 40000, x.dtype).spin_limit == 0
         fn, ref = (log_softmax, torch_log_softmax) if log else (softmax, torch_softmax)
         testing.assert_matches_reference(fn, ref, [x], dtype=torch.bfloat16, names=["x"], baseline_fn=ref)
-    finally:
-        plans.plan.cache_clear()
 
 
 def test_backward_saves_only_the_output():

@@ -66,6 +66,13 @@ def scratch(n_rows: int, chunks: int, partials: int, device: torch.device):
 
 
 @triton.jit
+def chunk_columns(chunk, n_cols, CHUNK: tl.constexpr):
+    """Column indices of a row's chunk and the mask of those inside the row."""
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    return cols, cols < n_cols
+
+
+@triton.jit
 def publish(slot_ptr, value):
     """Write one fp32 partial into the int32 scratch: a scalar atomic, so that the thread issuing
     it is the one that then releases the arrival count (and the interpreter takes it too)."""

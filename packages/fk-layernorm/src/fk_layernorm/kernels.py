@@ -10,7 +10,7 @@ seed's `stable`), HAS_W / HAS_B (affine parameters). Statistics are fp32; per ro
 
 import triton
 import triton.language as tl
-from fk_runtime.siblings import await_row, claim_abandoned, lane, partials, publish
+from fk_runtime.siblings import await_row, chunk_columns, claim_abandoned, lane, partials, publish
 
 # fp32 partials a split row's chunk publishes: (sum, sum of squares centred on the chunk's own
 # mean (RMSNorm: not centred), max) forward; (sum of x-hat * w*dy, sum of w*dy) backward.
@@ -183,8 +183,7 @@ def norm_fwd_split_kernel(
     chunk = pid - row * chunks
     x_row = x_ptr + row.to(tl.int64) * stride_xr
     y_row = y_ptr + row.to(tl.int64) * stride_yr
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    col_mask = cols < n_cols
+    cols, col_mask = chunk_columns(chunk, n_cols, CHUNK)
     x = tl.load(x_row + cols[None, :].to(tl.int64) * stride_xc, mask=col_mask[None, :], other=0.0,
                 eviction_policy="evict_first").to(tl.float32)
     slot = row * chunks + chunk
@@ -213,8 +212,7 @@ def norm_fwd_split_kernel(
         if tl.max(won.to(tl.int32), axis=0) > 0:
             for other in range(chunks):
                 if lane(won, other, CHUNKS_P2):
-                    ocols = other * CHUNK + tl.arange(0, CHUNK)
-                    omask = ocols < n_cols
+                    ocols, omask = chunk_columns(other, n_cols, CHUNK)
                     xo = tl.load(x_row + ocols[None, :].to(tl.int64) * stride_xc, mask=omask[None, :],
                                  other=0.0).to(tl.float32)
                     _write_split_chunk(xo, y_row, w_ptr, b_ptr, ocols, omask, mean, rstd, row_max,
@@ -428,8 +426,7 @@ def norm_bwd_split_kernel(
     pid = tl.program_id(0)
     group = pid // chunks
     chunk = pid - group * chunks
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    col_mask = cols < n_cols
+    cols, col_mask = chunk_columns(chunk, n_cols, CHUNK)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) if HAS_W else 1.0
     dw_acc = tl.zeros((CHUNK,), tl.float32)
     db_acc = tl.zeros((CHUNK,), tl.float32)
@@ -487,8 +484,7 @@ def norm_bwd_split_kernel(
                 if tl.max(won.to(tl.int32), axis=0) > 0:
                     for other in range(chunks):
                         if lane(won, other, CHUNKS_P2):
-                            ocols = other * CHUNK + tl.arange(0, CHUNK)
-                            omask = ocols < n_cols
+                            ocols, omask = chunk_columns(other, n_cols, CHUNK)
                             xo, wdyo = _load_x_wdy(x_row, dy_row, w_ptr, ocols, omask, stride_xc,
                                                    stride_dyc, HAS_W)
                             tl.store(dx_row + ocols, _split_dx(xo, wdyo, mean, rstd, c1, c2, IS_RMS)

@@ -33,9 +33,11 @@ FORWARD_ROW_TILE_BYTES = 8192
 # 16 warps) ran at 2390 GB/s bf16 and 2740 fp32; 16384 spilled at any warp count (330 GB/s), so
 # longer rows take the chunked kernels.
 BACKWARD_FUSED_MAX_ELEMENTS = 8192
-# Backward, short rows: rows per loop step, as bytes of one input tile (16 KB: 8 rows of 1024
-# bf16 features, 4 of fp32; 2510 and 2720 GB/s in that sweep).
-BACKWARD_ROW_TILE_BYTES = 16384
+# Backward, short rows: rows per loop step, as bytes of one input tile. Sweep of 2026-11-22
+# timed as CUDA graph replays (1024-8192 features, tiles 4-32 KB x 8-64 warps per SM): 4 KB
+# (2 rows of 1024 bf16 features, 1 of fp32) came within 5.5% of each shape's best, 1890-2620
+# GB/s, where 16 KB reached 1680 (bf16, 1024 features) and 32 KB spilled (121).
+BACKWARD_ROW_TILE_BYTES = 4096
 # Backward: warps from one row's features (`sizing.row_warps`: 4 at 1024, 8 at 4096, 16 at 8192),
 # and as many row groups per multiprocessor as fill BACKWARD_WARPS_PER_SM warps (4, 2 and 1
 # groups there: the sweep's best at each width). Each group ends in one partial row of dweight /

@@ -22,19 +22,18 @@ FORWARD_MAX_BLOCK_D = 4096
 # Forward: when row tiles alone give fewer programs than this many per multiprocessor, D is
 # split across programs too (partial sums reduced afterwards).
 FORWARD_MIN_PROGRAMS_PER_SM = 4
-# Backward tile: BACKWARD_TILE_ELEMENTS values (its fp32 products set the register use, whatever
-# the dtype), D up to BACKWARD_MAX_BLOCK_D wide, at most BACKWARD_MAX_BLOCK_ROWS rows. H100 sweep
-# of 2026-11-22 (65536x1024, 16384x4096, 262144x256, bf16 and fp32; tiles 8-32 rows x 128-1024,
-# 4-8 warps, 4-16 programs per SM, 1-3 stages): 16 x 1024 (32 x 256 for short rows) gave
-# 2618-2803 GB/s, within 2% of each case's best; the 32 KB tiles of before spilled in bf16
-# (665 GB/s at 16384x4096).
-BACKWARD_TILE_ELEMENTS = 16384
+# Backward tile: BACKWARD_TILE_BYTES of x, D up to BACKWARD_MAX_BLOCK_D wide, at most
+# BACKWARD_MAX_BLOCK_ROWS rows, one stage; (warps, row groups per multiprocessor) by element size.
+# H100 sweeps of 2026-11-22, timed as CUDA graph replays (65536x1024 to 1048576x128, bf16 and
+# fp32; tiles 8192-32768 values x 16-64 rows, 4-8 warps, 8-16 groups per SM): 32 KB tiles of up
+# to 64 rows on 4 warps with 8 groups per SM (bf16) or 8 warps with 8 (fp32) came within 5.5%
+# (bf16) and 1% (fp32) of each shape's best, 2290-2710 GB/s; 32 rows at most held bf16 short
+# rows to 1970-2010.
+BACKWARD_TILE_BYTES = 32768
 BACKWARD_MAX_BLOCK_D = 1024
-BACKWARD_MAX_BLOCK_ROWS = 32
+BACKWARD_MAX_BLOCK_ROWS = 64
 BACKWARD_NUM_STAGES = 1
-# Backward (warps, row groups per multiprocessor) by element size: same sweep, bf16 led on 4
-# warps with 8 groups per SM, fp32 on 8 warps with 16.
-BACKWARD_LAUNCH_BY_ITEMSIZE = {2: (4, 8), 4: (8, 16)}
+BACKWARD_LAUNCH_BY_ITEMSIZE = {1: (4, 8), 2: (4, 8), 4: (8, 8), 8: (8, 8)}
 PLAN_CACHE_SIZE = 1024
 
 
@@ -71,7 +70,8 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
     block_cols = min(sizing.next_power_of_2(n_cols), BACKWARD_MAX_BLOCK_D)
-    block_rows = min(BACKWARD_TILE_ELEMENTS // block_cols, BACKWARD_MAX_BLOCK_ROWS,
+    tile_elements = BACKWARD_TILE_BYTES // sizing.element_size(dtype)
+    block_rows = min(max(1, tile_elements // block_cols), BACKWARD_MAX_BLOCK_ROWS,
                      sizing.next_power_of_2(n_rows))
     num_warps, per_sm = BACKWARD_LAUNCH_BY_ITEMSIZE[sizing.element_size(dtype)]
     tile = _with_warps(sizing.Tile2D(block_rows, block_cols, num_warps), num_warps)
