@@ -28,6 +28,20 @@ def test_every_path_is_covered():
     assert plans.backward_plan(9, 4097, torch.float32).path is FUSED
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_backward_keeps_16bit_rows_to_16384_whole(dtype):
+    """RMSNorm's backward holds 16-bit rows of up to 16384 features in one program; LayerNorm and
+    fp32 split them over siblings. Both give the reference's gradients."""
+    rows, cols = (64, 16384) if testing.on_gpu() else (3, 12000)
+    expected = FUSED if dtype.itemsize == 2 else SPLIT
+    assert plans.backward_plan(rows, cols, dtype, is_rms=True).path is expected
+    assert plans.backward_plan(rows, cols, dtype).path is SPLIT
+    x = testing.randn((rows, cols), dtype, scale=2.0, shift=0.5, requires_grad=True)
+    w, _ = _params(cols, dtype, bias=False)
+    testing.assert_matches_reference(rms_norm, ref_rms_norm, [x, w], dtype=dtype, names=["x", "weight"],
+                                     baseline_fn=ref_rms_norm)
+
+
 def ref_layer_norm(x, w=None, b=None, stable=False):
     if stable:
         x = x / torch.amax(x, dim=-1, keepdim=True)

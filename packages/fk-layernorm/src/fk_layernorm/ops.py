@@ -76,7 +76,7 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
         return grad_x, zeros[0], zeros[1]
     x2, dy2, dx2 = views.rows(x), views.rows(grad_y), views.rows(grad_x)
     n_rows, n_cols = x2.shape
-    p = plans.backward_plan(n_rows, n_cols, x.dtype, stable)
+    p = plans.backward_plan(n_rows, n_cols, x.dtype, stable, is_rms)
     flags = _flags(weight, bias, is_rms, stable)
     parts = torch.empty((2, p.groups, n_cols), dtype=torch.float32, device=x.device)
     w = weight if weight is not None else x2

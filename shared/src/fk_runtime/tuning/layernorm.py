@@ -1,7 +1,8 @@
 """Launch table for fk-layernorm (LayerNorm and RMSNorm share it).
 
 Three paths, by row length:
-- fused: rows that fit `sizing.fused_row_block` (backward: up to BACKWARD_FUSED_MAX_ELEMENTS) are
+- fused: rows that fit `sizing.fused_row_block` (backward: up to BACKWARD_FUSED_MAX_ELEMENTS, or
+  BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT for RMSNorm in 16 bits) are
   held whole in registers: several rows per program in the forward, and a persistent backward
   where each program walks a group of rows and keeps its dweight / dbias partial sums in
   registers;
@@ -33,6 +34,12 @@ FORWARD_ROW_TILE_BYTES = 8192
 # 16 warps) ran at 2390 GB/s bf16 and 2740 fp32; 16384 spilled at any warp count (330 GB/s), so
 # longer rows take the chunked kernels.
 BACKWARD_FUSED_MAX_ELEMENTS = 8192
+# RMSNorm in 16 bits holds fewer fp32 values per feature (no mean, no bias sum): rows of up to
+# this many features still fit one 16-warp program. H100, 2026-11-23, backward as CUDA graph
+# replays: RMSNorm bf16/fp16 fused beat split at every shape tried (4096-16384 rows x 12288 and
+# 16384 features: 1886-2183 GB/s against 1826-1975); fused LayerNorm (192 GB/s bf16, 369 fp32)
+# and RMSNorm fp32 (536; 2144 on 32 warps, against 2339 split) spill at 16384.
+BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT = 16384
 # Backward, short rows: rows per loop step, as bytes of one input tile. Sweep of 2026-11-22
 # timed as CUDA graph replays (1024-8192 features, tiles 4-32 KB x 8-64 warps per SM): 4 KB
 # (2 rows of 1024 bf16 features, 1 of fp32) came within 5.5% of each shape's best, 1890-2620
@@ -120,10 +127,17 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
     return Plan(Path.LOOPED, 1, chunk, sizing.num_warps_for(chunk))
 
 
+def _backward_fused_max(dtype: torch.dtype, is_rms: bool) -> int:
+    if is_rms and sizing.element_size(dtype) <= 2:
+        return BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT
+    return BACKWARD_FUSED_MAX_ELEMENTS
+
+
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = False) -> Plan:
+def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = False,
+                  is_rms: bool = False) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
-    if block is not None and block <= BACKWARD_FUSED_MAX_ELEMENTS:
+    if block is not None and block <= _backward_fused_max(dtype, is_rms):
         rows = sizing.rows_per_program(n_rows, block, dtype, BACKWARD_ROW_TILE_BYTES)
         warps = sizing.row_warps(block)
         groups, per_group = _groups(n_rows, n_cols, rows, max(1, BACKWARD_WARPS_PER_SM // warps))
