@@ -15,7 +15,7 @@ from .. import backend, sizing
 # elements on 8 warps (bf16) or 4 warps (fp32) came within 0.5% (bf16) and 3% (fp32) of each
 # shape's best, 2500-2910 GB/s; the 32 KB bf16 tiles of before reached 2070 on short rows.
 FORWARD_TILE_ELEMENTS = 8192
-FORWARD_ELEMENTS_PER_THREAD_BY_ITEMSIZE = {1: 32, 2: 32, 4: 64, 8: 64}
+FORWARD_ELEMENTS_PER_THREAD_BY_ITEMSIZE = {2: 32, 4: 64}
 # Widest forward D tile: 4096 (wider tiles read longer contiguous runs; the sweep tied or won at
 # 4096 on every shape).
 FORWARD_MAX_BLOCK_D = 4096
@@ -33,7 +33,7 @@ BACKWARD_TILE_BYTES = 32768
 BACKWARD_MAX_BLOCK_D = 1024
 BACKWARD_MAX_BLOCK_ROWS = 64
 BACKWARD_NUM_STAGES = 1
-BACKWARD_LAUNCH_BY_ITEMSIZE = {1: (4, 8), 2: (4, 8), 4: (8, 8), 8: (8, 8)}
+BACKWARD_LAUNCH_BY_ITEMSIZE = {2: (4, 8), 4: (8, 8)}
 PLAN_CACHE_SIZE = 1024
 
 
