@@ -10,10 +10,11 @@ from fk_softmax import LogSoftmax, Softmax, log_softmax, softmax
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FUSED, SPLIT, TWO_PASS = plans.Path.FUSED, plans.Path.SPLIT, plans.Path.TWO_PASS
 # Row lengths and the path each takes (asserted below, so that no path goes untested): whole rows
-# (1, 17, 1000, 4097), rows split over sibling programs (40000: 10 chunks of 4096), rows past the
-# split limit in two passes (70001 on the interpreter, past 1.08M columns on an H100).
+# (1, 17, 1000, 4097), rows split over sibling programs (40000: 10 chunks of 4096 forward, 5 of
+# 8192 backward), rows past the split limit in two passes, both ways (140001 on the interpreter,
+# past 2.16M columns on an H100).
 SHAPES = [(1,), (3, 1), (5, 17), (2, 3, 1000), (7, 4097), (9, 40000)]
-LONG = (2, 70001) if not testing.on_gpu() else (2, 2_100_001)
+LONG = (2, 140001) if not testing.on_gpu() else (2, 2_200_001)
 SHAPES.append(LONG)
 if testing.on_gpu():
     SHAPES += [(4097, 1024), (3, 262144), (2, 1_000_000), (128, 3, 65537)]
@@ -30,17 +31,18 @@ def torch_log_softmax(x, dim=-1):
     return torch.log_softmax(x, dim)
 
 
-def path_of(shape, dtype):
-    return plans.plan(math.prod(shape[:-1]), shape[-1], dtype).path
+def path_of(shape, dtype, backward=False):
+    return plans.plan(math.prod(shape[:-1]), shape[-1], dtype, backward).path
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_path_is_reached(dtype):
-    assert path_of((7, 4097), dtype) is FUSED
-    assert path_of((9, 40000), dtype) is SPLIT
-    assert path_of(LONG, dtype) is TWO_PASS
+def test_every_path_is_reached(dtype, backward):
+    assert path_of((7, 4097), dtype, backward) is FUSED
+    assert path_of((9, 40000), dtype, backward) is SPLIT
+    assert path_of(LONG, dtype, backward) is TWO_PASS
     if testing.on_gpu():
-        assert {path_of(s, dtype) for s in [(1024, 65536), (3, 262144)]} == {SPLIT}
+        assert {path_of(s, dtype, backward) for s in [(1024, 65536), (3, 262144), (2, 1_000_000)]} == {SPLIT}
 
 
 @pytest.mark.parametrize("mode", testing.compile_modes())
@@ -159,7 +161,7 @@ def test_split_rows_when_siblings_stop_waiting(log):
     with testing.siblings_give_up_at_once(plans.plan):
         rows = 64 if testing.on_gpu() else 3
         x = testing.randn((rows, 40000), torch.bfloat16, scale=3.0, requires_grad=True)
-        assert path_of(x.shape, x.dtype) is SPLIT and plans.plan(rows, 40000, x.dtype).spin_limit == 0
+        assert path_of(x.shape, x.dtype, backward=True) is SPLIT and plans.plan(rows, 40000, x.dtype).spin_limit == 0
         fn, ref = (log_softmax, torch_log_softmax) if log else (softmax, torch_softmax)
         testing.assert_matches_reference(fn, ref, [x], dtype=torch.bfloat16, names=["x"], baseline_fn=ref)
 

@@ -4,8 +4,9 @@ A row too long for one program's registers is cut into chunks, one program each.
 reduces its chunk to a few fp32 partials (softmax: max and sum of exp; LayerNorm: sum and
 centred sum of squares), publishes them, counts itself in on the row's arrival counter and waits
 until the whole row has arrived; then it combines the partials in a fixed order (the same bits
-every run) and writes its chunk from the registers it never left. One read and one write of HBM,
-as for rows that fit one program.
+every run) and writes its chunk from the registers it never left (or, when programs meet once
+for a batch of rows, from a second read of the batch that L2 still holds). One read and one
+write of HBM, as for rows that fit one program.
 
 Waiting needs the siblings resident together. The GPU starts programs in launch order, so a row
 of at most `max_siblings()` chunks never waits on a sibling that cannot start; as a safety net

@@ -410,19 +410,51 @@ def _split_dx(x, wdy, mean, rstd, c1, c2, IS_RMS: tl.constexpr):
 
 
 @triton.jit
+def _split_write_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, part_ptr, first, end, chunk,
+                      n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr, chunks,
+                      CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr):
+    """dx of one chunk of rows first..end-1, whose sums are all published: re-read x and dy (from
+    L2, where the batch's first pass left them), combine the row's sums in a fixed order, write."""
+    cols, col_mask = chunk_columns(chunk, n_cols, CHUNK)
+    for row in range(first, end):
+        row64 = tl.cast(row, tl.int64)  # a plain int on the interpreter
+        row_parts = part_ptr + BWD_PARTIALS * row * chunks
+        c1 = tl.sum(partials(row_parts, chunks, BWD_PARTIALS, 0.0, CHUNKS_P2), axis=0) * inv_n_cols
+        c2 = 0.0
+        if not IS_RMS:
+            c2 = tl.sum(partials(row_parts + 1, chunks, BWD_PARTIALS, 0.0, CHUNKS_P2), axis=0) * inv_n_cols
+        mean, rstd = _row_stats(mean_ptr, rstd_ptr, row, IS_RMS)
+        x, wdy = _load_x_wdy(x_ptr + row64 * stride_xr, dy_ptr + row64 * stride_dyr, w_ptr, cols, col_mask,
+                             stride_xc, stride_dyc, HAS_W)
+        dx = _split_dx(x, wdy, mean, rstd, c1, c2, IS_RMS)
+        tl.store(dx_ptr + row64 * stride_dxr + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _row_stats(mean_ptr, rstd_ptr, row, IS_RMS: tl.constexpr):
+    mean = 0.0
+    if not IS_RMS:
+        mean = tl.load(mean_ptr + row)
+    return mean, tl.load(rstd_ptr + row)
+
+
+@triton.jit
 def norm_bwd_split_kernel(
     x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
     part_ptr, arrived_ptr, state_ptr,
     n_rows, n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr,
     groups, chunks, spin_limit,
-    CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, IS_RMS: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, PREFETCH: tl.constexpr,
+    CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BATCH_ROWS: tl.constexpr, IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr,
 ):
-    """Long rows (not STABLE): program (group, chunk) walks rows group, group + groups, ... with
-    the row's other chunks' programs as siblings (fk_runtime.siblings). Per row it publishes its
-    chunk's sums of x-hat * w*dy and w*dy, adds dy * x-hat and dy to its dweight / dbias
-    partials (which need only the saved statistics), waits for its siblings and writes dx from
-    registers. One read of x and dy, one write of dx; the partials are reduced in a fixed order."""
+    """Long rows (not STABLE): program (group, chunk) walks batches of BATCH_ROWS rows (batches
+    group, group + groups, ...) with the batch's other chunks' programs as siblings
+    (fk_runtime.siblings). First pass over the batch: publish each row's sums of x-hat * w*dy and
+    w*dy for this chunk, and add dy * x-hat and dy to the dweight / dbias partials (which need
+    only the saved statistics). One wait for the whole batch, then a second pass writes dx,
+    re-reading the batch's chunks from L2: HBM sees one read of x and dy and one write of dx,
+    and the siblings meet once per batch instead of once per row. The partials are reduced in
+    a fixed order."""
     pid = tl.program_id(0)
     group = pid // chunks
     chunk = pid - group * chunks
@@ -430,65 +462,38 @@ def norm_bwd_split_kernel(
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) if HAS_W else 1.0
     dw_acc = tl.zeros((CHUNK,), tl.float32)
     db_acc = tl.zeros((CHUNK,), tl.float32)
-    x_offs = cols.to(tl.int64) * stride_xc
-    dy_offs = cols.to(tl.int64) * stride_dyc
-    if PREFETCH:
-        # The next row's chunk is loaded before this row's wait, so that the loads overlap it.
-        # (The first row, `group`, exists: there are no more groups than rows.)
-        x_next = tl.load(x_ptr + tl.cast(group, tl.int64) * stride_xr + x_offs, mask=col_mask,
-                         other=0.0, eviction_policy="evict_first")
-        dy_next = tl.load(dy_ptr + tl.cast(group, tl.int64) * stride_dyr + dy_offs, mask=col_mask,
-                          other=0.0, eviction_policy="evict_first")
-    for row in range(group, n_rows, groups):
-        row64 = tl.cast(row, tl.int64)  # a plain int on the interpreter
-        x_row = x_ptr + row64 * stride_xr
-        dy_row = dy_ptr + row64 * stride_dyr
-        dx_row = dx_ptr + row64 * stride_dxr
-        if PREFETCH:
-            x = x_next.to(tl.float32)
-            dy = dy_next.to(tl.float32)
-            # Past the last row, re-read the last row (one chunk per program) rather than mask.
-            following = tl.minimum(row64 + groups, n_rows - 1)
-            x_next = tl.load(x_ptr + following * stride_xr + x_offs, mask=col_mask, other=0.0,
-                             eviction_policy="evict_first")
-            dy_next = tl.load(dy_ptr + following * stride_dyr + dy_offs, mask=col_mask, other=0.0,
-                              eviction_policy="evict_first")
-        else:
-            x = tl.load(x_row + x_offs, mask=col_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            dy = tl.load(dy_row + dy_offs, mask=col_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
-        mean = 0.0
-        if not IS_RMS:
-            mean = tl.load(mean_ptr + row)
-        xhat = tl.where(col_mask, _normalized(x, mean, rstd, 1.0, IS_RMS, False), 0.0)
-        wdy = dy * w
-        slot = row * chunks + chunk
-        publish(part_ptr + BWD_PARTIALS * slot, tl.sum(xhat * wdy, axis=0))
-        publish(part_ptr + BWD_PARTIALS * slot + 1, tl.sum(wdy, axis=0))
-        if HAS_W:
-            dw_acc += dy * xhat
-        if HAS_B:
-            db_acc += dy
-        ready, last = await_row(arrived_ptr + row, state_ptr + slot, chunks, spin_limit)
-        row_parts = part_ptr + BWD_PARTIALS * row * chunks
-        if ready | last:
-            c1 = tl.sum(partials(row_parts, chunks, BWD_PARTIALS, 0.0, CHUNKS_P2), axis=0) * inv_n_cols
-            c2 = 0.0
-            if not IS_RMS:
-                c2 = tl.sum(partials(row_parts + 1, chunks, BWD_PARTIALS, 0.0, CHUNKS_P2), axis=0) * inv_n_cols
-            if ready:
-                dx = _split_dx(x, wdy, mean, rstd, c1, c2, IS_RMS)
-                tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
-            if last:
-                won = claim_abandoned(state_ptr + row * chunks, chunk, chunks, CHUNKS_P2)
-                if tl.max(won.to(tl.int32), axis=0) > 0:
-                    for other in range(chunks):
-                        if lane(won, other, CHUNKS_P2):
-                            ocols, omask = chunk_columns(other, n_cols, CHUNK)
-                            xo, wdyo = _load_x_wdy(x_row, dy_row, w_ptr, ocols, omask, stride_xc,
-                                                   stride_dyc, HAS_W)
-                            tl.store(dx_row + ocols, _split_dx(xo, wdyo, mean, rstd, c1, c2, IS_RMS)
-                                     .to(dx_ptr.dtype.element_ty), mask=omask)
+    for first in range(group * BATCH_ROWS, n_rows, groups * BATCH_ROWS):
+        end = tl.minimum(first + BATCH_ROWS, n_rows)
+        for row in range(first, end):
+            row64 = tl.cast(row, tl.int64)
+            # Kept in L2 for the second pass.
+            x = tl.load(x_ptr + row64 * stride_xr + cols * stride_xc, mask=col_mask, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            dy = tl.load(dy_ptr + row64 * stride_dyr + cols * stride_dyc, mask=col_mask, other=0.0,
+                         eviction_policy="evict_last").to(tl.float32)
+            mean, rstd = _row_stats(mean_ptr, rstd_ptr, row, IS_RMS)
+            xhat = tl.where(col_mask, _normalized(x, mean, rstd, 1.0, IS_RMS, False), 0.0)
+            wdy = dy * w
+            slot = row * chunks + chunk
+            publish(part_ptr + BWD_PARTIALS * slot, tl.sum(xhat * wdy, axis=0))
+            publish(part_ptr + BWD_PARTIALS * slot + 1, tl.sum(wdy, axis=0))
+            if HAS_W:
+                dw_acc += dy * xhat
+            if HAS_B:
+                db_acc += dy
+        ready, last = await_row(arrived_ptr + first, state_ptr + first * chunks + chunk, chunks, spin_limit)
+        if ready:
+            _split_write_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, part_ptr, first, end, chunk,
+                              n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr,
+                              chunks, CHUNK, CHUNKS_P2, IS_RMS, HAS_W)
+        if last:
+            won = claim_abandoned(state_ptr + first * chunks, chunk, chunks, CHUNKS_P2)
+            if tl.max(won.to(tl.int32), axis=0) > 0:
+                for other in range(chunks):
+                    if lane(won, other, CHUNKS_P2):
+                        _split_write_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, part_ptr, first,
+                                          end, other, n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr,
+                                          stride_dyc, stride_dxr, chunks, CHUNK, CHUNKS_P2, IS_RMS, HAS_W)
     if HAS_W:
         tl.store(dw_part_ptr + group.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
     if HAS_B:

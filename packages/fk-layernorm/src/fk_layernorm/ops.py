@@ -86,7 +86,8 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
             x2, w, dy2, dx2, stats[0], stats[1], parts[0], parts[1], sums, arrived, states,
             n_rows, n_cols, 1.0 / n_cols, x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
             dx2.stride(0), p.groups, p.chunks, p.spin_limit, CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2,
-            IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, PREFETCH=p.prefetch,
+            BATCH_ROWS=p.batch_rows,
+            IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None,
             **fk_sizing.launch_options(p.num_warps),
         )
     elif p.path is plans.Path.FUSED:

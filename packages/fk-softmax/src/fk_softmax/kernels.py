@@ -9,7 +9,7 @@ of row r when j > r % seq_rows (the row's index in its seq_rows x n_cols matrix)
 
 import triton
 import triton.language as tl
-from fk_runtime.siblings import await_row, claim_abandoned, lane, partials, publish
+from fk_runtime.siblings import await_row, chunk_columns, claim_abandoned, lane, partials, publish
 
 @triton.jit
 def _row_offsets(rows, inner, s_outer, s_inner):
@@ -82,18 +82,24 @@ def softmax_bwd_rows_kernel(
 
 
 @triton.jit
-def _load_chunk(row_ptr, chunk, n_cols, s_col, last_col, other, CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    keep = cols < n_cols
+def _load_raw(row_ptr, chunk, n_cols, s_col, last_col, other, CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
+    """A chunk of a row in the input's dtype: what a program holds across its siblings' wait
+    (16-bit inputs take half the registers of fp32 there)."""
+    cols, keep = chunk_columns(chunk, n_cols, CHUNK)
     if CAUSAL:
         keep &= cols <= last_col
-    return tl.load(row_ptr + cols.to(tl.int64) * s_col, mask=keep, other=other).to(tl.float32)
+    return tl.load(row_ptr + cols.to(tl.int64) * s_col, mask=keep, other=other)
+
+
+@triton.jit
+def _load_chunk(row_ptr, chunk, n_cols, s_col, last_col, other, CHUNK: tl.constexpr, CAUSAL: tl.constexpr):
+    return _load_raw(row_ptr, chunk, n_cols, s_col, last_col, other, CHUNK, CAUSAL).to(tl.float32)
 
 
 @triton.jit
 def _store_chunk(row_ptr, chunk, n_cols, s_col, values, CHUNK: tl.constexpr):
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    tl.store(row_ptr + cols.to(tl.int64) * s_col, values.to(row_ptr.dtype.element_ty), mask=cols < n_cols)
+    cols, inside = chunk_columns(chunk, n_cols, CHUNK)
+    tl.store(row_ptr + cols.to(tl.int64) * s_col, values.to(row_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -173,21 +179,24 @@ def softmax_bwd_split_kernel(
     CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, LOG: tl.constexpr,
 ):
     """Backward of the split path: publish the chunk's sum(y * g) (log-softmax: sum(g)), wait for
-    the row's siblings, write grad_x from the y and grad_y chunks still in registers."""
+    the row's siblings, write grad_x from the y and grad_y chunks still in registers (held in
+    their own dtype through the wait, converted again after it)."""
     pid = tl.program_id(0)
     row = pid // chunks
     chunk = pid - row * chunks
     y_row = y_ptr + _row_offsets(row, inner, sy_outer, sy_inner)
     g_row = g_ptr + _row_offsets(row, inner, sg_outer, sg_inner)
     gx_row = gx_ptr + _row_offsets(row, inner, out_outer, 1)
-    y = _load_chunk(y_row, chunk, n_cols, sy_col, 0, 0.0, CHUNK, False)
-    g = _load_chunk(g_row, chunk, n_cols, sg_col, 0, 0.0, CHUNK, False)
+    y_raw = _load_raw(y_row, chunk, n_cols, sy_col, 0, 0.0, CHUNK, False)
+    g_raw = _load_raw(g_row, chunk, n_cols, sg_col, 0, 0.0, CHUNK, False)
     slot = row * chunks + chunk
-    publish(part_ptr + slot, tl.sum(g if LOG else y * g, axis=0))
+    g = g_raw.to(tl.float32)
+    publish(part_ptr + slot, tl.sum(g if LOG else y_raw.to(tl.float32) * g, axis=0))
     ready, last = await_row(arrived_ptr + row, state_ptr + slot, chunks, spin_limit)
     if ready:
         total = _row_total(part_ptr + row * chunks, chunks, CHUNKS_P2)
-        _store_chunk(gx_row, chunk, n_cols, inner, _grad(y, g, total, LOG), CHUNK)
+        _store_chunk(gx_row, chunk, n_cols, inner, _grad(y_raw.to(tl.float32), g_raw.to(tl.float32), total, LOG),
+                     CHUNK)
     if last:
         won = claim_abandoned(state_ptr + row * chunks, chunk, chunks, CHUNKS_P2)
         if tl.max(won.to(tl.int32), axis=0) > 0:

@@ -58,7 +58,7 @@ def backward_rows(y3: torch.Tensor, g3: torch.Tensor, gx: torch.Tensor, log: boo
     """gx (contiguous, same layout as y3) = gradient of the input from y3 and grad_y g3."""
     outer, n_cols, inner = y3.shape
     n_rows = outer * inner
-    p = plans.plan(n_rows, n_cols, y3.dtype)
+    p = plans.plan(n_rows, n_cols, y3.dtype, backward=True)
     opts = fk_sizing.launch_options(p.num_warps)
     sy, sg = y3.stride(), g3.stride()
     out_outer = n_cols * inner

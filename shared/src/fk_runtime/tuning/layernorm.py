@@ -7,8 +7,9 @@ Three paths, by row length:
   where each program walks a group of rows and keeps its dweight / dbias partial sums in
   registers;
 - split: longer rows are cut into chunks whose programs meet as siblings (fk_runtime.siblings):
-  one read and one write per tensor. The backward's programs are persistent over a group of
-  rows, keeping dweight / dbias partials of their chunk in registers;
+  one read and one write of HBM per tensor. The backward's programs are persistent over a group
+  of rows, keeping dweight / dbias partials of their chunk in registers, and meet once per
+  batch of rows (dx is written from a second read of the batch, which L2 still holds);
 - looped: rows with more chunks than `siblings.max_siblings()` allows, and the STABLE backward
   of long rows: one program per row walks it in chunks (re-reading it from L2), dweight / dbias
   from a column-tiled kernel.
@@ -66,10 +67,14 @@ PARAMS_MAX_BLOCK_D = 512
 # 740-950 and 1190-1490 (more siblings per SM, or 8-warp programs, did not help).
 SPLIT_FORWARD_CHUNK_BYTES = 16384
 SPLIT_BACKWARD_CHUNK_ELEMENTS = 4096
-# Backward: load the next row's chunk before waiting on this row's siblings, for inputs of at
-# most this many bytes per element. Same sweep: bf16 1150-1485 GB/s with it, 1150-1375 without;
-# fp32 1485-1655 with it (registers), 1670-2200 without.
-SPLIT_BACKWARD_PREFETCH_MAX_ITEMSIZE = 2
+# Backward: a split program takes a batch of rows per meeting with its siblings, this many bytes
+# of each input (x, dy) in all: it reads the batch's chunks once for the row sums and once more,
+# from L2, to write dx. H100, 2026-11-23, graph replays of the backward (4096x16384 to 256x262144
+# and 1000x20000; batches of 1-8 rows): 32 KB (4 rows of bf16 chunks, 2 of fp32) gave LayerNorm
+# bf16 1440-1760 GB/s against 1155-1570 for the row-at-a-time kernel of before (waiting on the
+# siblings at every row, next row prefetched), fp32 1740-2230 against 1700-2300 (longest rows
+# gain most: 256x262144 fp32 1960 against 1700); RMSNorm bf16 1410-1700 against 1460-1720.
+SPLIT_BACKWARD_BATCH_BYTES = 32768
 SPLIT_NUM_WARPS = 4
 PLAN_CACHE_SIZE = 1024
 
@@ -91,7 +96,7 @@ class Plan:
     chunks: int = 1  # split: chunks per row, and that rounded up to a power of two
     chunks_p2: int = 1
     spin_limit: int = 0
-    prefetch: bool = False  # split backward: next row's loads issued before this row's wait
+    batch_rows: int = 1  # split backward: rows per meeting of the siblings
     col_tiles: int = 1  # backward, long rows: column tiles of the parameter kernel
     params_block_rows: int = 1
     params_block_cols: int = 1
@@ -146,10 +151,13 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = F
     if chunks is not None:
         # Every program of the launch is a sibling of the others in its group: all must be
         # resident together, so the groups share max_siblings() programs.
-        groups = max(1, min(n_rows, max_siblings() // chunks))
+        chunk_bytes = SPLIT_BACKWARD_CHUNK_ELEMENTS * sizing.element_size(dtype)
+        batch_rows = max(1, SPLIT_BACKWARD_BATCH_BYTES // chunk_bytes)
+        batches = sizing.cdiv(n_rows, batch_rows)
+        groups = max(1, min(batches, max_siblings() // chunks))
         return Plan(Path.SPLIT, 1, SPLIT_BACKWARD_CHUNK_ELEMENTS, SPLIT_NUM_WARPS, groups,
                     chunks=chunks, chunks_p2=sizing.next_power_of_2(chunks), spin_limit=spin_limit(),
-                    prefetch=sizing.element_size(dtype) <= SPLIT_BACKWARD_PREFETCH_MAX_ITEMSIZE)
+                    batch_rows=batch_rows)
     chunk = LOOPED_CHUNK_BYTES // sizing.element_size(dtype)
     tile = sizing.tile_2d(n_rows, n_cols, dtype, PARAMS_TILE_BYTES, PARAMS_MAX_BLOCK_D)
     col_tiles = sizing.cdiv(n_cols, tile.block_cols)

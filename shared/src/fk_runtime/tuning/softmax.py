@@ -7,7 +7,8 @@ Three paths, by row length:
   programs of a row ("siblings") publish per-chunk partials (max and sum of exp, or sum of y*g),
   wait for each other, then write their chunk from registers: still one read and one write. This
   needs the siblings resident together, so a row may have at most `max_siblings()` chunks;
-- two-pass: rows with more chunks than that (past 2 x 132 x 4096 = 1.08M columns on an H100): a
+- two-pass: rows with more chunks than that (past 2 x 132 x 4096 = 1.08M columns forward, and
+  2.16M backward, on an H100): a
   partials kernel, then a kernel that combines the row's partials and re-reads its chunk to write
   it (one more read of the input), over chunks of the fused size.
 """
@@ -35,6 +36,11 @@ FUSED_TILE_BYTES = 4096
 # 4096 chunk gave 1634-2058 bf16). Few threads per program keep many programs resident per
 # multiprocessor: while some wait for their siblings, the others keep loads in flight.
 SPLIT_CHUNK_ELEMENTS = 4096
+# The backward holds its y and grad_y chunks in their own dtype through the wait, which leaves
+# registers for twice the columns. H100, 2026-11-23, graph replays (1024x65536 to 64x1048576 and
+# 1000x20000): 8192 columns on 4 warps gave bf16 2620-2660 GB/s (64x1048576: 2000 against 1860
+# for 4096 columns) and fp32 2690-2960 (64x1048576: 2660 against 2480); 1000x20000 within 1%.
+SPLIT_BACKWARD_CHUNK_ELEMENTS = 8192
 SPLIT_NUM_WARPS = 4
 PLAN_CACHE_SIZE = 1024
 
@@ -59,12 +65,12 @@ class Plan:
 
 # Plans depend only on the shape and dtype: cached, so a call pays for a dict lookup.
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
+def plan(n_rows: int, n_cols: int, dtype: torch.dtype, backward: bool = False) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
     if block is not None:
         rows = sizing.rows_per_program(n_rows, block, dtype, FUSED_TILE_BYTES)
         return Plan(Path.FUSED, rows, block, 1, 1, sizing.row_warps(rows * block), sizing.cdiv(n_rows, rows), 0)
-    chunk, path = SPLIT_CHUNK_ELEMENTS, Path.SPLIT
+    chunk, path = SPLIT_BACKWARD_CHUNK_ELEMENTS if backward else SPLIT_CHUNK_ELEMENTS, Path.SPLIT
     if sizing.cdiv(n_cols, chunk) > max_siblings():
         chunk, path = sizing.looped_row_block(dtype), Path.TWO_PASS
     chunks = sizing.cdiv(n_cols, chunk)
