@@ -7,10 +7,10 @@ Three paths, by row length:
   programs of a row ("siblings") publish per-chunk partials (max and sum of exp, or sum of y*g),
   wait for each other, then write their chunk from registers: still one read and one write. This
   needs the siblings resident together, so a row may have at most `max_siblings()` chunks;
-- two-pass: rows with more chunks than that (past 2 x 132 x 4096 = 1.08M columns forward, and
-  2.16M backward, on an H100): a
-  partials kernel, then a kernel that combines the row's partials and re-reads its chunk to write
-  it (one more read of the input), over chunks of the fused size.
+- two-pass: rows with more chunks than that (on an H100, past 2 x 132 x 4096 = 1.08M columns
+  forward and 2.16M backward): a partials kernel, then a kernel that combines the row's
+  partials and re-reads its chunk to write it (one more read of the input), over chunks of the
+  fused size.
 """
 
 from __future__ import annotations
