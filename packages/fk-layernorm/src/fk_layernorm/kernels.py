@@ -220,6 +220,15 @@ def norm_fwd_split_kernel(
 
 
 @triton.jit
+def _saved_stats(mean_ptr, rstd_ptr, row, IS_RMS: tl.constexpr):
+    """A row's (mean, rstd) as the forward saved them (mean 0 for RMSNorm)."""
+    mean = 0.0
+    if not IS_RMS:
+        mean = tl.load(mean_ptr + row)
+    return mean, tl.load(rstd_ptr + row)
+
+
+@triton.jit
 def _normalized(x, mean, rstd, row_max, IS_RMS: tl.constexpr, STABLE: tl.constexpr):
     """Recompute x-hat from the saved statistics (x is never saved normalised)."""
     if STABLE:
@@ -298,9 +307,11 @@ def norm_bwd_fused_kernel(
 
 @triton.jit
 def _load_x_wdy(x_row, dy_row, w_ptr, cols, mask, stride_xc, stride_dyc, HAS_W: tl.constexpr):
-    """One chunk of a row's x and w * dy, in fp32."""
-    x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
-    wdy = tl.load(dy_row + cols * stride_dyc, mask=mask, other=0.0).to(tl.float32)
+    """One chunk of a row's x and w * dy, in fp32 (int64 offsets: a column stride times a long
+    row can pass 2**31)."""
+    offs = cols.to(tl.int64)
+    x = tl.load(x_row + offs * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    wdy = tl.load(dy_row + offs * stride_dyc, mask=mask, other=0.0).to(tl.float32)
     if HAS_W:
         wdy *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     return x, wdy
@@ -317,10 +328,7 @@ def norm_bwd_looped_dx_kernel(
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_xr
     dy_row = dy_ptr + row.to(tl.int64) * stride_dyr
-    rstd = tl.load(rstd_ptr + row)
-    mean = 0.0
-    if not IS_RMS:
-        mean = tl.load(mean_ptr + row)
+    mean, rstd = _saved_stats(mean_ptr, rstd_ptr, row, IS_RMS)
     row_max = 1.0
     if STABLE:
         row_max = tl.load(max_ptr + row)
@@ -423,19 +431,11 @@ def _split_write_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, part_ptr
         c2 = 0.0
         if not IS_RMS:
             c2 = tl.sum(partials(row_parts + 1, chunks, BWD_PARTIALS, 0.0, CHUNKS_P2), axis=0) * inv_n_cols
-        mean, rstd = _row_stats(mean_ptr, rstd_ptr, row, IS_RMS)
+        mean, rstd = _saved_stats(mean_ptr, rstd_ptr, row, IS_RMS)
         x, wdy = _load_x_wdy(x_ptr + row64 * stride_xr, dy_ptr + row64 * stride_dyr, w_ptr, cols, col_mask,
                              stride_xc, stride_dyc, HAS_W)
         dx = _split_dx(x, wdy, mean, rstd, c1, c2, IS_RMS)
         tl.store(dx_ptr + row64 * stride_dxr + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
-
-
-@triton.jit
-def _row_stats(mean_ptr, rstd_ptr, row, IS_RMS: tl.constexpr):
-    mean = 0.0
-    if not IS_RMS:
-        mean = tl.load(mean_ptr + row)
-    return mean, tl.load(rstd_ptr + row)
 
 
 @triton.jit
@@ -462,16 +462,18 @@ def norm_bwd_split_kernel(
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) if HAS_W else 1.0
     dw_acc = tl.zeros((CHUNK,), tl.float32)
     db_acc = tl.zeros((CHUNK,), tl.float32)
+    x_offs = cols.to(tl.int64) * stride_xc
+    dy_offs = cols.to(tl.int64) * stride_dyc
     for first in range(group * BATCH_ROWS, n_rows, groups * BATCH_ROWS):
         end = tl.minimum(first + BATCH_ROWS, n_rows)
         for row in range(first, end):
             row64 = tl.cast(row, tl.int64)
             # Kept in L2 for the second pass.
-            x = tl.load(x_ptr + row64 * stride_xr + cols * stride_xc, mask=col_mask, other=0.0,
+            x = tl.load(x_ptr + row64 * stride_xr + x_offs, mask=col_mask, other=0.0,
                         eviction_policy="evict_last").to(tl.float32)
-            dy = tl.load(dy_ptr + row64 * stride_dyr + cols * stride_dyc, mask=col_mask, other=0.0,
+            dy = tl.load(dy_ptr + row64 * stride_dyr + dy_offs, mask=col_mask, other=0.0,
                          eviction_policy="evict_last").to(tl.float32)
-            mean, rstd = _row_stats(mean_ptr, rstd_ptr, row, IS_RMS)
+            mean, rstd = _saved_stats(mean_ptr, rstd_ptr, row, IS_RMS)
             xhat = tl.where(col_mask, _normalized(x, mean, rstd, 1.0, IS_RMS, False), 0.0)
             wdy = dy * w
             slot = row * chunks + chunk
