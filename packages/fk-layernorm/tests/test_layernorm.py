@@ -145,6 +145,43 @@ def test_strided_inputs(layout, cols):
     testing.assert_matches_reference(rms_norm, ref_rms_norm, [x, w], dtype=torch.float16)
 
 
+@pytest.mark.parametrize("cols", [300, 20000])
+def test_strided_parameters(cols):
+    """weight and bias as views with stride 2 (e.g. slices of a larger buffer)."""
+    x = testing.randn((3, cols), requires_grad=True)
+    w = testing.randn((cols,), shift=1.0, layout="strided_cols", requires_grad=True)
+    b = testing.randn((cols,), layout="strided_cols", requires_grad=True)
+    assert w.stride(0) == b.stride(0) == 2
+    testing.assert_matches_reference(layer_norm, ref_layer_norm, [x, w, b], dtype=torch.float32)
+    testing.assert_matches_reference(rms_norm, ref_rms_norm, [x, w], dtype=torch.float32)
+
+
+@pytest.mark.skipif(not testing.on_gpu(), reason="a tensor of over 2**31 elements (4 GiB)")
+def test_column_offsets_past_int32():
+    """A feature-major input (column stride = rows) whose last feature lies past 2**31 elements:
+    the kernels' 64-bit column offsets read it in place. Row-wise outputs are checked on sampled
+    rows, dweight / dbias against a float64 reference summed in row chunks."""
+    dtype, cols = torch.bfloat16, 1024
+    x = testing.column_major_past_int32(cols, dtype).requires_grad_()
+    w, b = _params(cols, dtype)
+    dy = testing.randn(x.shape, dtype)
+    y = layer_norm(x, w, b)
+    dx, dw, db = torch.autograd.grad(y, [x, w, b], dy)
+    rows = testing.sampled_rows(x.shape[0])
+    xs, ws, bs = (t.detach().double().requires_grad_() for t in (x[rows], w, b))
+    ys = ref_layer_norm(xs, ws, bs)
+    testing.assert_close("y rows", y[rows], ys, dtype)
+    testing.assert_close("dx rows", dx[rows], torch.autograd.grad(ys, xs, dy[rows].double())[0], dtype)
+    dw_ref, db_ref = torch.zeros(cols, dtype=torch.float64, device=x.device), 0.0
+    for start in range(0, x.shape[0], 1 << 16):
+        xc, dyc = x[start:start + (1 << 16)].detach().double(), dy[start:start + (1 << 16)].double()
+        xhat = (xc - xc.mean(-1, keepdim=True)) * torch.rsqrt(xc.var(-1, unbiased=False, keepdim=True) + 1e-5)
+        dw_ref += (dyc * xhat).sum(0)
+        db_ref += dyc.sum(0)
+    testing.assert_close("dweight", dw, dw_ref, dtype)
+    testing.assert_close("dbias", db, db_ref, dtype)
+
+
 def test_mixed_precision_parameters():
     """bf16 activations with fp32 parameters, as autocast training keeps them."""
     x = testing.randn((8, 256), torch.bfloat16, requires_grad=True)

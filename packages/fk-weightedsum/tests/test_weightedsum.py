@@ -35,6 +35,26 @@ def test_strided_inputs(layout, dtype):
     testing.assert_matches_reference(weighted_sum, reference, [x, w], dtype=dtype)
 
 
+@pytest.mark.skipif(not testing.on_gpu(), reason="a tensor of over 2**31 elements (4 GiB)")
+def test_column_offsets_past_int32():
+    """A D-major x (column stride = rows) whose last column lies past 2**31 elements: read in place
+    through 64-bit column offsets. y and grad_x on sampled rows, grad_weight against a float64
+    reference summed in row chunks."""
+    dtype, cols = torch.bfloat16, 1024
+    x = testing.column_major_past_int32(cols, dtype).requires_grad_()
+    w = testing.randn((cols,), dtype, requires_grad=True)
+    gy = testing.randn(x.shape[:1], dtype)
+    y = weighted_sum(x, w)
+    gx, gw = torch.autograd.grad(y, [x, w], gy)
+    rows = testing.sampled_rows(x.shape[0])
+    testing.assert_close("y rows", y[rows], x[rows].double() @ w.double(), dtype)
+    testing.assert_close("grad_x rows", gx[rows], gy[rows].double()[:, None] * w.double(), dtype)
+    gw_ref = torch.zeros(cols, dtype=torch.float64, device=x.device)
+    for start in range(0, x.shape[0], 1 << 16):
+        gw_ref += gy[start:start + (1 << 16)].double() @ x[start:start + (1 << 16)].detach().double()
+    testing.assert_close("grad_weight", gw, gw_ref, dtype)
+
+
 def test_strided_rows_are_not_copied(monkeypatch):
     """x with padded rows reaches the kernel as a view of the caller's storage."""
     import fk_weightedsum.ops as ops

@@ -97,6 +97,26 @@ def randn(
     return base.requires_grad_(requires_grad)
 
 
+# Element offsets that 32-bit index arithmetic (`col * col_stride`) would wrap past.
+INT32_OFFSET_LIMIT = 2**31
+
+
+def column_major_past_int32(cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh (rows, cols) view of column-major storage (column stride = rows) whose last column
+    starts past INT32_OFFSET_LIMIT elements, so kernels must form column offsets in 64 bits.
+    Over 2**31 elements (4 GiB in 16 bits): for GPU tests."""
+    rows = INT32_OFFSET_LIMIT // (cols - 1) + 1
+    return torch.randn((cols, rows), device=device(), dtype=dtype).t()
+
+
+def sampled_rows(n_rows: int, count: int = 8) -> torch.Tensor:
+    """Row indices at both ends and in the middle of `n_rows` rows, for checking row-wise
+    outputs of tensors too large to compare whole."""
+    ends = list(range(count)) + list(range(n_rows - count, n_rows))
+    middle = torch.randint(count, n_rows - count, (count,)).tolist()
+    return torch.tensor(sorted(set(ends + middle)), device=device())
+
+
 def rel_error(
     actual: torch.Tensor, reference: torch.Tensor, zero_floor: float = ZERO_FLOOR[torch.float32]
 ) -> float:

@@ -43,7 +43,7 @@ def norm_fwd_fused_kernel(
     col_mask = cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0,
+    x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :].to(tl.int64) * stride_xc, mask=mask, other=0.0,
                 eviction_policy="evict_first").to(tl.float32)
     if STABLE:
         row_max = tl.max(tl.where(mask, x, -float("inf")), axis=1)
@@ -82,7 +82,7 @@ def norm_fwd_looped_kernel(
         acc_max = tl.full((1, BLOCK_D), -float("inf"), tl.float32)
         for c0 in range(0, n_cols, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)[None, :]
-            x = tl.load(x_row + cols * stride_xc, mask=cols < n_cols, other=-float("inf"))
+            x = tl.load(x_row + cols.to(tl.int64) * stride_xc, mask=cols < n_cols, other=-float("inf"))
             acc_max = tl.maximum(acc_max, x.to(tl.float32))
         row_max = tl.max(tl.max(acc_max, axis=1), axis=0)
         if SAVE_STATS:
@@ -92,7 +92,7 @@ def norm_fwd_looped_kernel(
         acc = tl.zeros((1, BLOCK_D), tl.float32)
         for c0 in range(0, n_cols, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)[None, :]
-            acc += tl.load(x_row + cols * stride_xc, mask=cols < n_cols, other=0.0).to(tl.float32)
+            acc += tl.load(x_row + cols.to(tl.int64) * stride_xc, mask=cols < n_cols, other=0.0).to(tl.float32)
         mean = tl.sum(tl.sum(acc, axis=1), axis=0) / row_max * inv_n_cols
         if SAVE_STATS:
             tl.store(mean_ptr + row, mean)
@@ -100,7 +100,7 @@ def norm_fwd_looped_kernel(
     for c0 in range(0, n_cols, BLOCK_D):
         cols = c0 + tl.arange(0, BLOCK_D)[None, :]
         mask = cols < n_cols
-        x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32) / row_max
+        x = tl.load(x_row + cols.to(tl.int64) * stride_xc, mask=mask, other=0.0).to(tl.float32) / row_max
         d = tl.where(mask, x - mean, 0.0)
         acc += d * d
     rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(acc, axis=1), axis=0) * inv_n_cols + eps)
@@ -109,7 +109,7 @@ def norm_fwd_looped_kernel(
     for c0 in range(0, n_cols, BLOCK_D):
         cols = c0 + tl.arange(0, BLOCK_D)
         col_mask = cols < n_cols
-        x = tl.load(x_row + cols[None, :] * stride_xc, mask=col_mask[None, :], other=0.0,
+        x = tl.load(x_row + cols[None, :].to(tl.int64) * stride_xc, mask=col_mask[None, :], other=0.0,
                     eviction_policy="evict_first").to(tl.float32) / row_max
         y = _affine((x - mean) * rstd, w_ptr, b_ptr, cols, col_mask, HAS_W, HAS_B)
         tl.store(y_ptr + row.to(tl.int64) * stride_yr + cols[None, :], y.to(y_ptr.dtype.element_ty),
@@ -264,9 +264,9 @@ def norm_bwd_fused_kernel(
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0,
+        x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :].to(tl.int64) * stride_xc, mask=mask, other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
-        dy = tl.load(dy_ptr + rows64 * stride_dyr + cols[None, :] * stride_dyc, mask=mask, other=0.0,
+        dy = tl.load(dy_ptr + rows64 * stride_dyr + cols[None, :].to(tl.int64) * stride_dyc, mask=mask, other=0.0,
                      eviction_policy="evict_first").to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         mean = 0.0
@@ -391,10 +391,10 @@ def norm_bwd_params_kernel(
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)[:, None]
-        dy = tl.load(dy_ptr + rows64 * stride_dyr + cols[None, :] * stride_dyc, mask=mask,
+        dy = tl.load(dy_ptr + rows64 * stride_dyr + cols[None, :].to(tl.int64) * stride_dyc, mask=mask,
                      other=0.0).to(tl.float32)
         if HAS_W:
-            x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :] * stride_xc, mask=mask,
+            x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :].to(tl.int64) * stride_xc, mask=mask,
                         other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)[:, None]
             mean = 0.0

@@ -40,8 +40,9 @@ def _forward(x, weight, bias, eps: float, is_rms: bool, stable: bool, save_stats
     p = plans.forward_plan(n_rows, n_cols, x.dtype)
     common = dict(**_flags(weight, bias, is_rms, stable), SAVE_STATS=save_stats,
                   **fk_sizing.launch_options(p.num_warps))
-    w = weight if weight is not None else x2
-    b = bias if bias is not None else x2
+    # The kernels read parameters as contiguous vectors (a strided one is D elements to copy).
+    w = weight.contiguous() if weight is not None else x2
+    b = bias.contiguous() if bias is not None else x2
     if p.path is plans.Path.FUSED:
         kernels.norm_fwd_fused_kernel[(fk_sizing.cdiv(n_rows, p.block_rows),)](
             x2, w, b, y2, stats[0], stats[1], stats[2], n_rows, n_cols, 1.0 / n_cols,
@@ -78,12 +79,17 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
     n_rows, n_cols = x2.shape
     p = plans.backward_plan(n_rows, n_cols, x.dtype, stable, is_rms)
     flags = _flags(weight, bias, is_rms, stable)
-    parts = torch.empty((2, p.groups, n_cols), dtype=torch.float32, device=x.device)
-    w = weight if weight is not None else x2
+    # fp32 partial sums (groups x features) only for the parameters there are; where one is
+    # absent its kernel argument is a stand-in fp32 tensor that no store reaches (HAS_W, HAS_B).
+    parts = torch.empty((sum(t is not None for t in (weight, bias)), p.groups, n_cols),
+                        dtype=torch.float32, device=x.device)
+    w_parts = parts[0] if weight is not None else stats
+    b_parts = parts[-1] if bias is not None else stats
+    w = weight.contiguous() if weight is not None else x2
     if p.path is plans.Path.SPLIT:
         arrived, states, sums = siblings.scratch(n_rows, p.chunks, kernels.BWD_PARTIALS.value, x.device)
         kernels.norm_bwd_split_kernel[(p.groups * p.chunks,)](
-            x2, w, dy2, dx2, stats[0], stats[1], parts[0], parts[1], sums, arrived, states,
+            x2, w, dy2, dx2, stats[0], stats[1], w_parts, b_parts, sums, arrived, states,
             n_rows, n_cols, 1.0 / n_cols, x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1),
             dx2.stride(0), p.groups, p.chunks, p.spin_limit, CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2,
             BATCH_ROWS=p.batch_rows,
@@ -92,7 +98,7 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
         )
     elif p.path is plans.Path.FUSED:
         kernels.norm_bwd_fused_kernel[(p.groups,)](
-            x2, w, dy2, dx2, stats[0], stats[1], stats[2], parts[0], parts[1], n_rows, n_cols, 1.0 / n_cols,
+            x2, w, dy2, dx2, stats[0], stats[1], stats[2], w_parts, b_parts, n_rows, n_cols, 1.0 / n_cols,
             x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), dx2.stride(0), p.rows_per_group,
             BLOCK_R=p.block_rows, BLOCK_D=p.block_cols, **flags,
             **fk_sizing.launch_options(p.num_warps, plans.BACKWARD_NUM_STAGES),
@@ -106,7 +112,7 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
         )
         if weight is not None or bias is not None:
             kernels.norm_bwd_params_kernel[(p.groups, p.col_tiles)](
-                x2, dy2, stats[0], stats[1], stats[2], parts[0], parts[1], n_rows, n_cols,
+                x2, dy2, stats[0], stats[1], stats[2], w_parts, b_parts, n_rows, n_cols,
                 x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), p.rows_per_group,
                 BLOCK_R=p.params_block_rows, BLOCK_D=p.params_block_cols,
                 **flags, **fk_sizing.launch_options(p.params_num_warps),
@@ -114,8 +120,8 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
     if weight is None and bias is None:
         return grad_x, _absent(x), _absent(x)
     # Group partials reduced in a fixed order: the same bits every run.
-    grad_w = parts[0].sum(0).to(weight.dtype) if weight is not None else _absent(x)
-    grad_b = parts[1].sum(0).to(bias.dtype) if bias is not None else _absent(x)
+    grad_w = w_parts.sum(0).to(weight.dtype) if weight is not None else _absent(x)
+    grad_b = b_parts.sum(0).to(bias.dtype) if bias is not None else _absent(x)
     return grad_x, grad_w, grad_b
 
 

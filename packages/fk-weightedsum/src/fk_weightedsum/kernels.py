@@ -32,7 +32,7 @@ def weighted_sum_fwd_kernel(
         # (not d_end) keeps the mask's 16-element constancy visible: vector loads.
         col_mask = cols < n_cols
         # x is read exactly once: evict it first so it does not push w out of the cache.
-        x = tl.load(x_rows + cols[None, :] * stride_xd,
+        x = tl.load(x_rows + cols.to(tl.int64)[None, :] * stride_xd,
                     mask=row_mask[:, None] & col_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
         w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0)
@@ -72,7 +72,7 @@ def weighted_sum_bwd_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)[:, None]
         gy = tl.load(grad_y_ptr + rows * stride_gy, mask=row_mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :] * stride_xd, mask=mask, other=0.0,
+        x = tl.load(x_ptr + rows64 * stride_xr + cols.to(tl.int64)[None, :] * stride_xd, mask=mask, other=0.0,
                     eviction_policy="evict_first")
         gx = gy[:, None] * w[None, :]
         tl.store(grad_x_ptr + rows64 * stride_gxr + cols[None, :],
