@@ -19,7 +19,9 @@ def test_main_job_checks_and_benchmarks_every_op(tmp_path):
     out = tmp_path / "benchmarks"
     run = subprocess.run([sys.executable, "-m", "fk_runtime", "--small", "--out", str(out)],
                          capture_output=True, text=True, cwd=tmp_path)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # A failed check prints FAIL and its comparisons (indented) among many lines: show those.
+    failed = [line for line in run.stdout.splitlines() if "FAIL" in line or line.startswith(" " * 9)]
+    assert run.returncode == 0, "\n".join(failed) + "\n" + run.stdout[-2000:] + run.stderr[-2000:]
     for op in cli.discover_ops():
         payload = json.loads((out / f"{op}.json").read_text())
         fk_rows = [r for r in payload["results"] if r["variant"] == "fk"]

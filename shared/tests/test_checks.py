@@ -40,6 +40,24 @@ def test_shape_dim_and_positive():
         checks.check_positive("eps", -1)
 
 
+def test_numpy_scalars_pass_and_bools_infinities_do_not():
+    np = pytest.importorskip("numpy")
+    assert checks.normalize_dim("dim", np.int64(-1), 3) == 2
+    checks.check_positive("sm_scale", np.float32(0.5))
+    assert checks.check_size("dim", np.int64(8)) == 8
+    for bad in (True, float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="sm_scale must be a positive finite number"):
+            checks.check_positive("sm_scale", bad)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        checks.normalize_dim("dim", True, 3)
+    with pytest.raises(TypeError, match="dim must be an int, got bool"):
+        checks.check_size("dim", True)
+    with pytest.raises(TypeError, match="dim must be an int, got float"):
+        checks.check_size("dim", 2.5)
+    with pytest.raises(ValueError, match="dim must be positive, got 0"):
+        checks.check_size("dim", 0)
+
+
 def test_poisoned_outputs_are_nan_only_inside_the_context():
     with alloc.poisoned_outputs():
         assert torch.isnan(alloc.empty((5,), dtype=torch.float32, device=testing.device())).all()

@@ -239,6 +239,36 @@ def test_modules_are_drop_ins_for_torch():
     torch.testing.assert_close(rms_ours(x), rms_theirs(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="normalized_shape"):
         LayerNorm((4, 8))
+    for bad in (2.5, "8", True):
+        with pytest.raises(TypeError, match="normalized_shape must be an int"):
+            LayerNorm(bad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_default_eps_is_torchs(dtype):
+    """eps=None is torch's default: fp32 machine epsilon for 16-bit inputs too (their own, 7.8e-3
+    for bf16, would swamp rows of small values)."""
+    x = testing.randn((4, 64), dtype, scale=0.01)
+    theirs = torch.nn.RMSNorm(64, device=testing.device(), dtype=dtype)
+    ours = RMSNorm(64, device=testing.device(), dtype=dtype)
+    ours.load_state_dict(theirs.state_dict())
+    reference = ref_rms_norm_eps(x.double(), torch.finfo(torch.float32).eps)
+    testing.assert_close("RMSNorm(eps=None)", ours(x), reference, dtype)
+    testing.assert_close("rms_norm(eps=None)", rms_norm(x, eps=None), reference, dtype)
+    testing.assert_close("torch", theirs(x), reference, dtype)
+
+
+def ref_rms_norm_eps(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("module", [LayerNorm, RMSNorm])
+def test_modules_without_parameters_check_the_width(module):
+    norm = module(8, elementwise_affine=False)
+    with pytest.raises(ValueError, match=r"x's last dim must be normalized_shape \(8,\)"):
+        norm(testing.randn((2, 9)))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        norm([1.0] * 8)
 
 
 @pytest.mark.parametrize(

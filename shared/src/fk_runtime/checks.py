@@ -5,6 +5,9 @@ Never `assert` (stripped under `python -O`): a bad input must fail loudly, not r
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from . import backend
@@ -73,14 +76,26 @@ def check_shape(name: str, value: torch.Tensor, expected: tuple[int, ...]) -> No
 
 
 def check_positive(name: str, value) -> None:
-    if not (isinstance(value, (int, float)) and value > 0):
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    """A finite real number above 0 (Python or NumPy scalars; not a bool)."""
+    if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def check_size(name: str, value) -> int:
+    """A positive integer (Python or NumPy; not a bool), e.g. a module's feature count."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return int(value)
 
 
 def normalize_dim(name: str, dim: int, ndim: int) -> int:
-    """`dim` as a non-negative index into a tensor of `ndim` dims."""
-    if not isinstance(dim, int) or isinstance(dim, bool):
+    """`dim` (Python or NumPy integer) as a non-negative index into a tensor of `ndim` dims."""
+    if not isinstance(dim, numbers.Integral) or isinstance(dim, bool):
         raise TypeError(f"{name} must be an int, got {type(dim).__name__}")
+    dim = int(dim)
     if not -max(ndim, 1) <= dim < max(ndim, 1):
         raise ValueError(f"{name}={dim} is out of range for a tensor of {ndim} dims")
     return dim % max(ndim, 1)

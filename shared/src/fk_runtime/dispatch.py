@@ -5,6 +5,12 @@ A `torch.library.custom_op` call costs tens of microseconds of dispatcher work o
 than a memory-bound kernel on a few MB takes on the GPU, so eager calls run the implementation
 directly. Under `torch.compile` the registered op is what the graph holds: opaque, with a fake
 implementation for shapes, so there is no graph break and the same kernels run.
+
+Gradients are first-order only: the backward kernels are not differentiable themselves. When
+autograd records the backward (`create_graph=True`, e.g. for a gradient penalty), the gradients
+they return carry a node that raises if anything differentiates through them, instead of counting
+as constants (`gradients_eager_or_op`). `once_differentiable` would not do: it marks gradients
+only when the incoming gradient requires grad, not when the saved inputs do.
 """
 
 from __future__ import annotations
@@ -34,6 +40,54 @@ def eager_or_op(op: Callable, impl: Callable) -> Callable:
         if _traced(args):
             return op(*args)
         return impl(*args)
+
+    call.__name__ = getattr(impl, "__name__", "call")
+    return call
+
+
+def _not_differentiable_message(name: str) -> str:
+    return (f"{name} computes first-order gradients only: differentiating through them "
+            "(create_graph=True and a second backward, e.g. a gradient penalty) is not supported")
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity on gradients whose backward raises."""
+
+    @staticmethod
+    def forward(ctx, name, *tensors):
+        ctx.name = name
+        return tuple(t.detach() for t in tensors)  # aliases, not views: no copy, no in-place ban
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_not_differentiable_message(ctx.name))
+
+
+def _first_order_only(outputs, name: str):
+    single = isinstance(outputs, torch.Tensor)
+    tensors = [t.detach().requires_grad_() for t in ((outputs,) if single else outputs)]
+    marked = _FirstOrderOnly.apply(name, *tensors)
+    return marked[0] if single else tuple(marked)
+
+
+def gradients_eager_or_op(op, impl: Callable, name: str) -> Callable:
+    """`eager_or_op` for an op computing gradients (registered as `name`). When autograd records
+    the backward (grad mode on inside it: create_graph=True), eager results carry a node that
+    raises if differentiated; so does the registered op, through its autograd formula."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(_not_differentiable_message(name))
+
+    op.register_autograd(backward)
+
+    def call(*args):
+        if _traced(args):
+            return op(*args)
+        if not torch.is_grad_enabled():
+            return impl(*args)
+        with torch.no_grad():
+            outputs = impl(*args)
+        return _first_order_only(outputs, name)
 
     call.__name__ = getattr(impl, "__name__", "call")
     return call

@@ -1,14 +1,31 @@
 """pytest hooks every fk test directory loads from its conftest.py.
 
 `from fk_runtime.pytest_plugin import *` in a conftest sets the test device up before any test
-module imports an op (and so before any kernel is defined), and reports backend and seed.
+module imports an op (and so before any kernel is defined), reports backend and seed, and hands
+large cached GPU memory back after each test.
 """
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from . import backend, testing
 
 testing.setup()
+
+# What a test process may keep cached on the GPU after a test. PyTorch's caching allocator holds
+# on to a test's peak; with several pytest-xdist workers on one GPU, the multi-GiB tests' leftovers
+# starved the others (an H100 run of 2026-11-23 hit out-of-memory with three workers holding
+# 16-22 GiB each).
+KEEP_CACHED_GPU_BYTES = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def release_cached_gpu_memory():
+    yield
+    if testing.on_gpu() and torch.cuda.memory_reserved() > KEEP_CACHED_GPU_BYTES:
+        torch.cuda.empty_cache()
 
 
 def pytest_report_header(config):

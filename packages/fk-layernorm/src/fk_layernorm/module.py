@@ -5,17 +5,32 @@ from __future__ import annotations
 import numbers
 
 import torch
+from fk_runtime import checks
 
 from .ops import layer_norm, rms_norm
 
 
 def _features(normalized_shape) -> int:
-    shape = (normalized_shape,) if isinstance(normalized_shape, numbers.Integral) else tuple(normalized_shape)
-    if len(shape) != 1 or shape[0] <= 0:
+    if isinstance(normalized_shape, numbers.Integral):
+        return checks.check_size("normalized_shape", normalized_shape)
+    if not isinstance(normalized_shape, (tuple, list, torch.Size)):
+        raise TypeError(f"normalized_shape must be an int or a sequence of one, got "
+                        f"{type(normalized_shape).__name__}")
+    if len(normalized_shape) != 1:
         raise ValueError(
             f"normalized_shape must be one positive size (the last dim), got {normalized_shape!r}"
         )
-    return int(shape[0])
+    return checks.check_size("normalized_shape", normalized_shape[0])
+
+
+def _check_features(module: torch.nn.Module, x) -> None:
+    """x's last dim is the module's size (with affine parameters their size check catches it; a
+    module without them would otherwise normalise whatever width it is given)."""
+    checks.check_tensor("x", x, min_dim=1)
+    if x.shape[-1] != module.normalized_shape[0]:
+        raise ValueError(
+            f"x's last dim must be normalized_shape {module.normalized_shape}, got shape {tuple(x.shape)}"
+        )
 
 
 class LayerNorm(torch.nn.Module):
@@ -35,6 +50,7 @@ class LayerNorm(torch.nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_features(self, x)
         return layer_norm(x, self.weight, self.bias, self.eps, self.stable)
 
     def extra_repr(self) -> str:
@@ -43,8 +59,8 @@ class LayerNorm(torch.nn.Module):
 
 
 class RMSNorm(torch.nn.Module):
-    """`torch.nn.RMSNorm(normalized_shape)` over the last dim; `eps=None` means the input dtype's
-    machine epsilon, as in torch."""
+    """`torch.nn.RMSNorm(normalized_shape)` over the last dim; `eps=None` means torch's default,
+    the machine epsilon of the math dtype (fp32 for 16-bit inputs)."""
 
     def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True,
                  device=None, dtype=None):
@@ -57,8 +73,8 @@ class RMSNorm(torch.nn.Module):
             self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return rms_norm(x, self.weight, eps)
+        _check_features(self, x)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

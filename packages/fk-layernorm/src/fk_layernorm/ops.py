@@ -154,7 +154,7 @@ def _(grad_y, x, weight, bias, stats, is_rms, stable):
 
 
 _run_forward = dispatch.eager_or_op(norm_op, _forward)
-_run_backward = dispatch.eager_or_op(norm_backward_op, _backward)
+_run_backward = dispatch.gradients_eager_or_op(norm_backward_op, _backward, "fk::norm_backward")
 
 
 class NormFunction(torch.autograd.Function):
@@ -199,7 +199,16 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, stable: bool = Fals
     return NormFunction.apply(x, weight, bias, float(eps), False, stable)
 
 
-def rms_norm(x, weight=None, eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm over the last dim (`torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)`)."""
+def default_rms_eps(x: torch.Tensor) -> float:
+    """torch's RMSNorm epsilon when none is given: the machine epsilon of the math dtype, fp32
+    for 16-bit inputs (not the input dtype's own, which is 7.8e-3 for bf16)."""
+    return torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+
+
+def rms_norm(x, weight=None, eps: float | None = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim (`torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)`);
+    `eps=None` is torch's default (`default_rms_eps`)."""
+    if eps is None and isinstance(x, torch.Tensor):
+        eps = default_rms_eps(x)
     _check(x, weight, None, eps)
     return NormFunction.apply(x, weight, None, float(eps), True, False)

@@ -51,14 +51,20 @@ def checks(full: bool):
     shapes = [(1, 1), (5, 17), (7, 4097), (3, 40000), (2, 70001)]
     if full:
         shapes += [(2, 1_000_000), (256, 262144), (2, 2_200_001)]
-    ops = [("softmax", softmax, _torch_softmax), ("log_softmax", log_softmax, lambda t: torch.log_softmax(t, -1)),
-           ("causal softmax", lambda t: softmax(t, causal=True), _torch_causal),
-           ("softmax dim 0", lambda t: softmax(t, 0), lambda t: torch.softmax(t, 0))]
+    # Input scale per op: wide logits, except for causal rows, which see as few as 1-2 columns
+    # here (the first rows of each matrix): at scale 3 their gradient y0 * y1 * (g1 - g0), computed
+    # as y1 * (g1 - sum(y * g)), cancels so badly that fk's and PyTorch's rounding errors (the
+    # bound is twice PyTorch's) differ by chance: fp32, 2 x 70001, worst error / bound 0.94 in 9
+    # H100 runs (2026-11-23); 0.48 at scale 3 and 0.07 at scale 1 in 12 interpreter runs each.
+    ops = [("softmax", softmax, _torch_softmax, 3.0),
+           ("log_softmax", log_softmax, lambda t: torch.log_softmax(t, -1), 3.0),
+           ("causal softmax", lambda t: softmax(t, causal=True), _torch_causal, 1.0),
+           ("softmax dim 0", lambda t: softmax(t, 0), lambda t: torch.softmax(t, 0), 3.0)]
     for shape in shapes:
         for dtype in DTYPES + [torch.float16]:
-            for name, fn, ref in ops:
-                def check(shape=shape, dtype=dtype, fn=fn, ref=ref):
-                    x = testing.randn(shape, dtype, scale=3.0, requires_grad=True)
+            for name, fn, ref, scale in ops:
+                def check(shape=shape, dtype=dtype, fn=fn, ref=ref, scale=scale):
+                    x = testing.randn(shape, dtype, scale=scale, requires_grad=True)
                     return testing.check_against_reference(fn, ref, [x], dtype=dtype, names=["x"],
                                                            baseline_fn=ref)
 

@@ -125,7 +125,7 @@ def _(y, grad_y, dim, log):
 
 
 _run_forward = dispatch.eager_or_op(softmax_op, _forward)
-_run_backward = dispatch.eager_or_op(softmax_backward_op, _backward)
+_run_backward = dispatch.gradients_eager_or_op(softmax_backward_op, _backward, "fk::softmax_backward")
 
 
 class SoftmaxFunction(torch.autograd.Function):

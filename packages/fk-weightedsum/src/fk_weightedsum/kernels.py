@@ -35,7 +35,7 @@ def weighted_sum_fwd_kernel(
         x = tl.load(x_rows + cols.to(tl.int64)[None, :] * stride_xd,
                     mask=row_mask[:, None] & col_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0)
+        w = tl.load(w_ptr + cols.to(tl.int64) * stride_w, mask=col_mask, other=0.0)
         acc += x.to(tl.float32) * w.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     out = out_ptr + split.to(tl.int64) * stride_out_split + rows
@@ -62,7 +62,7 @@ def weighted_sum_bwd_kernel(
     d_tile = tl.program_id(1)
     cols = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < n_cols
-    w = tl.load(w_ptr + cols * stride_w, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols.to(tl.int64) * stride_w, mask=col_mask, other=0.0).to(tl.float32)
     row_begin = group * rows_per_group
     row_end = tl.minimum(row_begin + rows_per_group, n_rows)
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -71,7 +71,7 @@ def weighted_sum_bwd_kernel(
         row_mask = rows < n_rows  # groups cover whole row tiles
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)[:, None]
-        gy = tl.load(grad_y_ptr + rows * stride_gy, mask=row_mask, other=0.0).to(tl.float32)
+        gy = tl.load(grad_y_ptr + rows.to(tl.int64) * stride_gy, mask=row_mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + rows64 * stride_xr + cols.to(tl.int64)[None, :] * stride_xd, mask=mask, other=0.0,
                     eviction_policy="evict_first")
         gx = gy[:, None] * w[None, :]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from fk_runtime import checks
 
 from .ops import weighted_sum
 
@@ -15,9 +16,7 @@ class WeightedSum(torch.nn.Module):
 
     def __init__(self, dim: int, device=None, dtype=None):
         super().__init__()
-        if not isinstance(dim, int) or dim <= 0:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
-        self.dim = dim
+        self.dim = checks.check_size("dim", dim)
         self.weight = torch.nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
         self.reset_parameters()
 

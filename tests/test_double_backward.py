@@ -1,0 +1,53 @@
+"""Every op's gradients are first-order only, and say so: with `create_graph=True` they come out
+the same as without, and differentiating through them (a gradient penalty) raises instead of
+treating the backward kernels' outputs as constants (a silently wrong second-order gradient)."""
+
+import pytest
+import torch
+from fk_runtime import testing
+
+from fk_attention import attention
+from fk_layernorm import layer_norm, rms_norm
+from fk_softmax import log_softmax, softmax
+from fk_weightedsum import weighted_sum
+
+
+def _attention_op(q, k, v):
+    """The registered op itself (its own autograd formula), as other code may call it."""
+    return torch.ops.fk.attention(q, k, v, False, q.shape[-1] ** -0.5)[0]
+
+
+def _inputs(name):
+    x = testing.randn((4, 48), requires_grad=True)
+    w = testing.randn((48,), shift=1.0, requires_grad=True)
+    qkv = [testing.randn((1, 2, 20, 16), requires_grad=True) for _ in range(3)]
+    return {
+        "softmax": (softmax, [x]),
+        "log_softmax": (log_softmax, [x]),
+        "layer_norm": (layer_norm, [x, w, testing.randn((48,), requires_grad=True)]),
+        "rms_norm": (rms_norm, [x, w]),
+        "weighted_sum": (weighted_sum, [x, w]),
+        "attention": (attention, qkv),
+        "attention op": (_attention_op, qkv),
+    }[name]
+
+
+NAMES = ["softmax", "log_softmax", "layer_norm", "rms_norm", "weighted_sum", "attention", "attention op"]
+
+
+@pytest.mark.parametrize("mode", testing.compile_modes())
+@pytest.mark.parametrize("name", NAMES)
+def test_gradient_of_gradient_raises(name, mode):
+    fn, inputs = _inputs(name)
+    fn = testing.maybe_compile(fn, mode)
+    y = fn(*inputs)
+    gy = testing.randn(y.shape)
+    plain = torch.autograd.grad(y, inputs, gy, retain_graph=True)
+    recorded = torch.autograd.grad(y, inputs, gy, create_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, recorded, strict=True))
+    penalty = sum((g.float() ** 2).sum() for g in recorded)
+    # Compiled graphs: PyTorch refuses first ("torch.compile with aot_autograd does not currently
+    # support double backward"); fk's own message stands behind it.
+    expected = "first-order gradients only" if mode == "eager" else "first-order gradients only|double backward"
+    with pytest.raises(RuntimeError, match=expected):
+        penalty.backward()
