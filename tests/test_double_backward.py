@@ -49,5 +49,25 @@ def test_gradient_of_gradient_raises(name, mode):
     # Compiled graphs: PyTorch refuses first ("torch.compile with aot_autograd does not currently
     # support double backward"); fk's own message stands behind it.
     expected = "first-order gradients only" if mode == "eager" else "first-order gradients only|double backward"
+    # Naming the inputs (the usual way) walks only the paths to them: the guard must lie on those.
+    for last in inputs:
+        with pytest.raises(RuntimeError, match=expected):
+            torch.autograd.grad(penalty, [last], retain_graph=True, allow_unused=True)
     with pytest.raises(RuntimeError, match=expected):
         penalty.backward()
+
+
+def test_hessian_raises():
+    x = testing.randn((6, 5))
+    w = testing.randn((5,), requires_grad=True)
+    with pytest.raises(RuntimeError, match="first-order gradients only"):
+        torch.autograd.functional.hessian(lambda w: (weighted_sum(x, w) ** 2).sum(), w)
+
+
+def test_registered_backward_op_raises_when_differentiated():
+    """What compiled graphs call: the backward op's own autograd formula refuses."""
+    x = testing.randn((3, 8), requires_grad=True)
+    w = testing.randn((8,), requires_grad=True)
+    grad_x, grad_w = torch.ops.fk.weighted_sum_backward(testing.randn((3,)), x, w)
+    with pytest.raises(RuntimeError, match="fk::weighted_sum_backward computes first-order gradients only"):
+        (grad_x.sum() + grad_w.sum()).backward()

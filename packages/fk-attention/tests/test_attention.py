@@ -11,9 +11,13 @@ from fk_attention import SelfAttention, attention, ops
 # The interpreter's tl.dot is wrong on bf16 (right on fp16 / fp32): bf16 runs on the GPU.
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if testing.on_gpu() else [])
 # (B, Hq, Hk, Nq, Nk, D): two queries (causal: the first sees one key), odd lengths, Nq != Nk both ways, GQA and MQA, padded head
-# dims (24, 40), several blocks per program on the interpreter's 16 x 16 blocks.
+# dims (24, 40), several blocks per program on the interpreter's 16 x 16 blocks. The two-query case
+# spans 8 heads: in one head alone, the causal gradient is a single 2-key row (the first row's is
+# rounding noise: delta = rowsum(dO * O) against dP), and where that row's gradient happens to be
+# small the fp32 relative error reached 5e-4 (2500 trials, 9 above 1e-4); over 8 heads it stayed
+# under 3e-6 (2500 trials), well inside the fp32 bound.
 SHAPES = [
-    (1, 1, 1, 2, 5, 16),
+    (2, 4, 2, 2, 5, 16),
     (2, 4, 2, 33, 33, 40),
     (1, 3, 1, 17, 50, 16),
     (1, 2, 2, 50, 17, 24),

@@ -157,12 +157,15 @@ def test_strided_parameters(cols):
 
 
 @pytest.mark.skipif(not testing.on_gpu(), reason="a tensor of over 2**31 elements (4 GiB)")
-def test_column_offsets_past_int32():
+@pytest.mark.parametrize("cols,path", [(1024, FUSED), (2_200_001, LOOPED)], ids=["whole rows", "looped rows"])
+def test_column_offsets_past_int32(cols, path):
     """A feature-major input (column stride = rows) whose last feature lies past 2**31 elements:
-    the kernels' 64-bit column offsets read it in place. Row-wise outputs are checked on sampled
-    rows, dweight / dbias against a float64 reference summed in row chunks."""
-    dtype, cols = torch.bfloat16, 1024
+    the kernels' 64-bit column offsets read it in place (rows held whole; rows walked in a loop,
+    with the parameter-gradient kernel). Row-wise outputs are checked on sampled rows, dweight /
+    dbias against a float64 reference summed in row chunks."""
+    dtype = torch.bfloat16
     x = testing.column_major_past_int32(cols, dtype).requires_grad_()
+    assert plans.forward_plan(*x.shape, dtype).path is path and plans.backward_plan(*x.shape, dtype).path is path
     w, b = _params(cols, dtype)
     dy = testing.randn(x.shape, dtype)
     y = layer_norm(x, w, b)
@@ -173,8 +176,9 @@ def test_column_offsets_past_int32():
     testing.assert_close("y rows", y[rows], ys, dtype)
     testing.assert_close("dx rows", dx[rows], torch.autograd.grad(ys, xs, dy[rows].double())[0], dtype)
     dw_ref, db_ref = torch.zeros(cols, dtype=torch.float64, device=x.device), 0.0
-    for start in range(0, x.shape[0], 1 << 16):
-        xc, dyc = x[start:start + (1 << 16)].detach().double(), dy[start:start + (1 << 16)].double()
+    step = max(1, (1 << 26) // cols)  # rows per float64 chunk: 512 MB
+    for start in range(0, x.shape[0], step):
+        xc, dyc = x[start:start + step].detach().double(), dy[start:start + step].double()
         xhat = (xc - xc.mean(-1, keepdim=True)) * torch.rsqrt(xc.var(-1, unbiased=False, keepdim=True) + 1e-5)
         dw_ref += (dyc * xhat).sum(0)
         db_ref += dyc.sum(0)
@@ -239,9 +243,10 @@ def test_modules_are_drop_ins_for_torch():
     torch.testing.assert_close(rms_ours(x), rms_theirs(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="normalized_shape"):
         LayerNorm((4, 8))
-    for bad in (2.5, "8", True):
+    for bad in (2.5, True, ("8",)):
         with pytest.raises(TypeError, match="normalized_shape must be an int"):
             LayerNorm(bad)
+    assert LayerNorm(torch.Size([8])).normalized_shape == LayerNorm([8]).normalized_shape == (8,)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

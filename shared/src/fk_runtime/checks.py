@@ -77,8 +77,12 @@ def check_shape(name: str, value: torch.Tensor, expected: tuple[int, ...]) -> No
 
 def check_positive(name: str, value) -> None:
     """A finite real number above 0 (Python or NumPy scalars; not a bool)."""
-    if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-            and value > 0):
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    try:
+        ok = ok and math.isfinite(value) and value > 0
+    except OverflowError:  # an int too large for a float
+        ok = False
+    if not ok:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 

@@ -10,7 +10,8 @@ Gradients are first-order only: the backward kernels are not differentiable them
 autograd records the backward (`create_graph=True`, e.g. for a gradient penalty), the gradients
 they return carry a node that raises if anything differentiates through them, instead of counting
 as constants (`gradients_eager_or_op`). `once_differentiable` would not do: it marks gradients
-only when the incoming gradient requires grad, not when the saved inputs do.
+only when the incoming gradient requires grad (not when the saved inputs do), and hangs its node
+on fresh leaves, which `autograd.grad(penalty, [weight])` never reaches.
 """
 
 from __future__ import annotations
@@ -51,22 +52,26 @@ def _not_differentiable_message(name: str) -> str:
 
 
 class _FirstOrderOnly(torch.autograd.Function):
-    """Identity on gradients whose backward raises."""
+    """Identity on gradients whose backward raises. Its inputs include the backward's own inputs
+    that require grad (x, weight, an upstream gradient), so the node lies on every path from the
+    gradients to them: also `autograd.grad(penalty, [weight])`, Hessians and meta-gradients."""
 
     @staticmethod
-    def forward(ctx, name, *tensors):
+    def forward(ctx, name, gradients, *inputs):
         ctx.name = name
-        return tuple(t.detach() for t in tensors)  # aliases, not views: no copy, no in-place ban
+        return tuple(g.detach() for g in gradients)  # aliases, not views: no copy, no in-place ban
 
     @staticmethod
     def backward(ctx, *grads):
         raise RuntimeError(_not_differentiable_message(ctx.name))
 
 
-def _first_order_only(outputs, name: str):
+def _first_order_only(outputs, args, name: str):
+    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not inputs:
+        return outputs
     single = isinstance(outputs, torch.Tensor)
-    tensors = [t.detach().requires_grad_() for t in ((outputs,) if single else outputs)]
-    marked = _FirstOrderOnly.apply(name, *tensors)
+    marked = _FirstOrderOnly.apply(name, (outputs,) if single else tuple(outputs), *inputs)
     return marked[0] if single else tuple(marked)
 
 
@@ -87,7 +92,7 @@ def gradients_eager_or_op(op, impl: Callable, name: str) -> Callable:
             return impl(*args)
         with torch.no_grad():
             outputs = impl(*args)
-        return _first_order_only(outputs, name)
+        return _first_order_only(outputs, args, name)
 
     call.__name__ = getattr(impl, "__name__", "call")
     return call

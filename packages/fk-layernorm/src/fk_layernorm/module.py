@@ -13,14 +13,16 @@ from .ops import layer_norm, rms_norm
 def _features(normalized_shape) -> int:
     if isinstance(normalized_shape, numbers.Integral):
         return checks.check_size("normalized_shape", normalized_shape)
-    if not isinstance(normalized_shape, (tuple, list, torch.Size)):
+    try:  # any iterable, as torch takes it (tuple, list, torch.Size, a NumPy array)
+        shape = tuple(normalized_shape)
+    except TypeError:
         raise TypeError(f"normalized_shape must be an int or a sequence of one, got "
-                        f"{type(normalized_shape).__name__}")
-    if len(normalized_shape) != 1:
+                        f"{type(normalized_shape).__name__}") from None
+    if len(shape) != 1:
         raise ValueError(
             f"normalized_shape must be one positive size (the last dim), got {normalized_shape!r}"
         )
-    return checks.check_size("normalized_shape", normalized_shape[0])
+    return checks.check_size("normalized_shape", shape[0])
 
 
 def _check_features(module: torch.nn.Module, x) -> None:
