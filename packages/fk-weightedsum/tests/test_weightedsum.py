@@ -38,8 +38,8 @@ def test_strided_inputs(layout, dtype):
 @pytest.mark.skipif(not testing.on_gpu(), reason="a tensor of over 2**31 elements (4 GiB)")
 def test_column_offsets_past_int32():
     """A D-major x (column stride = rows) whose last column lies past 2**31 elements, and a weight
-    strided as far: read in place through 64-bit offsets. y and grad_x on sampled rows, grad_weight against a float64
-    reference summed in row chunks."""
+    strided as far: read in place through 64-bit offsets. y and grad_x are checked on sampled rows,
+    grad_weight against a float64 reference summed in row chunks."""
     dtype, cols = torch.bfloat16, 1024
     x = testing.column_major_past_int32(cols, dtype).requires_grad_()
     # The weight too: x's first row (its own leaf on x's storage), elements 2**31 / (cols - 1) apart.
