@@ -201,7 +201,8 @@ def _(grad_out, grad_lse, q, k, v, out, lse, causal, sm_scale):
 
 
 _run_forward = dispatch.eager_or_op(attention_op, _forward_impl)
-_run_backward = dispatch.gradients_eager_or_op(attention_backward_op, _backward_impl, "fk::attention_backward")
+_run_backward = dispatch.gradients_eager_or_op(attention_backward_op, _backward_impl,
+                                               "fk::attention_backward")
 
 
 def _save(ctx, q, k, v, out, lse, causal, sm_scale):

@@ -92,7 +92,8 @@ def norm_fwd_looped_kernel(
         acc = tl.zeros((1, BLOCK_D), tl.float32)
         for c0 in range(0, n_cols, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)[None, :]
-            acc += tl.load(x_row + cols.to(tl.int64) * stride_xc, mask=cols < n_cols, other=0.0).to(tl.float32)
+            chunk = tl.load(x_row + cols.to(tl.int64) * stride_xc, mask=cols < n_cols, other=0.0)
+            acc += chunk.to(tl.float32)
         mean = tl.sum(tl.sum(acc, axis=1), axis=0) / row_max * inv_n_cols
         if SAVE_STATS:
             tl.store(mean_ptr + row, mean)
@@ -266,8 +267,8 @@ def norm_bwd_fused_kernel(
         rows64 = rows.to(tl.int64)[:, None]
         x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :].to(tl.int64) * stride_xc, mask=mask, other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
-        dy = tl.load(dy_ptr + rows64 * stride_dyr + cols[None, :].to(tl.int64) * stride_dyc, mask=mask, other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
+        dy = tl.load(dy_ptr + rows64 * stride_dyr + cols[None, :].to(tl.int64) * stride_dyc, mask=mask,
+                     other=0.0, eviction_policy="evict_first").to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
         mean = 0.0
         if not IS_RMS:

@@ -93,7 +93,8 @@ def _(grad_y, x, weight):
 
 
 _run_forward = dispatch.eager_or_op(weighted_sum_op, _forward)
-_run_backward = dispatch.gradients_eager_or_op(weighted_sum_backward_op, _backward, "fk::weighted_sum_backward")
+_run_backward = dispatch.gradients_eager_or_op(weighted_sum_backward_op, _backward,
+                                               "fk::weighted_sum_backward")
 
 
 class WeightedSumFunction(torch.autograd.Function):
