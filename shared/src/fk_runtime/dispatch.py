@@ -84,15 +84,14 @@ def gradients_eager_or_op(op, impl: Callable, name: str) -> Callable:
         raise RuntimeError(_not_differentiable_message(name))
 
     op.register_autograd(backward)
+    plain = eager_or_op(op, impl)
 
     def call(*args):
-        if _traced(args):
-            return op(*args)
-        if not torch.is_grad_enabled():
-            return impl(*args)
+        if _traced(args) or not torch.is_grad_enabled():
+            return plain(*args)
         with torch.no_grad():
             outputs = impl(*args)
         return _first_order_only(outputs, args, name)
 
-    call.__name__ = getattr(impl, "__name__", "call")
+    call.__name__ = plain.__name__
     return call
