@@ -26,6 +26,9 @@ def test_every_path_is_covered():
     assert plans.forward_plan(*LONG, torch.float32).path is LOOPED
     assert plans.backward_plan(*LONG, torch.float32).path is LOOPED
     assert plans.backward_plan(9, 4097, torch.float32).path is FUSED
+    # The fused backward's two loops: next rows loaded ahead (16-bit) and not (fp32).
+    assert plans.backward_plan(9, 4097, torch.bfloat16).prefetch
+    assert not plans.backward_plan(9, 4097, torch.float32).prefetch
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -35,6 +38,7 @@ def test_rms_norm_backward_keeps_16bit_rows_to_16384_whole(dtype):
     rows, cols = (64, 16384) if testing.on_gpu() else (3, 12000)
     expected = FUSED if dtype.itemsize == 2 else SPLIT
     assert plans.backward_plan(rows, cols, dtype, is_rms=True).path is expected
+    assert not plans.backward_plan(rows, cols, dtype, is_rms=True).prefetch  # too wide to hold two steps
     assert plans.backward_plan(rows, cols, dtype).path is SPLIT
     x = testing.randn((rows, cols), dtype, scale=2.0, shift=0.5, requires_grad=True)
     w, _ = _params(cols, dtype, bias=False)

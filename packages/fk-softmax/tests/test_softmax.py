@@ -10,10 +10,10 @@ from fk_softmax import LogSoftmax, Softmax, log_softmax, softmax
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FUSED, SPLIT, TWO_PASS = plans.Path.FUSED, plans.Path.SPLIT, plans.Path.TWO_PASS
 # Row lengths and the path each takes (asserted below, so that no path goes untested): whole rows
-# (1, 17, 1000, 4097), rows split over sibling programs (40000: 10 chunks of 4096 forward, 5 of
-# 8192 backward), rows past the split limit in two passes, both ways (140001 on the interpreter,
-# past 2.16M columns on an H100).
-SHAPES = [(1,), (3, 1), (5, 17), (2, 3, 1000), (7, 4097), (9, 40000)]
+# (1, 17, 1000, 4097), rows split over sibling programs (40000: 5 chunks of 8192; 36000: 9 of
+# 4096 forward, which the wider chunk would pad more, and 5 of 8192 backward), rows past the split
+# limit in two passes, both ways (140001 on the interpreter, past 2.16M columns on an H100).
+SHAPES = [(1,), (3, 1), (5, 17), (2, 3, 1000), (7, 4097), (9, 40000), (3, 36000)]
 LONG = (2, 140001) if not testing.on_gpu() else (2, 2_200_001)
 SHAPES.append(LONG)
 if testing.on_gpu():
@@ -40,6 +40,10 @@ def path_of(shape, dtype, backward=False):
 def test_every_path_is_reached(dtype, backward):
     assert path_of((7, 4097), dtype, backward) is FUSED
     assert path_of((9, 40000), dtype, backward) is SPLIT
+    assert path_of((3, 36000), dtype, backward) is SPLIT
+    if not backward:
+        assert plans.plan(9, 40000, dtype).block_cols == plans.SPLIT_WIDE_CHUNK_ELEMENTS
+        assert plans.plan(3, 36000, dtype).block_cols == plans.SPLIT_CHUNK_ELEMENTS
     assert path_of(LONG, dtype, backward) is TWO_PASS
     if testing.on_gpu():
         assert {path_of(s, dtype, backward) for s in [(1024, 65536), (3, 262144), (2, 1_000_000)]} == {SPLIT}
@@ -56,7 +60,7 @@ def test_matches_float64_reference(shape, dtype, mode, log):
     testing.assert_matches_reference(fn, ref, [x], dtype=dtype, names=["x"], baseline_fn=ref)
 
 
-@pytest.mark.parametrize("shape", [(5, 5), (3, 7, 4), (2, 4, 9), (2, 3, 40000), (2, 3, 70001)], ids=str)
+@pytest.mark.parametrize("shape", [(5, 5), (3, 7, 4), (2, 4, 9), (2, 3, 40000), (2, 3, 66001)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_causal_mask_square_and_rectangular(shape, dtype):
     x = testing.randn(shape, dtype, requires_grad=True)
@@ -75,7 +79,7 @@ def test_causal_mask_large(shape):
 
 
 @pytest.mark.parametrize("shape,dim", [((6, 33, 5), 0), ((6, 33, 5), 1), ((6, 33, 5), -2), ((2, 3, 4, 5), 1),
-                                       ((40000, 3), 0), ((2, 70001, 3), 1)], ids=str)
+                                       ((40000, 3), 0), ((2, 66001, 3), 1)], ids=str)
 @pytest.mark.parametrize("log", [False, True])
 def test_other_dims(shape, dim, log):
     x = testing.randn(shape, requires_grad=True)
@@ -85,7 +89,7 @@ def test_other_dims(shape, dim, log):
 
 
 @pytest.mark.parametrize("layout", ["padded_rows", "strided_cols"])
-@pytest.mark.parametrize("cols", [300, 40000, 70001])
+@pytest.mark.parametrize("cols", [300, 40000, 66001])
 @pytest.mark.parametrize("log", [False, True])
 def test_strided_inputs(layout, cols, log):
     x = testing.randn((3, cols), torch.float16, layout=layout, requires_grad=True)
@@ -103,7 +107,7 @@ def test_permuted_input_and_strided_upstream_gradient():
         testing.assert_close("grad x", ours, ref, torch.float32)
 
 
-@pytest.mark.parametrize("cols", [8, 40000, 70001])
+@pytest.mark.parametrize("cols", [8, 40000, 66001])
 @pytest.mark.parametrize("log", [False, True])
 def test_infinities_and_huge_values_as_torch(cols, log):
     x = testing.randn((9, cols)) * 1e4
@@ -140,7 +144,7 @@ def test_empty_and_scalar():
     torch.testing.assert_close(log_softmax(s), torch.log_softmax(s, -1))
 
 
-@pytest.mark.parametrize("cols", [50000, 70001])
+@pytest.mark.parametrize("cols", [50000, 66001])
 def test_modules_and_determinism(cols):
     x = testing.randn((2, 3, cols), requires_grad=True)
     g = testing.randn((2, 3, cols))

@@ -74,6 +74,16 @@ def chunk_columns(chunk, n_cols, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def widen_held(chunk):
+    """A chunk held through the wait in its own dtype, as fp32. bf16 widens by a 16-bit shift
+    rather than a conversion: the compiler would merge a second conversion with the one taken
+    before the wait and keep the fp32 copy live across it (twice the registers)."""
+    if chunk.dtype == tl.bfloat16:
+        return (chunk.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return chunk.to(tl.float32)
+
+
+@triton.jit
 def publish(slot_ptr, value):
     """Write one fp32 partial into the int32 scratch: a scalar atomic, so that the thread issuing
     it is the one that then releases the arrival count (and the interpreter takes it too)."""

@@ -10,7 +10,7 @@ seed's `stable`), HAS_W / HAS_B (affine parameters). Statistics are fp32; per ro
 
 import triton
 import triton.language as tl
-from fk_runtime.siblings import await_row, chunk_columns, claim_abandoned, lane, partials, publish
+from fk_runtime.siblings import await_row, chunk_columns, claim_abandoned, lane, partials, publish, widen_held
 
 # fp32 partials a split row's chunk publishes: (sum, sum of squares centred on the chunk's own
 # mean (RMSNorm: not centred), max) forward; (sum of x-hat * w*dy, sum of w*dy) backward.
@@ -177,16 +177,18 @@ def norm_fwd_split_kernel(
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, SAVE_STATS: tl.constexpr,
 ):
     """Long rows, one program per (row, chunk) (fk_runtime.siblings): publish the chunk's
-    partials, wait for the row's siblings, combine, write the chunk still in registers. One
-    read and one write; the row's last program saves its statistics."""
+    partials, wait for the row's siblings, combine, write the chunk still in registers (held in
+    its own dtype through the wait). One read and one write; the row's last program saves its
+    statistics."""
     pid = tl.program_id(0)
     row = pid // chunks
     chunk = pid - row * chunks
     x_row = x_ptr + row.to(tl.int64) * stride_xr
     y_row = y_ptr + row.to(tl.int64) * stride_yr
     cols, col_mask = chunk_columns(chunk, n_cols, CHUNK)
-    x = tl.load(x_row + cols[None, :].to(tl.int64) * stride_xc, mask=col_mask[None, :], other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
+    x_raw = tl.load(x_row + cols[None, :].to(tl.int64) * stride_xc, mask=col_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+    x = x_raw.to(tl.float32)
     slot = row * chunks + chunk
     total, squares = _chunk_partials(x, col_mask[None, :], tl.minimum(n_cols - chunk * CHUNK, CHUNK),
                                      IS_RMS)
@@ -200,7 +202,8 @@ def norm_fwd_split_kernel(
     if ready:
         mean, rstd, row_max = _split_row_stats(row_parts, chunks, n_cols, inv_n_cols, eps,
                                                CHUNK, CHUNKS_P2, IS_RMS, STABLE)
-        _write_split_chunk(x, y_row, w_ptr, b_ptr, cols, col_mask, mean, rstd, row_max, STABLE, HAS_W, HAS_B)
+        _write_split_chunk(widen_held(x_raw), y_row, w_ptr, b_ptr, cols, col_mask, mean, rstd, row_max,
+                           STABLE, HAS_W, HAS_B)
     if last:
         mean, rstd, row_max = _split_row_stats(row_parts, chunks, n_cols, inv_n_cols, eps,
                                                CHUNK, CHUNKS_P2, IS_RMS, STABLE)
@@ -240,16 +243,39 @@ def _normalized(x, mean, rstd, row_max, IS_RMS: tl.constexpr, STABLE: tl.constex
 
 
 @triton.jit
+def _bwd_rows(x_ptr, dy_ptr, mean_ptr, rstd_ptr, max_ptr, rows, row_end, cols, col_mask,
+              stride_xr, stride_xc, stride_dyr, stride_dyc, IS_RMS: tl.constexpr, STABLE: tl.constexpr):
+    """One step's rows of the fused backward: x and dy in their own dtype (what a prefetched step
+    holds), and the rows' saved (mean, rstd, row_max); rows at or past row_end read as zeros."""
+    row_mask = rows < row_end
+    mask = row_mask[:, None] & col_mask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :].to(tl.int64) * stride_xc, mask=mask, other=0.0,
+                eviction_policy="evict_first")
+    dy = tl.load(dy_ptr + rows64 * stride_dyr + cols[None, :].to(tl.int64) * stride_dyc, mask=mask,
+                 other=0.0, eviction_policy="evict_first")
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    mean = tl.zeros_like(rstd)
+    if not IS_RMS:
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+    row_max = tl.full(rstd.shape, 1.0, tl.float32)
+    if STABLE:
+        row_max = tl.load(max_ptr + rows, mask=row_mask, other=1.0)
+    return x, dy, mean, rstd, row_max
+
+
+@triton.jit
 def norm_bwd_fused_kernel(
     x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, max_ptr, dw_part_ptr, db_part_ptr,
     n_rows, n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr, rows_per_group,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, IS_RMS: tl.constexpr, STABLE: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Rows that fit: program g walks its group of rows once, writing dx and summing
     dy * x-hat and dy into dweight / dbias partials for its group (reduced later in a fixed order).
     dx = rstd * (w*dy - x-hat * mean(x-hat * w*dy) - mean(w*dy)) (no mean term for RMSNorm),
-    then through the division by the row max when STABLE."""
+    then through the division by the row max when STABLE. PREFETCH loads the next step's rows
+    before working on this step's, so that each program keeps two steps of loads in flight."""
     group = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < n_cols
@@ -260,25 +286,26 @@ def norm_bwd_fused_kernel(
     db_acc = tl.zeros((BLOCK_D,), tl.float32)
     row_begin = group * rows_per_group
     row_end = tl.minimum(row_begin + rows_per_group, n_rows)
+    if PREFETCH:
+        x_next, dy_next, mean_next, rstd_next, max_next = _bwd_rows(
+            x_ptr, dy_ptr, mean_ptr, rstd_ptr, max_ptr, row_begin + tl.arange(0, BLOCK_R), row_end, cols,
+            col_mask, stride_xr, stride_xc, stride_dyr, stride_dyc, IS_RMS, STABLE)
     for r0 in range(row_begin, row_end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
-        row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
-        rows64 = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :].to(tl.int64) * stride_xc, mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        dy = tl.load(dy_ptr + rows64 * stride_dyr + cols[None, :].to(tl.int64) * stride_dyc, mask=mask,
-                     other=0.0, eviction_policy="evict_first").to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        mean = 0.0
-        if not IS_RMS:
-            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
-        row_max = 1.0
-        row_max_1d = 1.0
-        if STABLE:
-            row_max_1d = tl.load(max_ptr + rows, mask=row_mask, other=1.0)
-            row_max = row_max_1d[:, None]
-        xhat = tl.where(mask, _normalized(x, mean, rstd[:, None], row_max, IS_RMS, STABLE), 0.0)
+        if PREFETCH:
+            x_raw, dy_raw, mean, rstd, row_max_1d = x_next, dy_next, mean_next, rstd_next, max_next
+            x_next, dy_next, mean_next, rstd_next, max_next = _bwd_rows(
+                x_ptr, dy_ptr, mean_ptr, rstd_ptr, max_ptr, rows + BLOCK_R, row_end, cols, col_mask,
+                stride_xr, stride_xc, stride_dyr, stride_dyc, IS_RMS, STABLE)
+        else:
+            x_raw, dy_raw, mean, rstd, row_max_1d = _bwd_rows(
+                x_ptr, dy_ptr, mean_ptr, rstd_ptr, max_ptr, rows, row_end, cols, col_mask,
+                stride_xr, stride_xc, stride_dyr, stride_dyc, IS_RMS, STABLE)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        x = x_raw.to(tl.float32)
+        dy = dy_raw.to(tl.float32)
+        row_max = row_max_1d[:, None]
+        xhat = tl.where(mask, _normalized(x, mean[:, None], rstd[:, None], row_max, IS_RMS, STABLE), 0.0)
         wdy = dy * w
         c1 = tl.sum(xhat * wdy, axis=1) * inv_n_cols
         dz = wdy - xhat * c1[:, None]
@@ -295,7 +322,8 @@ def norm_bwd_fused_kernel(
             dx += tl.where(is_max, (through_max / ties)[:, None], 0.0)
         else:
             dx = dz
-        tl.store(dx_ptr + rows64 * stride_dxr + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + rows.to(tl.int64)[:, None] * stride_dxr + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=mask)
         if HAS_W:
             dw_acc += tl.sum(dy * xhat, axis=0)
         if HAS_B:

@@ -4,8 +4,8 @@ Three paths, by row length:
 - fused: rows that fit `sizing.fused_row_block` (backward: up to BACKWARD_FUSED_MAX_ELEMENTS, or
   BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT for RMSNorm in 16 bits) are
   held whole in registers: several rows per program in the forward, and a persistent backward
-  where each program walks a group of rows and keeps its dweight / dbias partial sums in
-  registers;
+  where each program walks a group of rows (16-bit rows to 8192 features: the next step's rows
+  loaded ahead) and keeps its dweight / dbias partial sums in registers;
 - split: longer rows are cut into chunks whose programs meet as siblings (fk_runtime.siblings):
   one read and one write of HBM per tensor. The backward's programs are persistent over a group
   of rows, keeping dweight / dbias partials of their chunk in registers, and meet once per
@@ -52,6 +52,14 @@ BACKWARD_ROW_TILE_BYTES = 4096
 # dbias. One stage: the loop's loads gain nothing from pipelining (1 and 2 stages tied).
 BACKWARD_WARPS_PER_SM = 16
 BACKWARD_NUM_STAGES = 1
+# 16-bit rows of up to BACKWARD_PREFETCH_MAX_ELEMENTS features: the fused backward loads the
+# next step's rows before working on this step's (two steps of loads in flight per program).
+# H100, 2026-11-24, graph replays of the backward: LayerNorm bf16 1880-2240 GB/s became
+# 1980-2440 (32768x1024, 16384x4096, 8192x8192), RMSNorm bf16 2180-2420 became 2245-2570; fp32
+# (twice the registers a step) moved by -4% (8192x8192) to +2%, and RMSNorm bf16 rows of 16384
+# features spilled (2074 -> 199 GB/s): both keep the plain loop.
+BACKWARD_PREFETCH_MAX_ITEMSIZE = 2
+BACKWARD_PREFETCH_MAX_ELEMENTS = 8192
 # The dweight / dbias partial buffers (fp32, groups x features, one per parameter present) stay
 # under this many bytes together (sized for both).
 PARTIAL_BYTES_BUDGET = 32 << 20
@@ -65,6 +73,10 @@ PARAMS_MAX_BLOCK_D = 512
 # reached 2010-2020 GB/s bf16 and 2360-2460 fp32, 8 KB chunks 1310-1520 and 2080-1980; backward
 # (4096x16384 to 256x262144) 4096 columns 1150-1375 GB/s bf16 and 1670-2200 fp32, 2048 columns
 # 740-950 and 1190-1490 (more siblings per SM, or 8-warp programs, did not help).
+# The forward holds its chunk in the input's dtype through the wait (bf16 widened after it by a
+# shift, `siblings.widen_held`). H100, 2026-11-24, graph replays, 16 KB chunks: bf16 LayerNorm
+# 2091 -> 2221 GB/s (1024x65536) and 2054 -> 2152 (256x262144), RMSNorm 2289 -> 2281 and
+# 2239 -> 2434; fp32 unchanged; 32 KB chunks lost in bf16 LayerNorm (1844, 1781).
 SPLIT_FORWARD_CHUNK_BYTES = 16384
 SPLIT_BACKWARD_CHUNK_ELEMENTS = 4096
 # Backward: a split program takes a batch of rows per meeting with its siblings, this many bytes
@@ -101,6 +113,7 @@ class Plan:
     params_block_rows: int = 1
     params_block_cols: int = 1
     params_num_warps: int = sizing.MIN_WARPS
+    prefetch: bool = False  # fused backward: next step's rows loaded ahead
 
 
 def _groups(n_rows: int, n_cols: int, block_rows: int, programs_per_sm: int) -> tuple[int, int]:
@@ -146,7 +159,9 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = F
         rows = sizing.rows_per_program(n_rows, block, dtype, BACKWARD_ROW_TILE_BYTES)
         warps = sizing.row_warps(block)
         groups, per_group = _groups(n_rows, n_cols, rows, max(1, BACKWARD_WARPS_PER_SM // warps))
-        return Plan(Path.FUSED, rows, block, warps, groups, per_group)
+        return Plan(Path.FUSED, rows, block, warps, groups, per_group,
+                    prefetch=(sizing.element_size(dtype) <= BACKWARD_PREFETCH_MAX_ITEMSIZE
+                              and block <= BACKWARD_PREFETCH_MAX_ELEMENTS))
     chunks = None if stable else _split_chunks(n_cols, SPLIT_BACKWARD_CHUNK_ELEMENTS)
     if chunks is not None:
         # Every program of the launch is a sibling of the others in its group: all must be

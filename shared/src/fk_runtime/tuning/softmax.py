@@ -36,6 +36,13 @@ FUSED_TILE_BYTES = 4096
 # 4096 chunk gave 1634-2058 bf16). Few threads per program keep many programs resident per
 # multiprocessor: while some wait for their siblings, the others keep loads in flight.
 SPLIT_CHUNK_ELEMENTS = 4096
+# ... and twice that when it pads the row no more and the row has at most SPLIT_WIDE_MAX_CHUNKS
+# of them. H100, 2026-11-24, graph replays of the forward, 4096 -> 8192 columns: 1024x65536 bf16
+# 2118 -> 2368 GB/s, fp32 2623 -> 2783; 256x262144 bf16 2134 -> 2272, fp32 2649 -> 2691; but
+# 64x1048576 (128 wide chunks a row) bf16 2038 -> 1828, fp32 2561 -> 2409, and 1000x20000 fp32
+# (a last wide chunk under half full) 2418 -> 2317.
+SPLIT_WIDE_CHUNK_ELEMENTS = 8192
+SPLIT_WIDE_MAX_CHUNKS = 32
 # The backward holds its y and grad_y chunks in their own dtype through the wait, which leaves
 # registers for twice the columns. H100, 2026-11-23, graph replays (1024x65536 to 64x1048576 and
 # 1000x20000): 8192 columns on 4 warps gave bf16 2620-2660 GB/s (64x1048576: 2000 against 1860
@@ -63,6 +70,14 @@ class Plan:
     spin_limit: int
 
 
+def _forward_chunk(n_cols: int) -> int:
+    wide, narrow = SPLIT_WIDE_CHUNK_ELEMENTS, SPLIT_CHUNK_ELEMENTS
+    wide_chunks = sizing.cdiv(n_cols, wide)
+    if wide_chunks <= SPLIT_WIDE_MAX_CHUNKS and wide_chunks * wide <= sizing.cdiv(n_cols, narrow) * narrow:
+        return wide
+    return narrow
+
+
 # Plans depend only on the shape and dtype: cached, so a call pays for a dict lookup.
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def plan(n_rows: int, n_cols: int, dtype: torch.dtype, backward: bool = False) -> Plan:
@@ -70,7 +85,7 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, backward: bool = False) -
     if block is not None:
         rows = sizing.rows_per_program(n_rows, block, dtype, FUSED_TILE_BYTES)
         return Plan(Path.FUSED, rows, block, 1, 1, sizing.row_warps(rows * block), sizing.cdiv(n_rows, rows), 0)
-    chunk, path = SPLIT_BACKWARD_CHUNK_ELEMENTS if backward else SPLIT_CHUNK_ELEMENTS, Path.SPLIT
+    chunk, path = SPLIT_BACKWARD_CHUNK_ELEMENTS if backward else _forward_chunk(n_cols), Path.SPLIT
     if sizing.cdiv(n_cols, chunk) > max_siblings():
         chunk, path = sizing.looped_row_block(dtype), Path.TWO_PASS
     chunks = sizing.cdiv(n_cols, chunk)
