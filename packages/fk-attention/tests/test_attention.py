@@ -120,6 +120,58 @@ def test_strided_inputs_reach_the_kernel_without_copies(monkeypatch):
     assert seen and all(ptrs == [q.data_ptr(), k.data_ptr(), v.data_ptr()] for ptrs in seen)
 
 
+def _head_dim_major(shape, dtype):
+    """(B, H, N, D) views of (D, B, H, N) storage: the head-dim stride is the largest."""
+    b, hq, hk, nq, nk, d = shape
+    return [testing.randn((d, b, h, n), dtype).permute(1, 2, 3, 0).requires_grad_()
+            for h, n in ((hq, nq), (hk, nk), (hk, nk))]
+
+
+def test_strides_past_32bit_tile_offsets_are_copied_first(monkeypatch):
+    """Tiles are addressed with 32-bit in-tile offsets: inputs whose strides could overflow them
+    are copied contiguous before the launch (limit shrunk here so that small head-dim-major
+    tensors cross it); values, gradients and output layouts stay right, and inputs under the
+    limit still reach the kernel uncopied."""
+    shape, dtype = (1, 2, 1, 20, 24, 16), torch.float32
+    inputs = _head_dim_major(shape, dtype)
+    assert table.tile_offsets_fit(inputs[0])
+    seen = []
+    real = ops._launch
+
+    def spy(kernel, kind, n_rows, programs, args, *rest):
+        seen.append(all(a.is_contiguous() for a in args[:3]))
+        return real(kernel, kind, n_rows, programs, args, *rest)
+
+    monkeypatch.setattr(ops, "_launch", spy)
+    attention(*inputs).sum().backward()
+    assert seen and not any(seen)
+    monkeypatch.setattr(table, "TILE_OFFSET_LIMIT",
+                        (table.MAX_TILE_EXTENT - 1) * min(t.stride(-1) for t in inputs))
+    assert not any(table.tile_offsets_fit(t) for t in inputs)
+    seen.clear()
+    for q in inputs:
+        q.grad = None
+    check(lambda q, k, v: attention(q, k, v, causal=True), inputs, dtype, causal=True)
+    assert seen and all(seen)
+    out = attention(*inputs)
+    assert out.is_contiguous() and not inputs[0].is_contiguous()
+
+
+@pytest.mark.skipif(not testing.on_gpu(), reason="a 4.6 GiB view: GPU only")
+def test_token_stride_past_32bit_tile_offsets():
+    """64 queries whose tokens lie 36.7M elements apart (an odd stride: pointer loads, no TMA):
+    one 64-query tile spans offsets past 2**31, which wrapped in 32 bits before the launch
+    learnt to copy such inputs."""
+    dtype, n, d = torch.bfloat16, 64, 64
+    stride_n = (35 << 20) + 1
+    storage = torch.empty((n, stride_n), device=testing.device(), dtype=dtype)
+    q = storage[:, :d].view(1, 1, n, d)
+    q.copy_(testing.randn(q.shape, dtype))
+    assert (n - 1) * q.stride(2) >= table.TILE_OFFSET_LIMIT and not table.descriptors_allowed(q)
+    k, v = (testing.randn((1, 1, n, d), dtype) for _ in range(2))
+    check(attention, [q.requires_grad_(), k.requires_grad_(), v.requires_grad_()], dtype, causal=False)
+
+
 # Forced launches: uneven block shapes (more queries than keys per step and the reverse), both
 # load paths (TMA descriptors run on the interpreter too), GQA, odd lengths both ways.
 # (Fewer on the GPU, where every tiling is a compile and the main test covers the tuned ones.)

@@ -28,6 +28,12 @@ def _strides(t: torch.Tensor) -> tuple:
     return tuple(t.stride())
 
 
+def _addressable(t: torch.Tensor, fits=table.tile_offsets_fit) -> torch.Tensor:
+    """t, or a contiguous copy where its strides would overflow the kernels' 32-bit in-tile
+    offsets (rare layouts: see `table.tile_offsets_fit`)."""
+    return t if fits(t) else t.contiguous()
+
+
 def _precision(dtype: torch.dtype) -> str | None:
     # fp32 inputs get exact fp32 products (tf32 would cost them ~1e-3 relative error).
     return "ieee" if dtype == torch.float32 else None
@@ -105,8 +111,9 @@ def forward(
             raise TypeError(why)
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
-    out = _alloc_like(q, _output_dtype(q.dtype))
+    out = _alloc_like(q, _output_dtype(q.dtype))  # in q's layout, as the registered fake gives it
     lse = alloc.empty((b, hq, n_q), dtype=torch.float32, device=q.device)
+    q, k, v = _addressable(q), _addressable(k), _addressable(v)
     if out.numel() == 0:
         return out, lse
     if n_k == 0:  # no keys: SDPA gives zeros; the log-sum-exp of nothing is -inf
@@ -134,7 +141,10 @@ def backward(
     with `configs`, the dQ config's `descriptors` flag holds for both kernels)."""
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
-    dq, dk, dv = _alloc_like(q), _alloc_like(k), _alloc_like(v)
+    dq, dk, dv = _alloc_like(q), _alloc_like(k), _alloc_like(v)  # in the inputs' layouts, as the fake
+    q, k, v, out, grad_out = (_addressable(t) for t in (q, k, v, out, grad_out))
+    if grad_lse is not None:
+        grad_lse = _addressable(grad_lse, table.row_offsets_fit)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = alloc.empty((b, hq, n_q), dtype=torch.float32, device=q.device)

@@ -300,6 +300,24 @@ def use_descriptors(*tensors: torch.Tensor) -> bool:
     return DESCRIPTORS_ON_HOPPER and _is_hopper_or_newer() and descriptors_allowed(*tensors)
 
 
+# Pointer loads and stores form a tile's offsets (row i x token stride + column j x head-dim
+# stride, i < BLOCK_M or BLOCK_N, j < the padded head dim) in 32 bits, the block's start in 64:
+# a tensor whose strides could overflow that (a view hopping millions of elements between tokens,
+# or a head-dim-major layout) is copied contiguous first. MAX_TILE_EXTENT bounds both tile sides.
+TILE_OFFSET_LIMIT = 2**31
+MAX_TILE_EXTENT = 256
+
+
+def tile_offsets_fit(t: torch.Tensor) -> bool:
+    """Whether every in-tile offset of the (..., N, D) tensor t fits 32 bits."""
+    return (MAX_TILE_EXTENT - 1) * (t.stride(-2) + t.stride(-1)) < TILE_OFFSET_LIMIT
+
+
+def row_offsets_fit(t: torch.Tensor) -> bool:
+    """Whether the (..., N) tensor t's row offsets (row x stride, rows < N) fit 32 bits."""
+    return t.shape[-1] * t.stride(-1) < TILE_OFFSET_LIMIT
+
+
 # Global scratch of in-kernel descriptors (a few hundred bytes per program): one buffer per
 # (device, stream), grown on demand and kept, as PyTorch keeps cuBLAS's workspace. Launches on one
 # stream run in order, so they may share it; a call's peak memory does not grow by it (4 MiB at
