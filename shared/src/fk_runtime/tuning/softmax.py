@@ -27,8 +27,11 @@ from ..siblings import max_siblings, spin_limit
 # Short rows: a program takes whole rows until it holds at least this many bytes of input. H100
 # run of 2026-11-22 (BENCHMARKS.md), 1024 columns: Liger's one row per 4-warp program reached 90%
 # of copy bandwidth in fp32 (4 KB a program) and 82% in bf16 (2 KB), fk's 16-32 KB multi-row tiles
-# on 16-32 warps 55-69%. 4 KB gives bf16 programs the bytes of that fp32 program (2 rows).
-FUSED_TILE_BYTES = 4096
+# on 16-32 warps 55-69%. Sweep of 2026-11-24 (graph replays; 2-16 KB x half, default and double
+# warps; 16384x1024, 8192x4096, 4096x16384, bf16 and fp32, forward and backward): every setting
+# within 2% of the best except 16 KB or doubled warps on short bf16 rows (down to 2000 GB/s); 8 KB
+# tied 4 KB everywhere but fp32 16384x1024, where it gained 1.8% forward (2717 GB/s against 2670).
+FUSED_TILE_BYTES = 8192
 # Split rows: columns per program, on SPLIT_NUM_WARPS warps. H100 sweep of 2026-11-22 (launcher
 # timed alone, 1024x65536, 256x262144, 64x1048576, bf16 and fp32; chunks 2048-16384 on 4-16
 # warps): 4096 columns on 4 warps (32 values per thread) was best or within 3% of best forward
