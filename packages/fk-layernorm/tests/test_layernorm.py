@@ -29,6 +29,9 @@ def test_every_path_is_covered():
     # The fused backward's two loops: next rows loaded ahead (16-bit) and not (fp32).
     assert plans.backward_plan(9, 4097, torch.bfloat16).prefetch
     assert not plans.backward_plan(9, 4097, torch.float32).prefetch
+    # RMSNorm's 16-bit forward on rows of 8193-16384 features: the warps of a row twice as long.
+    wide = plans.forward_plan(9, 12000, torch.bfloat16, is_rms=True)
+    assert wide.num_warps == 2 * plans.forward_plan(9, 12000, torch.bfloat16).num_warps
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -37,7 +37,7 @@ def _forward(x, weight, bias, eps: float, is_rms: bool, stable: bool, save_stats
     stats = _stats(n_rows, x.device, save_stats)
     if x.numel() == 0:
         return y, stats
-    p = plans.forward_plan(n_rows, n_cols, x.dtype)
+    p = plans.forward_plan(n_rows, n_cols, x.dtype, is_rms)
     common = dict(**_flags(weight, bias, is_rms, stable), SAVE_STATS=save_stats,
                   **fk_sizing.launch_options(p.num_warps))
     # The kernels read parameters as contiguous vectors (a strided one is D elements to copy).

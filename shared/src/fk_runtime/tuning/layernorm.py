@@ -31,6 +31,12 @@ from ..siblings import max_siblings, spin_limit
 # rows on 4-32 warps): 8 KB tiles reached 2590-2900 GB/s; the 32 KB tiles of before fell to
 # 1800 GB/s (bf16, 1024 features) and 2060 (bf16, 16384 features on 32 warps).
 FORWARD_ROW_TILE_BYTES = 8192
+# ... except RMSNorm in 16 bits on rows padded to this many features (8193 to 16384), which takes
+# the warps of a row twice as long (32, not 16). H100, 2026-11-24, graph replays, bf16: 4096x16384
+# 2558 -> 2774 GB/s, 8192x12288 2352 -> 2836, 2048x16384 2321 -> 2581 (Liger: 2811, 2881, 2626);
+# LayerNorm there fell on 32 warps (2721 -> 2131 at 4096x16384), RMSNorm fp32 and 8192-feature
+# rows did not gain.
+FORWARD_RMS_16BIT_WIDE_ROW = 16384
 # Backward: rows are held whole up to this many features. Same sweep: 8192 features (one row on
 # 16 warps) ran at 2390 GB/s bf16 and 2740 fp32; 16384 spilled at any warp count (330 GB/s), so
 # longer rows take the chunked kernels.
@@ -131,11 +137,14 @@ def _split_chunks(n_cols: int, chunk: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
+def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = False) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
     if block is not None:
         rows = sizing.rows_per_program(n_rows, block, dtype, FORWARD_ROW_TILE_BYTES)
-        return Plan(Path.FUSED, rows, block, sizing.row_warps(rows * block))
+        elements = rows * block
+        if is_rms and sizing.element_size(dtype) <= 2 and elements == FORWARD_RMS_16BIT_WIDE_ROW:
+            elements *= 2
+        return Plan(Path.FUSED, rows, block, sizing.row_warps(elements))
     chunk = SPLIT_FORWARD_CHUNK_BYTES // sizing.element_size(dtype)
     chunks = _split_chunks(n_cols, chunk)
     if chunks is not None:
