@@ -121,9 +121,10 @@ def test_strided_inputs_reach_the_kernel_without_copies(monkeypatch):
 
 
 def _head_dim_major(shape, dtype):
-    """(B, H, N, D) views of (D, B, H, N) storage: the head-dim stride is the largest."""
+    """(B, H, N, D) views of (D, B, N, H) storage: the head-dim stride is the largest, and heads
+    lie inside tokens (so outputs and gradients take (B, N, H, D) storage)."""
     b, hq, hk, nq, nk, d = shape
-    return [testing.randn((d, b, h, n), dtype).permute(1, 2, 3, 0).requires_grad_()
+    return [testing.randn((d, b, n, h), dtype).permute(1, 3, 2, 0).requires_grad_()
             for h, n in ((hq, nq), (hk, nk), (hk, nk))]
 
 
@@ -132,7 +133,8 @@ def test_strides_past_32bit_tile_offsets_are_copied_first(monkeypatch):
     are copied contiguous before the launch (limit shrunk here so that small head-dim-major
     tensors cross it); values, gradients and output layouts stay right, and inputs under the
     limit still reach the kernel uncopied."""
-    shape, dtype = (1, 2, 1, 20, 24, 16), torch.float32
+    shape, dtype = (1, 2, 1, 20, 40, 16), torch.float32
+    b, hq, hk, nq, nk, d = shape
     inputs = _head_dim_major(shape, dtype)
     assert table.tile_offsets_fit(inputs[0])
     seen = []
@@ -145,16 +147,30 @@ def test_strides_past_32bit_tile_offsets_are_copied_first(monkeypatch):
     monkeypatch.setattr(ops, "_launch", spy)
     attention(*inputs).sum().backward()
     assert seen and not any(seen)
-    monkeypatch.setattr(table, "TILE_OFFSET_LIMIT",
-                        (table.MAX_TILE_EXTENT - 1) * min(t.stride(-1) for t in inputs))
+    # Just above the (B, N, H, D) outputs' in-tile offsets (token stride Hq * D): the inputs,
+    # whose head-dim stride is B * N * H, cross it; the outputs do not.
+    monkeypatch.setattr(table, "TILE_OFFSET_LIMIT", (table.MAX_TILE_EXTENT - 1) * (hq * d + 2))
     assert not any(table.tile_offsets_fit(t) for t in inputs)
+    assert table.tile_offsets_fit(torch.empty((b, nq, hq, d)).transpose(1, 2))
     seen.clear()
     for q in inputs:
         q.grad = None
     check(lambda q, k, v: attention(q, k, v, causal=True), inputs, dtype, causal=True)
     assert seen and all(seen)
+    # Outputs keep the inputs' storage order (what the registered fake promises), not the copy's.
     out = attention(*inputs)
-    assert out.is_contiguous() and not inputs[0].is_contiguous()
+    grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+    assert all(t.transpose(1, 2).is_contiguous() for t in (out, *grads))
+
+
+def test_tile_offset_bound_covers_every_tile():
+    """tile_offsets_fit bounds in-tile offsets by MAX_TILE_EXTENT rows and head-dim columns:
+    every block shape the tables can launch, and every padded head dim, must stay within it."""
+    blocks = [c.block_m for _, row in table.DEFAULTS_16BIT + table.DEFAULTS_32BIT for c in row.values()]
+    blocks += [c.block_n for _, row in table.DEFAULTS_16BIT + table.DEFAULTS_32BIT for c in row.values()]
+    blocks += [c.block_m for _, row in table.CANDIDATES for cs in row.values() for c in cs]
+    blocks += [c.block_n for _, row in table.CANDIDATES for cs in row.values() for c in cs]
+    assert max(blocks + [table.padded_head_dim(table.MAX_HEAD_DIM)]) <= table.MAX_TILE_EXTENT
 
 
 @pytest.mark.skipif(not testing.on_gpu(), reason="a 4.6 GiB view: GPU only")

@@ -24,6 +24,7 @@ def test_every_path_is_covered():
     assert plans.backward_plan(rows, cols, torch.bfloat16).path is SPLIT
     assert plans.backward_plan(rows, cols, torch.float32, stable=True).path is LOOPED
     assert plans.forward_plan(*LONG, torch.float32).path is LOOPED
+    assert plans.forward_plan(*LONG, torch.bfloat16).path is SPLIT  # bf16 chunks widened after the wait
     assert plans.backward_plan(*LONG, torch.float32).path is LOOPED
     assert plans.backward_plan(9, 4097, torch.float32).path is FUSED
     # The fused backward's two loops: next rows loaded ahead (16-bit) and not (fp32).

@@ -41,10 +41,13 @@ def _precision(dtype: torch.dtype) -> str | None:
 
 def _same_layout(t: torch.Tensor, dtype: torch.dtype, empty) -> torch.Tensor:
     """A fresh (B, H, N, D) tensor laid out like `t`: (B, N, H, D) storage when `t` is such a view
-    (heads inside tokens), so that `.transpose(1, 2)` of the result is contiguous again."""
+    (heads inside tokens), so that `.transpose(1, 2)` of the result is contiguous again, unless
+    that token stride (H * D) would overflow the kernels' in-tile offsets."""
     b, h, n, d = t.shape
     if t.stride(1) < t.stride(2):
-        return empty((b, n, h, d), dtype).transpose(1, 2)
+        out = empty((b, n, h, d), dtype).transpose(1, 2)
+        if table.tile_offsets_fit(out):
+            return out
     return empty((b, h, n, d), dtype)
 
 
