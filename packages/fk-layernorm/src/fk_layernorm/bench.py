@@ -3,7 +3,8 @@
 LayerNorm with weight and bias, and RMSNorm with weight. Peers in the same run: torch
 (F.layer_norm / F.rms_norm), torch.compile of them, Liger (when installed). Bytes counted:
 forward reads x and writes y (2 tensors); backward reads x and grad_y and writes grad_x (3). Peak
-memory of forward + backward is recorded for every variant.
+memory is recorded for every variant on the bwd rows: the most the backward call allocates above
+what the inputs and the forward's output and saved tensors already hold (`bench._peak_mib`).
 """
 
 from __future__ import annotations
