@@ -16,6 +16,9 @@ from . import backend
 # A row that one program holds whole in registers may take at most this many bytes of the
 # input dtype (the Triton tutorials' 64 KB budget); longer rows go to a looped/online path.
 MAX_FUSED_ROW_BYTES = 65536
+# Element offsets past this wrap in 32-bit index arithmetic (`i * stride` in int32): kernels form
+# such offsets in 64 bits, or their launchers keep inputs under it.
+INT32_OFFSET_LIMIT = 2**31
 # Widest global memory access one thread issues; blocks are sized so each thread gets whole
 # vectors of this size.
 VECTOR_BYTES = 16

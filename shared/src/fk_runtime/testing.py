@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import alloc, backend
+from . import alloc, backend, sizing
 
 # Relative error ||out - ref|| / ||ref|| allowed against a float64 reference, by input dtype.
 # fp32 math with fp32 inputs lands near 1e-7..1e-6; half precisions are bound by their rounding
@@ -97,8 +97,7 @@ def randn(
     return base.requires_grad_(requires_grad)
 
 
-# Element offsets that 32-bit index arithmetic (`col * col_stride`) would wrap past.
-INT32_OFFSET_LIMIT = 2**31
+INT32_OFFSET_LIMIT = sizing.INT32_OFFSET_LIMIT
 
 
 def column_major_past_int32(cols: int, dtype: torch.dtype) -> torch.Tensor:

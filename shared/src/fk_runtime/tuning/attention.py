@@ -304,7 +304,7 @@ def use_descriptors(*tensors: torch.Tensor) -> bool:
 # stride, i < BLOCK_M or BLOCK_N, j < the padded head dim) in 32 bits, the block's start in 64:
 # a tensor whose strides could overflow that (a view hopping millions of elements between tokens,
 # or a head-dim-major layout) is copied contiguous first. MAX_TILE_EXTENT bounds both tile sides.
-TILE_OFFSET_LIMIT = 2**31
+TILE_OFFSET_LIMIT = sizing.INT32_OFFSET_LIMIT
 MAX_TILE_EXTENT = 256
 
 
