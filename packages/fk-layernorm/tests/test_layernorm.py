@@ -42,7 +42,9 @@ def test_rms_norm_backward_keeps_16bit_rows_to_16384_whole(dtype):
     rows, cols = (64, 16384) if testing.on_gpu() else (3, 12000)
     expected = FUSED if dtype.itemsize == 2 else SPLIT
     assert plans.backward_plan(rows, cols, dtype, is_rms=True).path is expected
-    assert not plans.backward_plan(rows, cols, dtype, is_rms=True).prefetch  # too wide to hold two steps
+    wide = plans.backward_plan(rows, cols, dtype, is_rms=True)
+    assert not wide.prefetch  # too wide to hold two steps
+    assert wide.recompute == (dtype.itemsize == 2)  # 16-bit x and dy widened again after the sums
     assert plans.backward_plan(rows, cols, dtype).path is SPLIT
     x = testing.randn((rows, cols), dtype, scale=2.0, shift=0.5, requires_grad=True)
     w, _ = _params(cols, dtype, bias=False)

@@ -269,13 +269,15 @@ def norm_bwd_fused_kernel(
     x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, max_ptr, dw_part_ptr, db_part_ptr,
     n_rows, n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr, rows_per_group,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, IS_RMS: tl.constexpr, STABLE: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, PREFETCH: tl.constexpr, RECOMPUTE: tl.constexpr,
 ):
     """Rows that fit: program g walks its group of rows once, writing dx and summing
     dy * x-hat and dy into dweight / dbias partials for its group (reduced later in a fixed order).
     dx = rstd * (w*dy - x-hat * mean(x-hat * w*dy) - mean(w*dy)) (no mean term for RMSNorm),
     then through the division by the row max when STABLE. PREFETCH loads the next step's rows
-    before working on this step's, so that each program keeps two steps of loads in flight."""
+    before working on this step's, so that each program keeps two steps of loads in flight;
+    RECOMPUTE (wide 16-bit rows) widens x and dy again after the row sums instead of holding them
+    in fp32."""
     group = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < n_cols
@@ -307,10 +309,24 @@ def norm_bwd_fused_kernel(
         row_max = row_max_1d[:, None]
         xhat = tl.where(mask, _normalized(x, mean[:, None], rstd[:, None], row_max, IS_RMS, STABLE), 0.0)
         wdy = dy * w
+        if RECOMPUTE:
+            if HAS_W:
+                dw_acc += tl.sum(dy * xhat, axis=0)
+            if HAS_B:
+                db_acc += tl.sum(dy, axis=0)
         c1 = tl.sum(xhat * wdy, axis=1) * inv_n_cols
+        if not IS_RMS:
+            c2 = tl.sum(wdy, axis=1) * inv_n_cols
+        if RECOMPUTE:
+            # Hold only the 16-bit x and dy across the row sums above and widen them again
+            # (widen_held: a copy the compiler cannot merge with the fp32 one, which would stay
+            # live across the sums and spill); dweight / dbias took their sums before them.
+            x = widen_held(x_raw)
+            xhat = tl.where(mask, _normalized(x, mean[:, None], rstd[:, None], row_max, IS_RMS, STABLE), 0.0)
+            wdy = widen_held(dy_raw) * w
         dz = wdy - xhat * c1[:, None]
         if not IS_RMS:
-            dz -= (tl.sum(wdy, axis=1) * inv_n_cols)[:, None]
+            dz -= c2[:, None]
         dz = dz * rstd[:, None]
         if STABLE:
             # z = x / max(x): dx = dz / m, and the max's entries get -sum(dz * x) / m^2, shared
@@ -324,10 +340,11 @@ def norm_bwd_fused_kernel(
             dx = dz
         tl.store(dx_ptr + rows.to(tl.int64)[:, None] * stride_dxr + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
                  mask=mask)
-        if HAS_W:
-            dw_acc += tl.sum(dy * xhat, axis=0)
-        if HAS_B:
-            db_acc += tl.sum(dy, axis=0)
+        if not RECOMPUTE:
+            if HAS_W:
+                dw_acc += tl.sum(dy * xhat, axis=0)
+            if HAS_B:
+                db_acc += tl.sum(dy, axis=0)
     if HAS_W:
         tl.store(dw_part_ptr + group.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
     if HAS_B:

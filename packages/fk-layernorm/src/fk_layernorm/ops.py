@@ -100,7 +100,8 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
         kernels.norm_bwd_fused_kernel[(p.groups,)](
             x2, w, dy2, dx2, stats[0], stats[1], stats[2], w_parts, b_parts, n_rows, n_cols, 1.0 / n_cols,
             x2.stride(0), x2.stride(1), dy2.stride(0), dy2.stride(1), dx2.stride(0), p.rows_per_group,
-            BLOCK_R=p.block_rows, BLOCK_D=p.block_cols, PREFETCH=p.prefetch, **flags,
+            BLOCK_R=p.block_rows, BLOCK_D=p.block_cols, PREFETCH=p.prefetch, RECOMPUTE=p.recompute,
+            **flags,
             **fk_sizing.launch_options(p.num_warps, plans.BACKWARD_NUM_STAGES),
         )
     else:

@@ -66,6 +66,11 @@ BACKWARD_NUM_STAGES = 1
 # features spilled (2074 -> 199 GB/s): both keep the plain loop.
 BACKWARD_PREFETCH_MAX_ITEMSIZE = 2
 BACKWARD_PREFETCH_MAX_ELEMENTS = 8192
+# Wider 16-bit rows (fused: RMSNorm's 8193-16384 features) take no prefetch; a step widens its x
+# and dy again after the row sums instead of holding fp32 copies across them (`recompute`):
+# RMSNorm bf16 rows of 12288-16384 features (H100, 2026-11-24, graph replays) went 1863-2019 ->
+# 2241-2496 GB/s (Liger 2048-2294). Applied to every fused row the same way, it cost LayerNorm
+# fp32 8192x8192 5% (0.305 -> 0.322 ms), so only these rows take it.
 # The dweight / dbias partial buffers (fp32, groups x features, one per parameter present) stay
 # under this many bytes together (sized for both).
 PARTIAL_BYTES_BUDGET = 32 << 20
@@ -120,6 +125,7 @@ class Plan:
     params_block_cols: int = 1
     params_num_warps: int = sizing.MIN_WARPS
     prefetch: bool = False  # fused backward: next step's rows loaded ahead
+    recompute: bool = False  # fused backward: 16-bit x, dy widened again after the row sums
 
 
 def _groups(n_rows: int, n_cols: int, block_rows: int, programs_per_sm: int) -> tuple[int, int]:
@@ -168,9 +174,10 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = F
         rows = sizing.rows_per_program(n_rows, block, dtype, BACKWARD_ROW_TILE_BYTES)
         warps = sizing.row_warps(block)
         groups, per_group = _groups(n_rows, n_cols, rows, max(1, BACKWARD_WARPS_PER_SM // warps))
-        return Plan(Path.FUSED, rows, block, warps, groups, per_group,
-                    prefetch=(sizing.element_size(dtype) <= BACKWARD_PREFETCH_MAX_ITEMSIZE
-                              and block <= BACKWARD_PREFETCH_MAX_ELEMENTS))
+        narrow = sizing.element_size(dtype) <= BACKWARD_PREFETCH_MAX_ITEMSIZE
+        prefetch = narrow and block <= BACKWARD_PREFETCH_MAX_ELEMENTS
+        return Plan(Path.FUSED, rows, block, warps, groups, per_group, prefetch=prefetch,
+                    recompute=narrow and not prefetch)
     chunks = None if stable else _split_chunks(n_cols, SPLIT_BACKWARD_CHUNK_ELEMENTS)
     if chunks is not None:
         # Every program of the launch is a sibling of the others in its group: all must be
