@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import itertools
 import json
 import math
@@ -186,6 +187,9 @@ def _peak_mib(prepare, inputs) -> float | None:
         return None
     call = prepare(inputs)
     call()  # steady state: workspaces a variant keeps (cuBLAS's, fk's descriptor scratch) exist
+    # Tensors of earlier calls held only by reference cycles would otherwise be freed inside the
+    # measured call, and their bytes would hide that call's own allocations.
+    gc.collect()
     _synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

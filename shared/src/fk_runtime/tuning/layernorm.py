@@ -5,7 +5,8 @@ Three paths, by row length:
   BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT for RMSNorm in 16 bits) are
   held whole in registers: several rows per program in the forward, and a persistent backward
   where each program walks a group of rows (16-bit rows to 8192 features: the next step's rows
-  loaded ahead) and keeps its dweight / dbias partial sums in registers;
+  loaded ahead; wider 16-bit rows: x and dy widened again after the row sums) and keeps its
+  dweight / dbias partial sums in registers;
 - split: longer rows are cut into chunks whose programs meet as siblings (fk_runtime.siblings):
   one read and one write of HBM per tensor. The backward's programs are persistent over a group
   of rows, keeping dweight / dbias partials of their chunk in registers, and meet once per
