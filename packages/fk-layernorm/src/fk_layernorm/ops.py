@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from fk_runtime import alloc, checks, dispatch, siblings, views
+from fk_runtime import alloc, checks, dispatch, partials, siblings, views
 from fk_runtime import sizing as fk_sizing
 from fk_runtime.tuning import layernorm as plans
 
@@ -121,8 +121,9 @@ def _backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
     if weight is None and bias is None:
         return grad_x, _absent(x), _absent(x)
     # Group partials reduced in a fixed order: the same bits every run.
-    grad_w = w_parts.sum(0).to(weight.dtype) if weight is not None else _absent(x)
-    grad_b = b_parts.sum(0).to(bias.dtype) if bias is not None else _absent(x)
+    sums = partials.sum_rows(parts, tuple(t.dtype for t in (weight, bias) if t is not None))
+    grad_w = sums[0] if weight is not None else _absent(x)
+    grad_b = sums[-1] if bias is not None else _absent(x)
     return grad_x, grad_w, grad_b
 
 

@@ -9,7 +9,7 @@ the same kernels without a graph break (fk_runtime.dispatch).
 from __future__ import annotations
 
 import torch
-from fk_runtime import alloc, checks, dispatch, views
+from fk_runtime import alloc, checks, dispatch, partials, views
 from fk_runtime import sizing as fk_sizing
 from fk_runtime.tuning import weightedsum as plans
 
@@ -35,7 +35,7 @@ def forward_2d(x2: torch.Tensor, weight: torch.Tensor, plan: plans.Plan | None =
         **fk_sizing.launch_options(plan.tile.num_warps),
     )
     # Partial sums over D splits, reduced in a fixed order (deterministic).
-    return out[0] if plan.col_programs == 1 else out.sum(0).to(x2.dtype)
+    return out[0] if plan.col_programs == 1 else partials.sum_rows(out[None], (x2.dtype,))[0]
 
 
 def backward_2d(
@@ -56,7 +56,7 @@ def backward_2d(
         **fk_sizing.launch_options(plan.tile.num_warps, plans.BACKWARD_NUM_STAGES),
     )
     # Row groups reduced in a fixed order: grad_w has the same bits every run.
-    return grad_x, partial.sum(0).to(weight.dtype)
+    return grad_x, partials.sum_rows(partial[None], (weight.dtype,))[0]
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
