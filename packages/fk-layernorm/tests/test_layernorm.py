@@ -10,7 +10,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Feature counts: rows held whole (1, 17, 1000, 4097), rows split over sibling programs (20000;
 # fp32 forward and every backward), and rows past the split limit walked in a loop (70001 on the
 # interpreter, 1.1M features on an H100). `test_every_path_is_covered` keeps this true.
-SHAPES = [(3, 1), (5, 17), (2, 3, 1000), (9, 4097), (3, 20000)]
+# (300, 128): short rows, several rows a step and several steps a row group, the last one ragged.
+SHAPES = [(3, 1), (5, 17), (2, 3, 1000), (9, 4097), (3, 20000), (300, 128)]
 LONG = (2, 70001) if not testing.on_gpu() else (2, 1_100_001)
 SHAPES.append(LONG)
 if testing.on_gpu():

@@ -282,10 +282,10 @@ def norm_bwd_fused_kernel(
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) if HAS_W else 1.0
-    # One row of accumulators, each step's rows summed into it: a row-shaped accumulator per
-    # step's rows would double the registers that whole rows of 8192 features already fill.
-    dw_acc = tl.zeros((BLOCK_D,), tl.float32)
-    db_acc = tl.zeros((BLOCK_D,), tl.float32)
+    # Accumulators shaped like a step's tile, summed over its rows once at the end: a sum per
+    # step would reduce across warps (through shared memory) twice a step on short rows.
+    dw_acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    db_acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
     row_begin = group * rows_per_group
     row_end = tl.minimum(row_begin + rows_per_group, n_rows)
     if PREFETCH:
@@ -311,9 +311,9 @@ def norm_bwd_fused_kernel(
         wdy = dy * w
         if RECOMPUTE:
             if HAS_W:
-                dw_acc += tl.sum(dy * xhat, axis=0)
+                dw_acc += dy * xhat
             if HAS_B:
-                db_acc += tl.sum(dy, axis=0)
+                db_acc += dy
         c1 = tl.sum(xhat * wdy, axis=1) * inv_n_cols
         if not IS_RMS:
             c2 = tl.sum(wdy, axis=1) * inv_n_cols
@@ -342,13 +342,13 @@ def norm_bwd_fused_kernel(
                  mask=mask)
         if not RECOMPUTE:
             if HAS_W:
-                dw_acc += tl.sum(dy * xhat, axis=0)
+                dw_acc += dy * xhat
             if HAS_B:
-                db_acc += tl.sum(dy, axis=0)
+                db_acc += dy
     if HAS_W:
-        tl.store(dw_part_ptr + group.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
+        tl.store(dw_part_ptr + group.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_B:
-        tl.store(db_part_ptr + group.to(tl.int64) * n_cols + cols, db_acc, mask=col_mask)
+        tl.store(db_part_ptr + group.to(tl.int64) * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
 @triton.jit

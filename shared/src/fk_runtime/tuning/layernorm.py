@@ -48,16 +48,21 @@ BACKWARD_FUSED_MAX_ELEMENTS = 8192
 # 16384 features: 1886-2183 GB/s against 1826-1975); fused LayerNorm (192 GB/s bf16, 369 fp32)
 # and RMSNorm fp32 (536; 2144 on 32 warps, against 2339 split) spill at 16384.
 BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT = 16384
-# Backward, short rows: rows per loop step, as bytes of one input tile. Sweep of 2026-11-22
-# timed as CUDA graph replays (1024-8192 features, tiles 4-32 KB x 8-64 warps per SM): 4 KB
-# (2 rows of 1024 bf16 features, 1 of fp32) came within 5.5% of each shape's best, 1890-2620
-# GB/s, where 16 KB reached 1680 (bf16, 1024 features) and 32 KB spilled (121).
-BACKWARD_ROW_TILE_BYTES = 4096
-# Backward: warps from one row's features (`sizing.row_warps`: 4 at 1024, 8 at 4096, 16 at 8192),
-# and as many row groups per multiprocessor as fill BACKWARD_WARPS_PER_SM warps (4, 2 and 1
-# groups there: the sweep's best at each width). Each group ends in one partial row of dweight /
-# dbias. One stage: the loop's loads gain nothing from pipelining (1 and 2 stages tied).
+# Backward, short rows: rows per loop step, as bytes of one input tile, and row groups per
+# multiprocessor: as many as fill BACKWARD_WARPS_PER_SM warps, each group on the warps of one row
+# (`sizing.row_warps`: 4 up to 2048 features, 8 at 4096, 16 at 8192). 16-bit rows of up to
+# BACKWARD_SHORT_16BIT_MAX_ELEMENTS features take half the groups (two 4-warp groups per
+# multiprocessor, each step 4 rows of 1024 features or 32 of 128). H100, 2026-11-24, graph
+# replays, 32768 and 131072 rows of 128-8192 features, each step's dweight / dbias added into
+# tile-shaped accumulators: 8 KB steps with these groups were the best or within 4% of it in
+# every row tried (bf16 LayerNorm 131072x256 2323 GB/s, 32768x1024 2435, 32768x4096 2694; fp32
+# 131072x256 2546, 32768x1024 2604); 8 warps per multiprocessor lost 10-35% on fp32 and on
+# 16-bit rows of 4096 features, and 16 KB steps spilled on 16-bit rows.
+BACKWARD_ROW_TILE_BYTES = 8192
 BACKWARD_WARPS_PER_SM = 16
+BACKWARD_SHORT_16BIT_MAX_ELEMENTS = 2048
+BACKWARD_SHORT_16BIT_WARPS_PER_SM = 8
+# One stage: the loop's loads gain nothing from pipelining (1 and 2 stages tied).
 BACKWARD_NUM_STAGES = 1
 # 16-bit rows of up to BACKWARD_PREFETCH_MAX_ELEMENTS features: the fused backward loads the
 # next step's rows before working on this step's (two steps of loads in flight per program).
@@ -174,8 +179,10 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = F
     if block is not None and block <= _backward_fused_max(dtype, is_rms):
         rows = sizing.rows_per_program(n_rows, block, dtype, BACKWARD_ROW_TILE_BYTES)
         warps = sizing.row_warps(block)
-        groups, per_group = _groups(n_rows, n_cols, rows, max(1, BACKWARD_WARPS_PER_SM // warps))
         narrow = sizing.element_size(dtype) <= BACKWARD_PREFETCH_MAX_ITEMSIZE
+        warps_per_sm = (BACKWARD_SHORT_16BIT_WARPS_PER_SM if narrow and block <= BACKWARD_SHORT_16BIT_MAX_ELEMENTS
+                        else BACKWARD_WARPS_PER_SM)
+        groups, per_group = _groups(n_rows, n_cols, rows, max(1, warps_per_sm // warps))
         prefetch = narrow and block <= BACKWARD_PREFETCH_MAX_ELEMENTS
         return Plan(Path.FUSED, rows, block, warps, groups, per_group, prefetch=prefetch,
                     recompute=narrow and not prefetch)
