@@ -29,6 +29,13 @@ def test_harness_times_reports_and_records_failures(tmp_path):
     assert all(r.ms is None and "refuses" in r.error for r in broken)
     table = bench.markdown_table(results, "toy")
     assert "| 32×64 | float32 | fwd |" in table and "fails" in table and "fk / peer" in table
+    # fk's row carries the copy of the same bytes (a GPU measurement), no other row does.
+    assert all(r.copy_pct is None for r in results if r.variant != "fk")
+    fk = [r for r in results if r.variant == "fk"]
+    if testing.on_gpu():
+        assert all(r.copy_pct > 0 for r in fk) and "same-bytes copy % ceiling" in table
+    else:
+        assert all(r.copy_pct is None for r in fk) and "same-bytes copy" not in table
     bench.write_json(results, ceilings, bench.environment(), tmp_path / "toy.json")
     payload = json.loads((tmp_path / "toy.json").read_text())
     assert {s["peer"] for s in payload["speedups"]} == {"peer", "broken"}

@@ -86,6 +86,10 @@ class Result:
     # "graph": device time of captured replays; "eager": launched from Python each call.
     timing: str = "eager"
     eager_ms: float | None = None
+    # GB/s cases on a GPU, fk's row only: a plain copy moving the case's bytes (half read, half
+    # written), as % of the ceiling. Short problems cannot reach the large copy's rate (launch
+    # ramp and tail): this is what the same bytes reach at best.
+    copy_pct: float | None = None
 
 
 @dataclasses.dataclass
@@ -218,8 +222,24 @@ def _time_variant(prepare, input_sets, eager: bool) -> tuple[float, str, float |
     return ms, timing, eager_ms
 
 
+def _same_bytes_copy_pct(case: Case, ceilings: Ceilings) -> float | None:
+    """A device copy of `case.work` bytes (half read, half written), timed like the variants
+    (graph replays over as many buffer pairs as the case has input sets), as % of the ceiling."""
+    if backend.is_interpreter() or case.unit != GBPS:
+        return None
+    half = int(case.work) // 2 // 2  # bf16 elements in half the bytes
+    pairs = [[torch.empty(half, dtype=torch.bfloat16, device=backend.default_device()) for _ in range(2)]
+             for _ in range(_input_sets(case))]
+    for src, _ in pairs:
+        src.normal_()
+    ms, _, _ = _time_variant(lambda pair: functools.partial(pair[1].copy_, pair[0]), pairs, eager=False)
+    del pairs
+    return 100.0 * (4 * half / ms / 1e6) / ceilings.copy_gbps
+
+
 def run_case(case: Case, ceilings: Ceilings) -> list[Result]:
     results = []
+    copy_pct = _same_bytes_copy_pct(case, ceilings)
     input_sets = [case.make_inputs() for _ in range(_input_sets(case))]
     for name, prepare in case.variants.items():
         ms = rate = pct = peak = eager_ms = None
@@ -238,6 +258,7 @@ def run_case(case: Case, ceilings: Ceilings) -> list[Result]:
             Result(
                 case.op, case.direction, case.shape, str(case.dtype).removeprefix("torch."),
                 name, case.unit, ms, rate, pct, error, peak, timing, eager_ms,
+                copy_pct if name == FK else None,
             )
         )
         if not backend.is_interpreter():
@@ -305,7 +326,11 @@ def markdown_table(results: Sequence[Result], op: str) -> str:
             if r.variant != FK and r.variant not in peers:
                 peers.append(r.variant)
     has_memory = any(r.peak_mib is not None for g in groups.values() for r in g)
-    head = ["shape", "dtype", "dir", "fk ms", "fk rate", "% ceiling", "fk eager ms"]
+    has_copy = any(r.copy_pct is not None for g in groups.values() for r in g)
+    head = ["shape", "dtype", "dir", "fk ms", "fk rate", "% ceiling"]
+    if has_copy:
+        head += ["same-bytes copy % ceiling"]
+    head += ["fk eager ms"]
     for p in peers:
         head += [f"{p} rate", f"fk / {p}"]
     if has_memory:
@@ -318,7 +343,10 @@ def markdown_table(results: Sequence[Result], op: str) -> str:
             continue
         unit = ours.unit
         row = [shape, dtype, direction, _fmt(ours.ms, 3) + _eager_mark(ours),
-               f"{_fmt(ours.rate)} {unit}", _fmt(ours.pct_of_ceiling, 1), _fmt(ours.eager_ms, 3)]
+               f"{_fmt(ours.rate)} {unit}", _fmt(ours.pct_of_ceiling, 1)]
+        if has_copy:
+            row += [_fmt(ours.copy_pct, 1)]
+        row += [_fmt(ours.eager_ms, 3)]
         for p in peers:
             r = by_name.get(p)
             if r is None:

@@ -64,7 +64,10 @@ def section(op: str, results, ceilings, meta: dict, plot_names: list[str]) -> st
         "of CUDA-graph replays, for every variant alike: device time, without the launch gaps "
         "Python leaves when one short call is timed alone (`(eager)` marks a variant that could "
         "not be captured). `fk eager ms` is fk launched from Python each call, host work "
-        "included. `fk / peer` is the peer's time over fk's (above 1: fk is faster).",
+        "included. `fk / peer` is the peer's time over fk's (above 1: fk is faster). "
+        "`same-bytes copy % ceiling` (GB/s ops): a plain device copy moving the row's bytes (half "
+        "read, half written), timed the same way: what a problem of that size reaches at best, "
+        "where launch ramp and tail weigh on short problems.",
         "",
         f"Command: `{meta['command']}`",
         "",
