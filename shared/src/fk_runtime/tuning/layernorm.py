@@ -70,7 +70,6 @@ BACKWARD_NUM_STAGES = 1
 # 1980-2440 (32768x1024, 16384x4096, 8192x8192), RMSNorm bf16 2180-2420 became 2245-2570; fp32
 # (twice the registers a step) moved by -4% (8192x8192) to +2%, and RMSNorm bf16 rows of 16384
 # features spilled (2074 -> 199 GB/s): both keep the plain loop.
-BACKWARD_PREFETCH_MAX_ITEMSIZE = 2
 BACKWARD_PREFETCH_MAX_ELEMENTS = 8192
 # Wider 16-bit rows (fused: RMSNorm's 8193-16384 features) take no prefetch; a step widens its x
 # and dy again after the row sums instead of holding fp32 copies across them (`recompute`):
@@ -80,6 +79,8 @@ BACKWARD_PREFETCH_MAX_ELEMENTS = 8192
 # The dweight / dbias partial buffers (fp32, groups x features, one per parameter present) stay
 # under this many bytes together (sized for both).
 PARTIAL_BYTES_BUDGET = 32 << 20
+# Element size of the fp16 / bf16 inputs (and narrower) that the 16-bit rules above apply to.
+SIXTEEN_BIT_ITEMSIZE = 2
 # Long rows: chunk walked per loop step, and the column tile of the parameter-gradient kernel.
 LOOPED_CHUNK_BYTES = 16384
 PARAMS_TILE_BYTES = 16384
@@ -134,6 +135,11 @@ class Plan:
     recompute: bool = False  # fused backward: 16-bit x, dy widened again after the row sums
 
 
+def _is_16bit(dtype: torch.dtype) -> bool:
+    """fp16 / bf16: the inputs for which the 16-bit rules of this table hold."""
+    return sizing.element_size(dtype) <= SIXTEEN_BIT_ITEMSIZE
+
+
 def _groups(n_rows: int, n_cols: int, block_rows: int, programs_per_sm: int) -> tuple[int, int]:
     row_tiles = sizing.cdiv(n_rows, block_rows)
     by_memory = max(1, PARTIAL_BYTES_BUDGET // (2 * 4 * max(n_cols, 1)))
@@ -154,7 +160,7 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = Fa
     if block is not None:
         rows = sizing.rows_per_program(n_rows, block, dtype, FORWARD_ROW_TILE_BYTES)
         elements = rows * block
-        if is_rms and sizing.element_size(dtype) <= 2 and elements == FORWARD_RMS_16BIT_WIDE_ROW:
+        if is_rms and _is_16bit(dtype) and elements == FORWARD_RMS_16BIT_WIDE_ROW:
             elements *= 2
         return Plan(Path.FUSED, rows, block, sizing.row_warps(elements))
     chunk = SPLIT_FORWARD_CHUNK_BYTES // sizing.element_size(dtype)
@@ -167,7 +173,7 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = Fa
 
 
 def _backward_fused_max(dtype: torch.dtype, is_rms: bool) -> int:
-    if is_rms and sizing.element_size(dtype) <= 2:
+    if is_rms and _is_16bit(dtype):
         return BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT
     return BACKWARD_FUSED_MAX_ELEMENTS
 
@@ -179,7 +185,7 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = F
     if block is not None and block <= _backward_fused_max(dtype, is_rms):
         rows = sizing.rows_per_program(n_rows, block, dtype, BACKWARD_ROW_TILE_BYTES)
         warps = sizing.row_warps(block)
-        narrow = sizing.element_size(dtype) <= BACKWARD_PREFETCH_MAX_ITEMSIZE
+        narrow = _is_16bit(dtype)
         warps_per_sm = (BACKWARD_SHORT_16BIT_WARPS_PER_SM if narrow and block <= BACKWARD_SHORT_16BIT_MAX_ELEMENTS
                         else BACKWARD_WARPS_PER_SM)
         groups, per_group = _groups(n_rows, n_cols, rows, max(1, warps_per_sm // warps))
