@@ -220,6 +220,31 @@ def test_every_tiling_and_load_path(tiling, lengths, causal):
         testing.assert_close(f"grad {name}", g, r, torch.float32)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_descriptors_on_odd_strides(causal):
+    """Host TMA descriptors: a dim of one entry may carry any stride (the descriptor gets a valid
+    one instead: here unaligned head and token strides of a single-head, single-query q); a
+    stepped dim with stride 0 (K/V expanded over heads) is refused and read through pointers."""
+    d, n_k = 40, 37
+    storage = testing.randn((1, 3, 1, d + 1), torch.float32)
+    q = storage[:, :1, :, :d]  # (1, 1, 1, 40), strides (123, 41, 41, 1): 164-byte head/token steps
+    k, v = (testing.randn((1, 1, n_k, d), torch.float32) for _ in range(2))
+    assert table.descriptors_allowed(q, k, v) and table._descriptor_strides(q) == [40, 40, 40, 1]
+    if testing.on_gpu() and not table.use_descriptors(q, k, v):
+        pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
+    config = table.Config(16, 16, 4, 1, True)
+    out, lse = ops.forward(q, k, v, causal, 0.3, config=config)
+    ref_out, ref_lse = reference(q.double(), k.double(), v.double(), causal=causal, scale=0.3, lse=True)
+    testing.assert_close("out", out, ref_out, torch.float32)
+    testing.assert_close("lse", lse, ref_lse, torch.float32)
+    # K and V shared by 4 query heads through a zero head stride: pointers, right answer.
+    q4 = testing.randn((1, 4, 5, d), torch.float32)
+    k4, v4 = (t.expand(1, 4, n_k, d) for t in (k, v))
+    assert not table.descriptors_allowed(k4) and table.descriptors_allowed(q4)
+    out4 = attention(q4, k4, v4, causal=causal)
+    testing.assert_close("out", out4, reference(q4.double(), k4.double(), v4.double(), causal), torch.float32)
+
+
 def test_autotuned_launch_runs_every_candidate(monkeypatch):
     """The GPU's autotuned path (candidates through TMA and through pointers, pruning, grids from
     the chosen blocks). On the interpreter the tuner's timer is replaced by one run per candidate."""

@@ -22,6 +22,12 @@ from fk_runtime.tuning import attention as table
 from . import kernels
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *table.FP8_DTYPES)
+# Which block's rows each kernel's leading (B, H, N, D) operands are tiled by, in argument order
+# (None: not a tile operand): query-side tensors by BLOCK_M, key-side ones by BLOCK_N.
+FORWARD_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M")  # q, k, v, out
+# dQ: q, k, v, out, grad_out, lse, grad_lse, delta, dq; dK/dV: q, k, v, grad_out, lse, delta, dk, dv.
+DQ_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", "BLOCK_M", None, None, None, "BLOCK_M")
+DKDV_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", None, None, "BLOCK_N", "BLOCK_N")
 
 
 def _strides(t: torch.Tensor) -> tuple:
@@ -63,35 +69,49 @@ def _output_dtype(dtype: torch.dtype) -> torch.dtype:
     return table.FP8_OUTPUT_DTYPE if dtype in table.FP8_DTYPES else dtype
 
 
-def _launch(kernel, kind: table.Kind, n_rows: int, programs: int, args: tuple, meta: dict,
-            dtype: torch.dtype, tune: bool, descriptors: bool, config: table.Config | None) -> None:
+def _launch(kernel, kind: table.Kind, n_rows: int, programs: int, args: tuple, tiles: tuple,
+            meta: dict, dtype: torch.dtype, tune: bool, descriptors: bool,
+            config: table.Config | None) -> None:
     """One launch over `programs` (batch, head) pairs x row blocks of `n_rows`: the autotuner's
     pick for big half-precision problems, else the fixed config (or the caller's, for tests).
-    `descriptors`: the tensors allow TMA here (tests may force it on any backend)."""
+    `descriptors`: the tensors allow TMA here (tests may force it on any backend); then the first
+    len(`tiles`) args, (B, H, N, D) tensors, go as TMA descriptors of tiles of the named block's
+    rows ("BLOCK_M" or "BLOCK_N"; None: the arg stays as it is)."""
     head_dim = meta["HEAD_DIM"]
     walked = "BLOCK_N" if kind is table.Kind.DKDV else "BLOCK_M"
-    if descriptors and not backend.is_interpreter():
-        table.prepare_descriptors()
     if config is None and tune:
+        if descriptors:
+            args = _descriptors(args, tiles, meta["HEAD_DIM_PADDED"], None)
         tuned = table.autotuned(kernel, kind, head_dim, descriptors)
         tuned[lambda m: (fk_sizing.cdiv(n_rows, m[walked]) * programs,)](*args, **meta)
         return
     config = config or table.default_config(kind, head_dim, dtype, descriptors)
+    if config.descriptors:
+        args = _descriptors(args, tiles, meta["HEAD_DIM_PADDED"], config)
     block = config.meta()[walked]
     kernel[(fk_sizing.cdiv(n_rows, block) * programs,)](
         *args, **meta, **config.meta(), **table.launch_options(config, head_dim)
     )
 
 
+def _descriptors(args: tuple, tiles: tuple, padded_head_dim: int, config: table.Config | None) -> tuple:
+    """`args` with its first len(`tiles`) tensors as TMA descriptors (see `_launch`)."""
+    tiled = args[:len(tiles)]
+    converted = tuple(t if rows is None else table.tensor_descriptor(t, rows, padded_head_dim, config)
+                      for t, rows in zip(tiled, tiles, strict=True))
+    return converted + args[len(tiles):]
+
+
 def _on_device(t: torch.Tensor):
-    """Launch on t's GPU (Triton launches on the current device; descriptor scratch goes there)."""
+    """Launch on t's GPU (Triton launches on the current device)."""
     if backend.is_interpreter() or t.device.index in (None, torch.cuda.current_device()):
         return contextlib.nullcontext()
     return torch.cuda.device(t.device)
 
 
-def _keys(n_q: int, n_k: int, batch_heads: int) -> tuple[int, int, int]:
-    return table.length_key(n_q), table.length_key(n_k), table.heads_key(batch_heads)
+def _keys(n_q: int, n_k: int, batch_heads: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    return (table.length_key(n_q), table.length_key(n_k), table.heads_key(batch_heads),
+            table.dtype_key(dtype))
 
 
 def _meta(causal: bool, head_dim: int, dtype: torch.dtype) -> dict:
@@ -126,11 +146,12 @@ def forward(
     elif descriptors is None:
         descriptors = table.use_descriptors(q, k, v, out)
     args = (q, k, v, out, lse, sm_scale, n_q, n_k, hq, hq // hk,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_keys(n_q, n_k, b * hq))
+            *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            *_keys(n_q, n_k, b * hq, q.dtype))
     tune = table.should_autotune(q.dtype, b * hq, n_q, n_k)
     with _on_device(q):
-        _launch(kernels.attn_fwd_kernel, table.Kind.FORWARD, n_q, b * hq, args, _meta(causal, d, q.dtype),
-                q.dtype, tune, descriptors, config)
+        _launch(kernels.attn_fwd_kernel, table.Kind.FORWARD, n_q, b * hq, args, FORWARD_TILES,
+                _meta(causal, d, q.dtype), q.dtype, tune, descriptors, config)
     return out, lse
 
 
@@ -157,7 +178,7 @@ def backward(
     elif descriptors is None:
         descriptors = table.use_descriptors(q, k, v, out, grad_out, dq, dk, dv)
     meta = _meta(causal, d, q.dtype)
-    keys = _keys(n_q, n_k, b * hq)
+    keys = _keys(n_q, n_k, b * hq, q.dtype)
     tune = table.should_autotune(q.dtype, b * hq, n_q, n_k)
     has_dlse = grad_lse is not None
     dlse = grad_lse if has_dlse else lse  # a stand-in pointer when there is no lse gradient
@@ -167,7 +188,7 @@ def backward(
             (q, k, v, out, grad_out, lse, dlse, delta, dq, sm_scale, n_q, n_k, hq, hq // hk,
              *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(grad_out),
              *_strides(dlse), *_strides(dq), *keys),
-            {**meta, "HAS_DLSE": has_dlse}, q.dtype, tune, descriptors, dq_config,
+            DQ_TILES, {**meta, "HAS_DLSE": has_dlse}, q.dtype, tune, descriptors, dq_config,
         )
         # dK/dV reads the delta the dQ kernel wrote (same stream, in order).
         _launch(
@@ -175,7 +196,7 @@ def backward(
             (q, k, v, grad_out, lse, delta, dk, dv, sm_scale, n_q, n_k, hk, hq // hk,
              *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dk),
              *_strides(dv), *keys),
-            meta, q.dtype, tune, descriptors, dkdv_config,
+            DKDV_TILES, meta, q.dtype, tune, descriptors, dkdv_config,
         )
     return dq, dk, dv
 

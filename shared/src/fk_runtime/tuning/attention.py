@@ -9,14 +9,18 @@ GQA group in steps of BLOCK_M).
   keep the tests quick and still take several loop steps on tiny shapes).
 - On a GPU, problems of at least AUTOTUNE_MIN_SCORES scores in fp16/bf16 are autotuned over a few
   candidates per head dim (`triton.autotune`, key: length buckets, heads bucket, causal, head
-  dim; the dtype is part of every Triton autotune key), the result kept in Triton's cache
-  (`cache_results`) so a shape tunes once. Smaller problems, fp32 and fp8 launch the default
-  config of their head dim (a handful of compiles instead of a sweep).
-- Tensor descriptors (TMA loads and stores, built inside each program with
-  `tl.make_tensor_descriptor`) are allowed on CUDA with compute capability >= 9 for 16-bit and
-  fp32 inputs whose base and strides are 16-byte aligned; pointer loads everywhere else (the
-  interpreter, HIP, Ampere, fp8, odd strides such as an expanded gradient). Where allowed, fixed
-  launches use them and the autotuner weighs them against the pointer path.
+  dim, dtype), the result kept for the process so a shape tunes once (on disk too where no
+  config carries a pre-hook: Triton cannot store those, and the descriptor configs need one to
+  size their tiles). Smaller problems, fp32 and fp8 launch the default config of their head dim
+  (a handful of compiles instead of a sweep).
+- Tensor descriptors (TMA loads and stores) are built on the host, one 4-D descriptor per
+  (B, H, N, D) operand passed as a kernel parameter (`tensor_descriptor`), and allowed on CUDA
+  with compute capability >= 9 for 16-bit and fp32 inputs whose base and strides are 16-byte
+  aligned; pointer loads everywhere else (the interpreter, HIP, Ampere, fp8, odd strides such as
+  an expanded gradient). Where allowed, every launch, fixed or tuned, uses them. (H100,
+  2026-11-24, bf16 forward, 16384 tokens: host descriptors against the former in-kernel ones,
+  which every program built with `tl.make_tensor_descriptor`: +16% at N = 1024 d64, +25% causal,
+  +6-9% at d128, +3-8% at N = 4096, +1-3% at N = 16384; and faster than pointers everywhere.)
 - HIP: `waves_per_eu` by head dim (the Triton tutorial's AMD choice), one pipeline stage.
 
 The candidates follow the Triton fused-attention tutorial's search space on the H100 (BLOCK_M 64
@@ -26,7 +30,12 @@ and 128 in 16 bits are narrowed by an H100 sweep (2026-11-22, bf16, 16384 tokens
 TMA, every BLOCK_M/BLOCK_N in {64, 128} x {4, 8} warps x {2, 3} stages forward, 9 dK/dV and 8 dQ
 tiles backward): each list starts with that sweep's winner (forward d128 128x64 on 4 warps, 2
 stages: 515 TFLOP/s full, 438 causal, against 454 for the former default; d64 64x128 on 4 warps:
-427 / 376), followed by the runners-up. Head dim 256 keeps the priors.
+427 / 376), followed by the runners-up. Head dim 256 keeps the priors. The backward lists were
+swept again with host descriptors (2026-11-24, bf16, N = 4096 and 16384, each kernel's tiles with
+the other kernel fixed, `out/exp_bwd_sweep.py`): d64 dQ 128 x 64 on 4 warps (377 TFLOP/s of
+backward at N = 16384 against 360 for the former 128 x 32 default), d64 dK/dV 64 x 64 (369
+against 357 for 32 x 128), d128 dK/dV 64 x 128 on 3 stages for full attention (418 against 392
+on 2 stages, which stays the causal pick: 393 against 380).
 
 Not used: Triton 3.6's warp specialization (`tl.range(..., warp_specialize=True)` on the forward's
 unmasked key walk, TMA loads). H100, 2026-11-23, bf16, 16384 tokens at N = 4096, d64 and d128,
@@ -43,7 +52,7 @@ import inspect
 
 import torch
 
-from .. import backend, sizing
+from .. import backend, bench, sizing
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 256
@@ -63,6 +72,8 @@ DESCRIPTOR_ALIGN_BYTES = 16
 DESCRIPTOR_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Flip to False to time the pointer path alone on Hopper or newer (e.g. to see what TMA buys).
 DESCRIPTORS_ON_HOPPER = True
+# TMA strides are below 2**40 bytes.
+DESCRIPTOR_MAX_STRIDE_BYTES = 1 << 40
 
 # The interpreter: 16 x 16 blocks, the smallest tl.dot shape.
 INTERPRETER_BLOCK = 16
@@ -71,14 +82,19 @@ INTERPRETER_BLOCK = 16
 # little for a sweep of compiles to pay back: the head dim's default runs (a prior, not measured).
 AUTOTUNE_MIN_SCORES = 1 << 26
 AUTOTUNE_DTYPES = (torch.float16, torch.bfloat16)
+# Each candidate's warm-up before its timing (fk_runtime.bench.do_bench: at least 25 timed calls).
+# Triton's default 25 ms left the first candidate timed on a cold clock on the H100 (bf16,
+# N = 16384, d64: median 5.38 ms, 20-80% spread 5.00-5.60, against 5.10 +- 0.01 for the next
+# ones), so the tuner dropped the fastest tiling for one 7% slower.
+AUTOTUNE_WARMUP_MS = 100
 # Autotune keys: sequence lengths and B * H rounded up to a power of two, lengths clamped to this
-# range (past 16384 the best tiles no longer change; below 128 every candidate is one block).
+# range (past 16384 the best tiles no longer change; below 128 every candidate is one block), and
+# the input dtype as a number (`dtype_key`: Triton's tuner adds the dtypes of tensor arguments to
+# its key, and TMA descriptors carry none).
 KEY_MIN_LENGTH = 128
 KEY_MAX_LENGTH = 16384
 KEY_MAX_HEADS = 1024
-KEY_ARGS = ["n_q_key", "n_k_key", "bh_key", "CAUSAL", "HEAD_DIM"]
-# With descriptors allowed, the first this many candidates are also tried through pointers.
-POINTER_CANDIDATES = 1
+KEY_ARGS = ["n_q_key", "n_k_key", "bh_key", "dtype_key", "CAUSAL", "HEAD_DIM"]
 # HIP (AMD): waves per execution unit by padded head dim, (max head dim, waves); one stage.
 HIP_WAVES_PER_EU = ((64, 3), (None, 2))
 HIP_NUM_STAGES = 1
@@ -113,8 +129,8 @@ def _configs(*rows: tuple[int, int, int, int]) -> tuple[Config, ...]:
 # Defaults (fixed launches on a GPU), by padded head dim then element size: (max head dim,
 # {kind: config}); first match wins. 4-byte inputs get half the tile bytes of 2-byte ones.
 DEFAULTS_16BIT = (
-    (64, {Kind.FORWARD: Config(64, 128, 4, 2), Kind.DQ: Config(128, 32, 4, 3),
-          Kind.DKDV: Config(32, 128, 4, 3)}),
+    (64, {Kind.FORWARD: Config(64, 128, 4, 2), Kind.DQ: Config(128, 64, 4, 3),
+          Kind.DKDV: Config(64, 64, 4, 3)}),
     (128, {Kind.FORWARD: Config(128, 64, 4, 2), Kind.DQ: Config(128, 64, 8, 3),
            Kind.DKDV: Config(64, 128, 8, 2)}),
     (256, {Kind.FORWARD: Config(64, 64, 4, 2), Kind.DQ: Config(64, 32, 4, 2),
@@ -134,13 +150,13 @@ DEFAULTS_32BIT = (
 CANDIDATES = (
     (64, {
         Kind.FORWARD: _configs((64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3)),
-        Kind.DQ: _configs((128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)),
-        Kind.DKDV: _configs((32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)),
+        Kind.DQ: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)),
+        Kind.DKDV: _configs((64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 4, 4)),
     }),
     (128, {
         Kind.FORWARD: _configs((128, 64, 4, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)),
         Kind.DQ: _configs((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)),
-        Kind.DKDV: _configs((64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3)),
+        Kind.DKDV: _configs((64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3)),
     }),
     (256, {
         Kind.FORWARD: _configs((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)),
@@ -213,6 +229,10 @@ def length_key(n: int) -> int:
     return min(max(sizing.next_power_of_2(n), KEY_MIN_LENGTH), KEY_MAX_LENGTH)
 
 
+def dtype_key(dtype: torch.dtype) -> int:
+    return AUTOTUNE_DTYPES.index(dtype) if dtype in AUTOTUNE_DTYPES else len(AUTOTUNE_DTYPES)
+
+
 def heads_key(batch_heads: int) -> int:
     return min(sizing.next_power_of_2(batch_heads), KEY_MAX_HEADS)
 
@@ -223,16 +243,12 @@ def _is_hopper_or_newer() -> bool:
 
 
 def candidates(kind: Kind, head_dim: int, descriptors: bool) -> tuple[Config, ...]:
-    """What the autotuner tries. With descriptors allowed: every candidate through TMA, and the
-    first POINTER_CANDIDATES through pointers too, so the tuner can still pick pointers where
-    building the descriptors in each program costs more than TMA saves (short sequences)."""
+    """What the autotuner tries: every candidate through TMA where descriptors are allowed (host
+    descriptors beat pointers on every tiling measured), else through pointers."""
     configs = _row(CANDIDATES, head_dim)[kind]
     if backend.is_hip():
         configs = tuple(dict.fromkeys(dataclasses.replace(c, num_stages=HIP_NUM_STAGES) for c in configs))
-    if descriptors:
-        configs = tuple(dataclasses.replace(c, descriptors=True) for c in configs) \
-            + configs[:POINTER_CANDIDATES]
-    return configs
+    return tuple(dataclasses.replace(c, descriptors=descriptors) for c in configs)
 
 
 def _prune(configs, named_args, **kwargs):
@@ -248,7 +264,8 @@ def _prune(configs, named_args, **kwargs):
 def autotuned(kernel, kind: Kind, head_dim: int, descriptors: bool):
     """`kernel` (a @triton.jit function) autotuned over this head dim's candidates. One tuner per
     (kernel, head dim, descriptors allowed): the candidates differ. The kernel takes the
-    KEY_ARGS; BLOCK_M, BLOCK_N and USE_DESC come from the configs."""
+    KEY_ARGS; BLOCK_M, BLOCK_N and USE_DESC come from the configs, and with descriptors each
+    config sizes the descriptors' tiles before it runs (`fit_descriptors`)."""
     import triton
 
     configs = []
@@ -256,9 +273,13 @@ def autotuned(kernel, kind: Kind, head_dim: int, descriptors: bool):
         meta = c.meta()
         if backend.is_hip():
             meta["waves_per_eu"] = hip_waves_per_eu(head_dim)
-        configs.append(triton.Config(meta, num_warps=c.num_warps, num_stages=c.num_stages))
+        configs.append(triton.Config(meta, num_warps=c.num_warps, num_stages=c.num_stages,
+                                     pre_hook=fit_descriptors if descriptors else None))
     options = {"configs": configs, "key": KEY_ARGS, "prune_configs_by": {"early_config_prune": _prune}}
-    # Triton >= 3.3 can keep tuning results on disk: a shape tunes once across processes.
+    if "do_bench" in inspect.signature(triton.autotune).parameters:
+        options["do_bench"] = functools.partial(bench.do_bench, warmup_ms=AUTOTUNE_WARMUP_MS)
+    # Triton >= 3.3 can keep tuning results on disk, a shape then tuning once across processes:
+    # pointer launches only (descriptor configs carry a pre-hook, see the module docstring).
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         options["cache_results"] = True
     return triton.autotune(**options)(kernel)
@@ -276,16 +297,30 @@ def fp8_supported() -> tuple[bool, str]:
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    """Base and strides 16-byte aligned, last dim contiguous. Batch and head strides only move the
-    base, so they do not matter where that dim has one entry; the row stride is the descriptor's."""
+    """What a 4-D TMA descriptor over t needs: base 16-byte aligned, last dim contiguous, every
+    other stride (of a dim with more than one entry: the others are replaced, see
+    `_descriptor_strides`) positive, 16-byte aligned and under the TMA limit."""
     size = t.element_size()
-    row_dim = t.dim() - 2
     return (
         t.stride(-1) == 1
         and t.data_ptr() % DESCRIPTOR_ALIGN_BYTES == 0
-        and all((t.stride(i) * size) % DESCRIPTOR_ALIGN_BYTES == 0
-                for i in range(t.dim() - 1) if i == row_dim or t.shape[i] > 1)
+        and all(0 < t.stride(i) * size < DESCRIPTOR_MAX_STRIDE_BYTES
+                and (t.stride(i) * size) % DESCRIPTOR_ALIGN_BYTES == 0
+                for i in range(t.dim() - 1) if t.shape[i] > 1)
     )
+
+
+def _descriptor_strides(t: torch.Tensor) -> list[int]:
+    """t's strides, where a dim of one entry (any stride, never stepped) takes the extent of the
+    dims inside it rounded up to the alignment: valid for TMA, never overlapping."""
+    align = DESCRIPTOR_ALIGN_BYTES // t.element_size()
+    strides = list(t.stride())
+    extent = t.shape[-1]
+    for i in reversed(range(t.dim() - 1)):
+        if t.shape[i] == 1:
+            strides[i] = sizing.cdiv(extent, align) * align
+        extent = max(extent, strides[i] * t.shape[i])
+    return strides
 
 
 def descriptors_allowed(*tensors: torch.Tensor) -> bool:
@@ -318,28 +353,23 @@ def row_offsets_fit(t: torch.Tensor) -> bool:
     return t.shape[-1] * t.stride(-1) < TILE_OFFSET_LIMIT
 
 
-# Global scratch of in-kernel descriptors (a few hundred bytes per program): one buffer per
-# (device, stream), grown on demand and kept, as PyTorch keeps cuBLAS's workspace. Launches on one
-# stream run in order, so they may share it; a call's peak memory does not grow by it (4 MiB at
-# 32 heads x 16384 tokens).
-_descriptor_scratch: dict[tuple[int, int], torch.Tensor] = {}
+def tensor_descriptor(t: torch.Tensor, rows: str, padded_head_dim: int, config: Config | None):
+    """A TMA descriptor over the (B, H, N, D) tensor t, in tiles of [1, 1, R, padded_head_dim]:
+    R is `config`'s `rows` block ("BLOCK_M" or "BLOCK_N"), or, with no config (autotuned launches),
+    set by each config before it runs (`fit_descriptors`). Rows past N and the head-dim padding
+    read as zeros; stores drop them."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_rows = config.meta()[rows] if config is not None else 1
+    desc = TensorDescriptor(t, list(t.shape), _descriptor_strides(t), [1, 1, block_rows, padded_head_dim])
+    desc.fk_rows = rows
+    return desc
 
 
-def descriptor_allocator(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for descriptors built inside kernels (`tl.make_tensor_descriptor`)."""
-    if torch.cuda.is_current_stream_capturing():
-        # Memory a CUDA graph records must come from the graph's own pool.
-        return torch.empty(size, device="cuda", dtype=torch.int8)
-    key = (torch.cuda.current_device(), int(stream or 0))
-    scratch = _descriptor_scratch.get(key)
-    if scratch is None or scratch.numel() < size:
-        scratch = _descriptor_scratch[key] = torch.empty(size, device="cuda", dtype=torch.int8)
-    return scratch
-
-
-def prepare_descriptors() -> None:
-    """Give Triton the scratch allocator in-kernel descriptors need. Triton keeps it in a context
-    variable, which autograd's backward threads do not inherit: call before every launch."""
-    import triton
-
-    triton.set_allocator(descriptor_allocator)
+def fit_descriptors(nargs: dict) -> None:
+    """Autotuner pre-hook: give every descriptor made by `tensor_descriptor` the tile rows of the
+    config about to run (nargs holds the kernel's arguments and the config's meta-parameters)."""
+    for arg in nargs.values():
+        rows = getattr(arg, "fk_rows", None)
+        if rows is not None:
+            arg.block_shape = [1, 1, nargs[rows], arg.block_shape[-1]]
