@@ -234,9 +234,17 @@ def test_descriptors_on_odd_strides(causal):
         pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
     config = table.Config(16, 16, 4, 1, True)
     out, lse = ops.forward(q, k, v, causal, 0.3, config=config)
-    ref_out, ref_lse = reference(q.double(), k.double(), v.double(), causal=causal, scale=0.3, lse=True)
+    ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference(*ref_inputs, causal=causal, scale=0.3, lse=True)
     testing.assert_close("out", out, ref_out, torch.float32)
     testing.assert_close("lse", lse, ref_lse, torch.float32)
+    # The backward reads q and the upstream gradient through the same kind of strides.
+    g_out = testing.randn((1, 3, 1, d + 1), torch.float32)[:, :1, :, :d]
+    g_lse = testing.randn(lse.shape)
+    grads = ops.backward(g_out, g_lse, q, k, v, out, lse, causal, 0.3, configs=(config, config))
+    ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [g_out.double(), g_lse.double()])
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        testing.assert_close(f"grad {name}", g, r, torch.float32)
     # K and V shared by 4 query heads through a zero head stride: pointers, right answer.
     q4 = testing.randn((1, 4, 5, d), torch.float32)
     k4, v4 = (t.expand(1, 4, n_k, d) for t in (k, v))
@@ -246,8 +254,8 @@ def test_descriptors_on_odd_strides(causal):
 
 
 def test_autotuned_launch_runs_every_candidate(monkeypatch):
-    """The GPU's autotuned path (candidates through TMA and through pointers, pruning, grids from
-    the chosen blocks). On the interpreter the tuner's timer is replaced by one run per candidate."""
+    """The GPU's autotuned path (candidates through TMA where allowed, pruning, grids from the
+    chosen blocks). On the interpreter the tuner's timer is replaced by one run per candidate."""
     runs = []
     if not testing.on_gpu():
         real = table.autotuned

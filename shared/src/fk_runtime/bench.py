@@ -153,7 +153,8 @@ def do_bench(fn: Callable[[], object], warmup_ms: float = WARMUP_MS, quantiles=N
     fn()
     end.record()
     end.synchronize()
-    rep_ms = max(REP_MS, MIN_SAMPLES * start.elapsed_time(end))
+    # do_bench fits int(rep / estimate) calls, its estimate including an L2 flush: one call spare.
+    rep_ms = max(REP_MS, (MIN_SAMPLES + 1) * start.elapsed_time(end))
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=quantiles,
                                    return_mode="median")
 

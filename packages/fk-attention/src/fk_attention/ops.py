@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 
 import torch
 from fk_runtime import alloc, backend, checks, dispatch
@@ -22,6 +23,10 @@ from fk_runtime.tuning import attention as table
 from . import kernels
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *table.FP8_DTYPES)
+# Triton's autotuner keeps a call's arguments on itself while it runs (the descriptor pre-hook
+# reads them there), and one tuner serves every thread: tuned launches go one at a time (autograd
+# runs each device's backward in a thread of its own).
+_TUNED_LAUNCH_LOCK = threading.Lock()
 # Which block's rows each kernel's leading (B, H, N, D) operands are tiled by, in argument order
 # (None: not a tile operand): query-side tensors by BLOCK_M, key-side ones by BLOCK_N.
 FORWARD_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M")  # q, k, v, out
@@ -83,7 +88,8 @@ def _launch(kernel, kind: table.Kind, n_rows: int, programs: int, args: tuple, t
         if descriptors:
             args = _descriptors(args, tiles, meta["HEAD_DIM_PADDED"], None)
         tuned = table.autotuned(kernel, kind, head_dim, descriptors)
-        tuned[lambda m: (fk_sizing.cdiv(n_rows, m[walked]) * programs,)](*args, **meta)
+        with _TUNED_LAUNCH_LOCK:
+            tuned[lambda m: (fk_sizing.cdiv(n_rows, m[walked]) * programs,)](*args, **meta)
         return
     config = config or table.default_config(kind, head_dim, dtype, descriptors)
     if config.descriptors:
@@ -162,7 +168,7 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv). `grad_lse` (may be None) is the gradient reaching the log-sum-exp output.
     `configs` = (dQ config, dK/dV config) or `descriptors` alone override the tuned choice (tests;
-    with `configs`, the dQ config's `descriptors` flag holds for both kernels)."""
+    each config's `descriptors` flag holds for its kernel)."""
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     dq, dk, dv = _alloc_like(q), _alloc_like(k), _alloc_like(v)  # in the inputs' layouts, as the fake
