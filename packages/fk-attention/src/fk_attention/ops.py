@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 
 import torch
 from fk_runtime import alloc, backend, checks, dispatch
@@ -23,10 +22,6 @@ from fk_runtime.tuning import attention as table
 from . import kernels
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *table.FP8_DTYPES)
-# Triton's autotuner keeps a call's arguments on itself while it runs (the descriptor pre-hook
-# reads them there), and one tuner serves every thread: tuned launches go one at a time (autograd
-# runs each device's backward in a thread of its own).
-_TUNED_LAUNCH_LOCK = threading.Lock()
 # Which block's rows each kernel's leading (B, H, N, D) operands are tiled by, in argument order
 # (None: not a tile operand): query-side tensors by BLOCK_M, key-side ones by BLOCK_N.
 FORWARD_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M")  # q, k, v, out
@@ -87,9 +82,8 @@ def _launch(kernel, kind: table.Kind, n_rows: int, programs: int, args: tuple, t
     if config is None and tune:
         if descriptors:
             args = _descriptors(args, tiles, meta["HEAD_DIM_PADDED"], None)
-        tuned = table.autotuned(kernel, kind, head_dim, descriptors)
-        with _TUNED_LAUNCH_LOCK:
-            tuned[lambda m: (fk_sizing.cdiv(n_rows, m[walked]) * programs,)](*args, **meta)
+        table.launch_tuned(kernel, kind, head_dim, descriptors,
+                           lambda m: (fk_sizing.cdiv(n_rows, m[walked]) * programs,), args, meta)
         return
     config = config or table.default_config(kind, head_dim, dtype, descriptors)
     if config.descriptors:

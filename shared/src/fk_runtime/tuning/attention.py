@@ -49,6 +49,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import threading
 
 import torch
 
@@ -283,6 +284,20 @@ def autotuned(kernel, kind: Kind, head_dim: int, descriptors: bool):
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         options["cache_results"] = True
     return triton.autotune(**options)(kernel)
+
+
+# Triton's autotuner keeps a call's arguments on itself while it runs (the descriptor pre-hook
+# reads them there), and one tuner serves every thread: tuned launches go one at a time (autograd
+# runs each device's backward in a thread of its own).
+_TUNED_LAUNCH_LOCK = threading.Lock()
+
+
+def launch_tuned(kernel, kind: Kind, head_dim: int, descriptors: bool, grid, args: tuple, meta: dict):
+    """Launch `kernel` through its autotuner (`autotuned`) over `grid` (a function of the chosen
+    config's meta-parameters), one tuned launch at a time across threads."""
+    tuned = autotuned(kernel, kind, head_dim, descriptors)
+    with _TUNED_LAUNCH_LOCK:
+        tuned[grid](*args, **meta)
 
 
 def fp8_supported() -> tuple[bool, str]:
