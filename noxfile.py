@@ -81,11 +81,29 @@ for _name, _path in OPS.items():
     _op_sessions(_name, _path)
 
 
+def _decoder_args(posargs: list[str]) -> list[str] | None:
+    """The main job's arguments that e2e/decoder.py shares (--small, --out); None where the
+    arguments narrow the run to some ops, to the checks or to the host-time section."""
+    if any(a in ("--no-bench", "--host-only") or a.startswith("--ops") for a in posargs):
+        return None
+    args = []
+    for i, a in enumerate(posargs):
+        if a == "--small" or a.startswith("--out="):
+            args.append(a)
+        elif a == "--out" and i + 1 < len(posargs):
+            args += [a, posargs[i + 1]]
+    return args
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The main job for every op: check and benchmark on the default device."""
+    """The main job for every op: check and benchmark on the default device; then the end-to-end
+    decoder (e2e/decoder.py) into the same folder."""
     install_packages(session, *OPS.values(), extras=BENCH_DEPS)
     session.run("python", "-m", "fk_runtime", *session.posargs)
+    decoder_args = _decoder_args(session.posargs)
+    if decoder_args is not None:
+        session.run("python", str(ROOT / "e2e" / "decoder.py"), *decoder_args)
 
 
 @nox.session

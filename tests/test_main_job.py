@@ -27,4 +27,23 @@ def test_main_job_checks_and_benchmarks_every_op(tmp_path):
         fk_rows = [r for r in payload["results"] if r["variant"] == "fk"]
         assert fk_rows and all(r["ms"] > 0 for r in fk_rows), op
         assert (out / f"{op}.png").stat().st_size > 0
-    assert "## " in (tmp_path / "BENCHMARKS.md").read_text()
+    # The host-time section: every op package supplies a tiny input, fk timed in both modes.
+    host = json.loads((out / "host.json").read_text())
+    fk_host = [r for r in host["results"] if r["variant"] == "fk"]
+    assert {r["mode"] for r in fk_host} == {"fwd", "fwd+bwd"}
+    assert len(fk_host) >= 2 * len(cli.discover_ops()) and all(r["us"] > 0 for r in fk_host)
+    assert all(r["us"] > 0 for r in host["results"] if r["variant"] == "torch")
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "## Host time per call" in text and "## " in text.replace("## Host time per call", "")
+
+
+def test_interpreter_run_leaves_the_committed_numbers_alone(tmp_path):
+    """Without --out, a run on the interpreter writes to a temporary folder, not ./benchmarks."""
+    if cli.backend.is_interpreter():
+        run = subprocess.run([sys.executable, "-m", "fk_runtime", "--ops", "softmax", "--no-check",
+                              "--host-only"], capture_output=True, text=True, cwd=tmp_path)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        assert not (tmp_path / "benchmarks").exists() and not (tmp_path / "BENCHMARKS.md").exists()
+        assert "measure nothing" in run.stdout
+    else:
+        assert cli.resolve_out(None) == Path(cli.DEFAULT_OUT)

@@ -54,3 +54,37 @@ def test_benchmarks_md_is_rebuilt_from_sections(tmp_path):
     (out / "b.md").write_text("## b\n")
     text = cli.rebuild_benchmarks_md(out).read_text()
     assert text.index("## a") < text.index("## b")
+
+
+def test_host_time_per_call_is_measured_and_tabled(tmp_path):
+    def failing(x, w):
+        raise ValueError("peer refuses this input")
+
+    case = bench.HostCase(
+        "toy", "4×64", torch.float32,
+        lambda: [testing.randn((4, 64), requires_grad=True), testing.randn((64,), requires_grad=True)],
+        {"fk": lambda x, w: x * w, "peer": lambda x, w: (x * w).clone(), "broken": failing},
+    )
+    results = bench.run_host_cases([case], progress=False)
+    assert {(r.variant, r.mode) for r in results} == {
+        (v, m) for v in ("fk", "peer", "broken") for m in bench.HOST_MODES}
+    ok = [r for r in results if r.variant != "broken"]
+    assert all(r.us > 0 and r.error is None for r in ok)
+    assert all(r.us is None and "refuses" in r.error for r in results if r.variant == "broken")
+    # Device time comes from the profiler on a GPU only.
+    assert all((r.device_us is not None and r.device_us > 0) == testing.on_gpu() for r in ok)
+    table = bench.host_markdown_table(results)
+    assert "| toy | 4×64 | float32 | fwd |" in table and "| fwd+bwd |" in table
+    assert "fk ÷ peer" in table and "fails" in table
+    bench.write_host_json(results, {"device": "x"}, tmp_path / "host.json")
+    payload = json.loads((tmp_path / "host.json").read_text())
+    assert len(payload["results"]) == 6 and payload["meta"] == {"device": "x"}
+
+
+def test_host_section_leads_benchmarks_md(tmp_path):
+    out = tmp_path / "benchmarks"
+    out.mkdir()
+    for name in ("a", "host", "decoder"):
+        (out / f"{name}.md").write_text(f"## {name}\n")
+    text = cli.rebuild_benchmarks_md(out).read_text()
+    assert text.index("## decoder") < text.index("## host") < text.index("## a")

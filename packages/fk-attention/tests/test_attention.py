@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fk_runtime import testing
-from fk_runtime.tuning import attention as table
+from fk_runtime.launch import PlanCache
 
-from fk_attention import SelfAttention, attention, ops
+from fk_attention import SelfAttention, attention
+from fk_attention import plan as table
 
 # The interpreter's tl.dot is wrong on bf16 (right on fp16 / fp32): bf16 runs on the GPU.
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if testing.on_gpu() else [])
@@ -36,6 +37,14 @@ if testing.on_gpu():
         ((1, 2, 1, 16384, 16384, 128), torch.bfloat16), ((1, 2, 1, 4096, 4096, 64), torch.float16),
     ]
 FP8_DTYPES = table.FP8_DTYPES
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans(monkeypatch):
+    """Each test binds its own plans: tests patch the table's limits and gates, which bound plans
+    and tuned winners would otherwise keep from an earlier test."""
+    monkeypatch.setattr(table, "BOUND", PlanCache())
+    monkeypatch.setattr(table, "WINNERS", {})
 # fp8 P @ V rounds P to the input's mantissa (3 bits e4m3, 2 bits e5m2): a few % relative error.
 FP8_TOLERANCE = {torch.float8_e4m3fn: 0.08, torch.float8_e5m2: 0.15}
 
@@ -108,13 +117,13 @@ def test_strided_bnhd_inputs(mode, causal):
 
 def test_strided_inputs_reach_the_kernel_without_copies(monkeypatch):
     seen = []
-    real = ops._launch
+    real = table._Kernel.__call__
 
-    def spy(kernel, kind, n_rows, programs, args, *rest):
+    def spy(self, *args):
         seen.append([a.data_ptr() for a in args[:3]])
-        return real(kernel, kind, n_rows, programs, args, *rest)
+        return real(self, *args)
 
-    monkeypatch.setattr(ops, "_launch", spy)
+    monkeypatch.setattr(table._Kernel, "__call__", spy)
     q, k, v = make((1, 2, 1, 20, 20, 16), torch.float32, layout="bnhd")
     attention(q, k, v).sum().backward()
     assert seen and all(ptrs == [q.data_ptr(), k.data_ptr(), v.data_ptr()] for ptrs in seen)
@@ -138,18 +147,19 @@ def test_strides_past_32bit_tile_offsets_are_copied_first(monkeypatch):
     inputs = _head_dim_major(shape, dtype)
     assert table.tile_offsets_fit(inputs[0])
     seen = []
-    real = ops._launch
+    real = table._Kernel.__call__
 
-    def spy(kernel, kind, n_rows, programs, args, *rest):
+    def spy(self, *args):
         seen.append(all(a.is_contiguous() for a in args[:3]))
-        return real(kernel, kind, n_rows, programs, args, *rest)
+        return real(self, *args)
 
-    monkeypatch.setattr(ops, "_launch", spy)
+    monkeypatch.setattr(table._Kernel, "__call__", spy)
     attention(*inputs).sum().backward()
     assert seen and not any(seen)
     # Just above the (B, N, H, D) outputs' in-tile offsets (token stride Hq * D): the inputs,
     # whose head-dim stride is B * N * H, cross it; the outputs do not.
     monkeypatch.setattr(table, "TILE_OFFSET_LIMIT", (table.MAX_TILE_EXTENT - 1) * (hq * d + 2))
+    table.BOUND.clear()
     assert not any(table.tile_offsets_fit(t) for t in inputs)
     assert table.tile_offsets_fit(torch.empty((b, nq, hq, d)).transpose(1, 2))
     seen.clear()
@@ -208,13 +218,13 @@ def test_every_tiling_and_load_path(tiling, lengths, causal):
     # dK/dV walks queries in steps of BLOCK_M with BLOCK_N keys held: swap for the other shape.
     bwd = (fwd, table.Config(block_n, block_m, 4, 1, descriptors))
     scale = 0.3
-    out, lse = ops.forward(q, k, v, causal, scale, config=fwd)
+    out, lse = table.forward(q, k, v, causal, scale, config=fwd)
     ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference(*ref_inputs, causal=causal, scale=scale, lse=True)
     testing.assert_close("out", out, ref_out, torch.float32)
     testing.assert_close("lse", lse, ref_lse, torch.float32)
     g_out, g_lse = testing.randn(out.shape), testing.randn(lse.shape)
-    grads = ops.backward(g_out, g_lse, q, k, v, out, lse, causal, scale, configs=bwd)
+    grads = table.backward(g_out, g_lse, q, k, v, out, lse, causal, scale, configs=bwd)
     ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [g_out.double(), g_lse.double()])
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         testing.assert_close(f"grad {name}", g, r, torch.float32)
@@ -233,7 +243,7 @@ def test_descriptors_on_odd_strides(causal):
     if testing.on_gpu() and not table.use_descriptors(q, k, v):
         pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
     config = table.Config(16, 16, 4, 1, True)
-    out, lse = ops.forward(q, k, v, causal, 0.3, config=config)
+    out, lse = table.forward(q, k, v, causal, 0.3, config=config)
     ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference(*ref_inputs, causal=causal, scale=0.3, lse=True)
     testing.assert_close("out", out, ref_out, torch.float32)
@@ -241,7 +251,7 @@ def test_descriptors_on_odd_strides(causal):
     # The backward reads q and the upstream gradient through the same kind of strides.
     g_out = testing.randn((1, 3, 1, d + 1), torch.float32)[:, :1, :, :d]
     g_lse = testing.randn(lse.shape)
-    grads = ops.backward(g_out, g_lse, q, k, v, out, lse, causal, 0.3, configs=(config, config))
+    grads = table.backward(g_out, g_lse, q, k, v, out, lse, causal, 0.3, configs=(config, config))
     ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [g_out.double(), g_lse.double()])
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         testing.assert_close(f"grad {name}", g, r, torch.float32)

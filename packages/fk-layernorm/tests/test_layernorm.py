@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fk_runtime import testing
-from fk_runtime.tuning import layernorm as plans
+from fk_layernorm import plan as plans
 
 from fk_layernorm import LayerNorm, RMSNorm, layer_norm, rms_norm
 
@@ -126,7 +126,7 @@ def test_stable_divides_by_row_max_with_correct_gradient(cols, dtype):
 def test_split_rows_when_siblings_stop_waiting(rms):
     """Programs that stop waiting for their siblings at once leave their chunks to the row's last
     program (or take them back): same results. On a GPU this races for real."""
-    with testing.siblings_give_up_at_once(plans.forward_plan, plans.backward_plan):
+    with testing.siblings_give_up_at_once(plans.forward_plan, plans.backward_plan, plans.BOUND):
         rows = 300 if testing.on_gpu() else 3
         x = testing.randn((rows, 30000), torch.float32, scale=3.0, shift=1.0, requires_grad=True)
         w, b = _params(30000, torch.float32)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 from fk_runtime import testing
-from fk_runtime.tuning import softmax as plans
+from fk_softmax import plan as plans
 from fk_softmax import LogSoftmax, Softmax, log_softmax, softmax
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -162,7 +162,7 @@ def test_modules_and_determinism(cols):
 def test_split_rows_when_siblings_stop_waiting(log):
     """Programs that stop waiting for their siblings at once leave their chunks to the row's last
     program (or take them back): same results. On a GPU this races for real."""
-    with testing.siblings_give_up_at_once(plans.plan):
+    with testing.siblings_give_up_at_once(plans.plan, plans.BOUND):
         rows = 64 if testing.on_gpu() else 3
         x = testing.randn((rows, 40000), torch.bfloat16, scale=3.0, requires_grad=True)
         assert path_of(x.shape, x.dtype, backward=True) is SPLIT and plans.plan(rows, 40000, x.dtype).spin_limit == 0

@@ -1,10 +1,10 @@
 import pytest
 import torch
 from fk_runtime import testing
-from fk_runtime.tuning import weightedsum as plans
+from fk_weightedsum import plan as plans
 
 from fk_weightedsum import WeightedSum, weighted_sum
-from fk_weightedsum.ops import backward_2d, forward_2d
+from fk_weightedsum.plan import backward_2d, forward_2d
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1), (17,), (3, 17), (2, 5, 1000), (4097, 3), (3, 5000), (2, 3, 4, 33)]
@@ -59,16 +59,20 @@ def test_column_offsets_past_int32():
 
 def test_strided_rows_are_not_copied(monkeypatch):
     """x with padded rows reaches the kernel as a view of the caller's storage."""
-    import fk_weightedsum.ops as ops
-
     seen = {}
-    real = ops.forward_2d
+    real = plans.bind_forward_2d
 
     def spy(x2, weight, plan=None):
-        seen["ptr"] = x2.data_ptr()
-        return real(x2, weight, plan)
+        run = real(x2, weight, plan)
 
-    monkeypatch.setattr(ops, "forward_2d", spy)
+        def spied(x2, weight):
+            seen["ptr"] = x2.data_ptr()
+            return run(x2, weight)
+
+        return spied
+
+    monkeypatch.setattr(plans, "bind_forward_2d", spy)
+    monkeypatch.setattr(plans, "BOUND", plans.PlanCache())
     x = testing.randn((4, 8, 64), layout="padded_rows")
     weighted_sum(x, testing.randn((64,)))
     assert seen["ptr"] == x.data_ptr()

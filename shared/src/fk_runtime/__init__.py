@@ -1,4 +1,5 @@
-"""fk-runtime: what every fk op shares (backend, sizing, checks, allocation, tests, benchmarks)."""
+"""fk-runtime: what every fk op shares (backend, sizing, checks, allocation, the op and launch
+helpers, shared kernel protocols, and the test and benchmark harnesses)."""
 
 from . import alloc, backend, checks, sizing
 from .backend import Backend
@@ -6,4 +7,35 @@ from .version import package_version
 
 __version__ = package_version(__name__, __file__)
 
-__all__ = ["Backend", "alloc", "backend", "checks", "package_version", "sizing", "__version__"]
+# The public surface: the names op packages may use, by module ("*": every name of the module not
+# starting with "_"). Versioned: before 1.0 a change that removes or changes one of them raises
+# the minor version, and ops depend on fk-runtime >= the version that first had what they use,
+# < the next minor (tests/test_runtime_surface.py checks both against the op packages).
+SURFACE_VERSION = "0.1"
+PUBLIC = {
+    "fk_runtime": ("Backend", "alloc", "backend", "bench", "checks", "launch", "ops", "package_version",
+                   "partials", "siblings", "sizing", "testing", "views"),
+    "alloc": ("empty", "empty_like", "new_empty", "poisoned_outputs", "poisoning"),
+    "backend": ("Backend", "backend", "default_device", "device_name", "gpu_available", "is_hip",
+                "is_interpreter", "kernel_device_type", "l2_cache_bytes", "multiprocessor_count",
+                "use_interpreter_without_gpu", "warp_size"),
+    "checks": ("FLOAT_DTYPES", "check_flag", "check_kernel_device", "check_positive", "check_same_device",
+               "check_same_dtype", "check_shape", "check_size", "check_tensor", "normalize_dim"),
+    "launch": ("Descriptor", "Launch", "PlanCache"),
+    "ops": ("Op", "define", "traced", "transforms_active"),
+    "partials": ("bind_sum_rows", "sum_rows"),
+    "siblings": ("await_row", "chunk_columns", "claim_abandoned", "lane", "max_siblings", "partials",
+                 "publish", "scratch", "spin_limit", "widen_held"),
+    "sizing": ("INT32_OFFSET_LIMIT", "MIN_WARPS", "Tile2D", "cdiv", "element_size", "fused_row_block",
+               "launch_options", "looped_row_block", "max_warps", "next_power_of_2", "num_warps_for",
+               "persistent_grid", "row_warps", "rows_per_program", "tile_2d", "vector_elements"),
+    "views": ("around", "rows"),
+    # The harnesses: tests, benchmarks, the main job.
+    "bench": "*",
+    "testing": "*",
+    "pytest_plugin": "*",
+    "cli": "*",
+}
+
+__all__ = ["Backend", "PUBLIC", "SURFACE_VERSION", "alloc", "backend", "checks", "package_version", "sizing",
+           "__version__"]

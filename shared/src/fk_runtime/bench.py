@@ -10,6 +10,11 @@ On a GPU each variant's calls are captured in CUDA graphs and `do_bench` times t
 the device time of the kernels, without the launch gaps that Python (fk's autograd functions,
 Liger's, torch.compile's wrappers) leaves when one short call is timed alone. fk's eager time,
 host work included, is reported beside it.
+
+`HostCase`s measure the other side, what a user pays per call where the device is idle most of
+the time: `run_host_cases` times back-to-back eager calls on a tiny input (forward, and forward
+plus backward) with one synchronization at the end, and beside each the device time of one call
+(its kernels' durations from `torch.profiler`).
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ FK = "fk"
 GBPS = "GB/s"
 TFLOPS = "TFLOP/s"
 # do_bench budgets, in milliseconds (its own units), and the fewest timed calls: REP_MS alone
-# gives a 16 ms call 6 samples, whose median one slow stretch of the GPU moved by 10% (H100,
-# attention backward at N = 16384: 16.1 ms in graph replays against 14.4 ms eager, same kernels).
+# gives a 16 ms call 6 samples, whose median one slow stretch of the GPU moved by 10% (H100, a
+# 16 ms backward of the largest sweep: 16.1 ms in graph replays against 14.4 ms eager, same
+# kernels).
 WARMUP_MS = 25
 REP_MS = 100
 MIN_SAMPLES = 25
@@ -144,7 +150,7 @@ def time_ms(calls: Sequence[Callable[[], object]]) -> float:
 
 def do_bench(fn: Callable[[], object], warmup_ms: float = WARMUP_MS, quantiles=None):
     """`triton.testing.do_bench` (median, or `quantiles`) over at least REP_MS and MIN_SAMPLES
-    calls. Also the attention autotuner's timer (same signature as Triton's, for its `do_bench`)."""
+    calls. Also an autotuner's timer (same signature as Triton's, for its `do_bench`)."""
     import triton.testing
 
     fn()
@@ -457,3 +463,185 @@ def environment() -> dict:
         triton=triton.__version__,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     )
+
+
+# Host time per call: back-to-back eager calls on a tiny input, one synchronization at the end.
+HOST_CALLS_GPU = 200
+HOST_REPEATS_GPU = 7
+HOST_WARMUP_GPU = 20
+# The interpreter runs every kernel in Python: one timed call shows that everything runs (the
+# check call before the timing warms up).
+HOST_CALLS_INTERPRETER = 1
+HOST_REPEATS_INTERPRETER = 1
+HOST_WARMUP_INTERPRETER = 0
+# Calls under torch.profiler whose kernel durations are averaged into one call's device time.
+PROFILED_CALLS = 10
+HOST_MODES = ("fwd", "fwd+bwd")
+
+
+@dataclasses.dataclass
+class HostCase:
+    """One tiny input on which each variant's per-call cost is measured.
+
+    `make_inputs()` returns the inputs, those that take a gradient with `requires_grad` set;
+    every variant maps them to one output tensor (`fn(*inputs)`). `op` names the table's row,
+    `shape` and `dtype` describe the input.
+    """
+
+    op: str
+    shape: str
+    dtype: torch.dtype
+    make_inputs: Callable[[], Sequence]
+    variants: dict[str, Callable[..., torch.Tensor]]
+
+
+@dataclasses.dataclass
+class HostResult:
+    op: str
+    shape: str
+    dtype: str
+    variant: str
+    # "fwd": `fn(*inputs)` with autograd recording (inputs require grad), as in training;
+    # "fwd+bwd": that, then the gradient of every input that requires one.
+    mode: str
+    us: float | None
+    device_us: float | None = None
+    error: str | None = None
+
+
+def _host_call(fn: Callable, inputs: Sequence, mode: str) -> Callable[[], object]:
+    if mode == "fwd":
+        return lambda: fn(*inputs)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    grad = torch.randn_like(fn(*inputs))
+    # autograd.grad rather than backward(): no accumulation into .grad, so every call does the
+    # same work (backward() would add an accumulation kernel per input from the second call on).
+    return lambda: torch.autograd.grad(fn(*inputs), leaves, grad)
+
+
+def host_settings() -> tuple[int, int, int]:
+    """(warm-up calls, calls per repeat, repeats)."""
+    if backend.is_interpreter():
+        return HOST_WARMUP_INTERPRETER, HOST_CALLS_INTERPRETER, HOST_REPEATS_INTERPRETER
+    return HOST_WARMUP_GPU, HOST_CALLS_GPU, HOST_REPEATS_GPU
+
+
+def time_per_call_us(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Median microseconds per call of each of `calls`, run back to back with one synchronization
+    after each batch; the repeats of all calls are interleaved so that a slow stretch of the
+    machine weighs on each alike."""
+    warmup, count, repeats = host_settings()
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    _synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            _synchronize()
+            start = time.perf_counter()
+            for _ in range(count):
+                call()
+            _synchronize()
+            samples[name].append((time.perf_counter() - start) / count * 1e6)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def device_us_per_call(call: Callable[[], object], calls: int = PROFILED_CALLS) -> float | None:
+    """Sum of the device's kernel (and copy) durations over `calls` calls, per call, from
+    torch.profiler; None on the interpreter."""
+    if backend.is_interpreter():
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    # GPU-side user annotations (record_function ranges) span kernels: counted, they would count
+    # those kernels twice.
+    total = sum(e.time_range.elapsed_us() for e in prof.events()
+                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    return total / calls
+
+
+def run_host_cases(cases: Sequence[HostCase], progress: bool = True) -> list[HostResult]:
+    """Host time per call of every variant of every case, in both modes, then (a second pass,
+    so that the profiler cannot slow any timed launch) each call's device time."""
+    from tqdm import tqdm
+
+    results: list[HostResult] = []
+    prepared = []
+    bar = tqdm(cases, desc="host", unit="case", disable=not progress)
+    for case in bar:
+        bar.set_postfix_str(f"{case.op} {case.shape} {case.dtype}")
+        inputs = case.make_inputs()
+        dtype = str(case.dtype).removeprefix("torch.")
+        for mode in HOST_MODES:
+            calls, rows = {}, {}
+            for name, fn in case.variants.items():
+                row = HostResult(case.op, case.shape, dtype, name, mode, None)
+                rows[name] = row
+                results.append(row)
+                try:
+                    calls[name] = _host_call(fn, inputs, mode)
+                    calls[name]()  # a variant that refuses the input fails here, not mid-timing
+                except Exception as exc:  # a peer that refuses an input is a result, not a crash
+                    calls.pop(name, None)
+                    row.error = _short(exc)
+            for name, us in time_per_call_us(calls).items():
+                rows[name].us = us
+            prepared += [(rows[name], call) for name, call in calls.items()]
+    for row, call in prepared:
+        try:
+            row.device_us = device_us_per_call(call)
+        except Exception:  # context only: a profiler that cannot run leaves it blank
+            row.device_us = None
+    return results
+
+
+def host_markdown_table(results: Sequence[HostResult]) -> str:
+    """One row per op, input and mode: fk's eager and device microseconds per call, then each
+    peer's and fk's time over the peer's (below 1: fk costs less)."""
+    peers = list(dict.fromkeys(r.variant for r in results if r.variant != FK))
+    has_device = any(r.device_us is not None for r in results)
+    head = ["op", "shape", "dtype", "call", "fk µs"]
+    if has_device:
+        head += ["fk device µs"]
+    for p in peers:
+        head += [f"{p} µs", f"fk ÷ {p}"]
+    if has_device:
+        head += [f"{p} device µs" for p in peers]
+    groups: dict = {}
+    for r in results:
+        groups.setdefault((r.op, r.shape, r.dtype, r.mode), {})[r.variant] = r
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for (op, shape, dtype, mode), by_name in groups.items():
+        ours = by_name.get(FK)
+        row = [op, shape, dtype, mode, "fails" if ours is None or ours.us is None else _fmt(ours.us, 1)]
+        if has_device:
+            row += [_fmt(ours.device_us if ours else None, 1)]
+        for p in peers:
+            r = by_name.get(p)
+            if r is None:
+                row += ["", ""]
+            elif r.us is None:
+                row += ["fails", "–"]
+            else:
+                ratio = ours.us / r.us if ours is not None and ours.us else None
+                row += [_fmt(r.us, 1), f"{_fmt(ratio, 2)}×"]
+        if has_device:
+            row += [_fmt(by_name[p].device_us, 1) if p in by_name else "" for p in peers]
+        lines.append("| " + " | ".join(row) + " |")
+    for r in results:
+        if r.error:
+            lines.append(f"\n- {r.variant} fails at {r.op} {r.shape} {r.dtype} {r.mode}: `{r.error}`")
+    return "\n".join(lines)
+
+
+def write_host_json(results: Sequence[HostResult], meta: dict, path: Path) -> None:
+    rows = [dataclasses.asdict(r) for r in results]
+    path.write_text(json.dumps(dict(meta=meta, results=rows), indent=1))

@@ -103,3 +103,14 @@ def normalize_dim(name: str, dim: int, ndim: int) -> int:
     if not -max(ndim, 1) <= dim < max(ndim, 1):
         raise ValueError(f"{name}={dim} is out of range for a tensor of {ndim} dims")
     return dim % max(ndim, 1)
+
+
+def check_flag(name: str, value) -> bool:
+    """A bool (Python or NumPy), as torch's own flags take it: a truthy string or tensor is refused,
+    not read as True."""
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {kind.__name__}")

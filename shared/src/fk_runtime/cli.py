@@ -1,13 +1,17 @@
 """The main job: check and benchmark every installed fk op on the default device.
 
-    python -m fk_runtime [--ops softmax layernorm] [--out benchmarks] [--no-bench]
+    python -m fk_runtime [--ops OP ...] [--out benchmarks] [--no-bench] [--host-only]
 
 On a GPU it runs each op's full sweep; without one it runs the Triton interpreter at small sizes
 (the numbers then only show that everything runs). Each op's results land in
-`<out>/<op>.{json,md,png}` and `BENCHMARKS.md` beside `<out>` is rebuilt from every op's section.
+`<out>/<op>.{json,md,png}`, the host time per call of every op in `<out>/host.{json,md}`, and
+`BENCHMARKS.md` beside `<out>` is rebuilt from every section in `<out>`. On the interpreter the
+results go to a temporary folder unless `--out` is given, so that a CPU run never overwrites the
+committed GPU numbers.
 
 Ops are found as importable top-level modules named `fk_*` with a `bench` submodule providing
-`checks(full) -> [(label, callable returning [Comparison])]` and `cases(full) -> [Case]`.
+`checks(full) -> [(label, callable returning [Comparison])]` and `cases(full) -> [Case]`, and
+optionally `host_cases() -> [HostCase]` (tiny inputs for the host-time section).
 """
 
 from __future__ import annotations
@@ -17,12 +21,18 @@ import importlib
 import pkgutil
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 from . import backend
 
 RUNTIME_MODULE = "fk_runtime"
 OP_PREFIX = "fk_"
+DEFAULT_OUT = "benchmarks"
+HOST_SECTION = "host"
+# Sections that sum up across ops come first in BENCHMARKS.md (by file stem in <out>), the
+# per-op sections after them in name order.
+LEADING_SECTIONS = ("decoder", HOST_SECTION)
 
 
 def discover_ops() -> list[str]:
@@ -78,26 +88,105 @@ def section(op: str, results, ceilings, meta: dict, plot_names: list[str]) -> st
     return "\n".join(lines)
 
 
+def host_section(results, meta: dict) -> str:
+    from . import bench
+
+    warmup, count, repeats = bench.host_settings()
+    return "\n".join([
+        "## Host time per call",
+        "",
+        f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. What a "
+        "user pays per call when the device is not the bottleneck: each op on a tiny input, "
+        f"{count} eager calls back to back with one synchronization at the end (after {warmup} "
+        f"warm-up calls), median of {repeats} repeats, every variant's repeats interleaved. "
+        "`fwd`: the forward with inputs that require grad (autograd records it, as in training); "
+        "`fwd+bwd`: that and `torch.autograd.grad` of every input. `device µs`: the kernels' "
+        f"durations of one call (torch.profiler, mean of {bench.PROFILED_CALLS} calls); the gap to "
+        "the eager time is host work. `fk ÷ peer` is fk's time over the peer's (below 1: fk "
+        "costs less).",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        bench.host_markdown_table(results),
+        "",
+    ])
+
+
+def resolve_out(out: str | None) -> Path:
+    """The results folder: `out` when given; else `benchmarks` on a GPU and a fresh temporary
+    folder on the interpreter, whose timings measure nothing and must not replace the committed
+    GPU numbers (BENCHMARKS.md is rebuilt beside the folder, so it lands there too)."""
+    if out is not None:
+        return Path(out)
+    if backend.is_interpreter():
+        path = Path(tempfile.mkdtemp(prefix="fk-bench-")) / DEFAULT_OUT
+        print(f"interpreter timings measure nothing: results go to {path}, this tree's "
+              f"BENCHMARKS.md and {DEFAULT_OUT}/ are left alone (--out {DEFAULT_OUT} to write them)")
+        return path
+    return Path(DEFAULT_OUT)
+
+
 def rebuild_benchmarks_md(out: Path) -> Path:
     target = out.parent / "BENCHMARKS.md"
-    sections = [p.read_text() for p in sorted(out.glob("*.md"))]
+    order = lambda p: (p.stem not in LEADING_SECTIONS,  # noqa: E731
+                       LEADING_SECTIONS.index(p.stem) if p.stem in LEADING_SECTIONS else 0, p.stem)
+    sections = [p.read_text() for p in sorted(out.glob("*.md"), key=order)]
     header = (
         "# Benchmarks\n\nThe latest run of each op, written by the main job, `python -m fk_runtime` "
         "(`nox -s bench`; on a GPU box without network `bash shared/from-source.sh python -m "
-        "fk_runtime`). Each section gives its command, device and the ceilings measured in the "
-        "same run. Raw numbers: `benchmarks/<op>.json`; plots beside them.\n\n"
+        "fk_runtime`), and of the end-to-end model, `python e2e/decoder.py`. Each section gives its "
+        "command, device and, for the ops, the ceilings measured in the same run. Raw numbers: "
+        "`benchmarks/<section>.json`; plots beside them.\n\n"
     )
     target.write_text(header + "\n".join(sections))
     return target
 
 
+def run_sweeps(modules: dict, out: Path, meta: dict, full: bool) -> None:
+    """Each op's sweep: `<out>/<op>.{json,md,png}`."""
+    from . import bench
+
+    ceilings = bench.measure_ceilings()
+    print(f"\nceilings: copy {ceilings.copy_gbps:.0f} GB/s, matmul {ceilings.matmul_tflops:.1f} "
+          "TFLOP/s")
+    for op, module in modules.items():
+        results = bench.run_cases(module.cases(full), ceilings)
+        bench.write_json(results, ceilings, meta, out / f"{op}.json")
+        names = list(dict.fromkeys(r.op for r in results))
+        plots = [bench.plot(results, name, ceilings, out / f"{name}.png") for name in names]
+        (out / f"{op}.md").write_text(
+            section(op, results, ceilings, meta, [p.name for p in plots if p])
+        )
+        for name in names:
+            print(f"\n{name}\n" + bench.markdown_table(results, name))
+
+
+def run_host(modules: dict, out: Path, meta: dict) -> None:
+    """The host-time section of every op whose bench module has `host_cases()`."""
+    from . import bench
+
+    cases = [case for module in modules.values() if hasattr(module, "host_cases")
+             for case in module.host_cases()]
+    if not cases:
+        return
+    results = bench.run_host_cases(cases)
+    bench.write_host_json(results, meta, out / f"{HOST_SECTION}.json")
+    (out / f"{HOST_SECTION}.md").write_text(host_section(results, meta))
+    print("\nhost time per call\n" + bench.host_markdown_table(results))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fk_runtime", description=__doc__.split("\n")[0])
     parser.add_argument("--ops", nargs="*", help="ops to run (default: every installed one)")
-    parser.add_argument("--out", default="benchmarks", help="folder for results (default: %(default)s)")
+    parser.add_argument("--out", default=None,
+                        help=f"folder for results (default: {DEFAULT_OUT}; on the interpreter a "
+                        "temporary folder)")
     parser.add_argument("--no-bench", action="store_true", help="run the checks only")
     parser.add_argument("--no-check", action="store_true", help="run the benchmarks only")
     parser.add_argument("--small", action="store_true", help="small sizes even on a GPU")
+    parser.add_argument("--no-host", action="store_true", help="skip the host time per call")
+    parser.add_argument("--host-only", action="store_true",
+                        help="of the benchmarks, only the host time per call (no sweeps)")
     args = parser.parse_args(argv)
 
     backend.use_interpreter_without_gpu()  # before any op module defines its kernels
@@ -119,23 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_bench:
         return 0 if all_ok else 1
 
-    out = Path(args.out)
+    out = resolve_out(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    ceilings = bench.measure_ceilings()
-    print(f"\nceilings: copy {ceilings.copy_gbps:.0f} GB/s, matmul {ceilings.matmul_tflops:.1f} "
-          "TFLOP/s")
     meta = bench.environment()
     meta["command"] = "python -m fk_runtime " + shlex.join(argv if argv is not None else sys.argv[1:])
-    for op, module in modules.items():
-        results = bench.run_cases(module.cases(full), ceilings)
-        bench.write_json(results, ceilings, meta, out / f"{op}.json")
-        names = list(dict.fromkeys(r.op for r in results))
-        plots = [bench.plot(results, name, ceilings, out / f"{name}.png") for name in names]
-        (out / f"{op}.md").write_text(
-            section(op, results, ceilings, meta, [p.name for p in plots if p])
-        )
-        for name in names:
-            print(f"\n{name}\n" + bench.markdown_table(results, name))
+    if not args.host_only:
+        run_sweeps(modules, out, meta, full)
+    # After the sweeps: the host section's profiler pass must not run before any timed launch.
+    if not args.no_host:
+        run_host(modules, out, meta)
     print(f"\nwrote {rebuild_benchmarks_md(out)}")
     return 0 if all_ok else 1
 

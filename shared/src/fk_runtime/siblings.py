@@ -1,7 +1,7 @@
 """Split rows: the programs that share one long row ("siblings") meet without a second launch.
 
 A row too long for one program's registers is cut into chunks, one program each. Every sibling
-reduces its chunk to a few fp32 partials (softmax: max and sum of exp; LayerNorm: sum and
+reduces its chunk to a few fp32 partials (e.g. a max and a sum of exponentials, or a sum and a
 centred sum of squares), publishes them, counts itself in on the row's arrival counter and waits
 until the whole row has arrived; then it combines the partials in a fixed order (the same bits
 every run) and writes its chunk from the registers it never left (or, when programs meet once

@@ -1,8 +1,9 @@
 """Block, warp and grid sizing shared by every op.
 
-Op packages never hold sizing literals: they ask this module (and the per-op tables in
-`fk_runtime.tuning`) for block sizes, warp counts and grids. Every budget has a name here.
-HIP differences (64-wide wavefronts, `waves_per_eu`) live here too, in one place.
+Op kernels and launchers hold no sizing literals: they ask this module, and their own package's
+launch table (`fk_<op>.plan`, where each op's budgets are named), for block sizes, warp counts
+and grids. Every shared budget has a name here. HIP differences (64-wide wavefronts,
+`waves_per_eu`) live here too, in one place.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def num_warps_for(block_elements: int) -> int:
     """Warps for a program that touches `block_elements` elements at once.
 
     One warp per `warp_size * ELEMENTS_PER_THREAD_TARGET` elements, as a power of two between
-    MIN_WARPS and the backend's maximum. This is the seeds' `calc_num_warps` done right: it counts
-    threads, so a 64-wide wavefront gets half the warps a 32-wide warp does.
+    MIN_WARPS and the backend's maximum. It counts threads, so a 64-wide wavefront gets half the
+    warps a 32-wide warp does.
     """
     per_warp = backend.warp_size() * ELEMENTS_PER_THREAD_TARGET
     warps = next_power_of_2(cdiv(block_elements, per_warp))
@@ -92,10 +93,9 @@ def num_warps_for(block_elements: int) -> int:
 
 
 # Warps for a program holding a row (or a few rows, or one chunk) of `elements` values in
-# registers: (max elements, warps), first match wins. H100 runs of 2026-11-22: 4 warps up to 2048
-# values, 8 at 4096, 16 up to 16384 (8 to 32 values per thread, Liger's settings) reached 82-99%
-# of copy bandwidth for softmax forward and backward and LayerNorm forward, where 16-32 KB
-# multi-row tiles on 16-32 warps reached 55-69%. Counted in 32-wide warps (scaled for HIP).
+# registers: (max elements, warps), first match wins. Counted in 32-wide warps (scaled for HIP).
+# 8 to 32 values per thread: 82-99% of copy bandwidth on an H100, against 55-69% for 16-32 KB
+# tiles on 16-32 warps (shared/TUNING.md).
 ROW_WARPS_BY_ELEMENTS = ((2048, 4), (4096, 8), (16384, 16), (None, 32))
 
 

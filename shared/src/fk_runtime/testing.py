@@ -4,8 +4,8 @@
   by `setup()` before any kernel is defined (the pytest plugin calls it);
 - fresh random inputs on every run (never zeros), optionally as strided, non-contiguous views;
 - comparison against a float64 reference by relative error ||out - ref|| / ||ref||, bounded per
-  dtype, or relative to PyTorch's own error on the same inputs (flash-attention's layer norm
-  tests' rule) where PyTorch is the baseline;
+  dtype, or relative to PyTorch's own error on the same inputs (the flash-attn test suite's
+  rule) where PyTorch is the baseline;
 - outputs poisoned with NaN so any element a kernel did not write fails the comparison.
 """
 
@@ -125,7 +125,7 @@ def rel_error(
     a = actual.detach().to(torch.float64)
     r = reference.detach().to(torch.float64)
     finite_ref = torch.isfinite(r)
-    # Infinite reference entries must be matched exactly (e.g. log_softmax of -inf is -inf).
+    # Infinite reference entries must be matched exactly (e.g. a log of 0 is -inf).
     if not torch.equal(torch.isfinite(a), finite_ref) or not torch.equal(
         a[~finite_ref].nan_to_num(), r[~finite_ref].nan_to_num()
     ):
@@ -134,7 +134,7 @@ def rel_error(
     if a.numel() == 0:
         return 0.0
     diff = torch.linalg.vector_norm(a - r).item()
-    # A reference that is zero up to float64 rounding (e.g. LayerNorm's grad for one feature)
+    # A reference that is zero up to float64 rounding (e.g. a gradient that sums to 0)
     # is compared in absolute terms against this floor instead of its own vanishing norm.
     norm = max(torch.linalg.vector_norm(r).item(), zero_floor * math.sqrt(r.numel()))
     if math.isnan(diff):
@@ -168,7 +168,7 @@ def compare(
     bound = TOLERANCE[dtype]
     floor = ZERO_FLOOR[dtype]
     if baseline is not None:
-        # As flash-attention's tests bound it: PyTorch's own error, scaled, plus the dtype's
+        # As the flash-attn test suite bounds it: PyTorch's own error, scaled, plus the dtype's
         # tolerance (a max of the two failed bf16 gradients of tiny rows where PyTorch's
         # rounding happened to land closer: 0.019 against 0.016, seed 101).
         bound += BASELINE_FACTOR * rel_error(baseline, reference, floor)
@@ -297,17 +297,25 @@ def maybe_compile(fn: Callable, mode: str) -> Callable:
 
 
 def compiled_graph_ops(fn: Callable, *args) -> set[str]:
-    """Every call target in the graphs `torch.compile(fn, fullgraph=True)` captures for `args`
-    (nested graphs included): a test asserts an fk op is among them, i.e. the compiled model runs
-    the fk kernels and not a decomposition or a fallback."""
+    """Every call target in the forward and backward graphs that `torch.compile(fn,
+    fullgraph=True)` runs for `args` (AOTAutograd's, nested graphs included; the backward of a
+    differentiable output is run once): a test asserts an fk op is among them, i.e. the compiled
+    model runs the fk kernels and not a decomposition or a fallback."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
     seen: set[str] = set()
 
     def capture(gm, example_inputs):
         for module in gm.modules():
             if isinstance(module, torch.fx.GraphModule):
                 seen.update(str(n.target) for n in module.graph.nodes if n.op == "call_function")
-        return gm.forward
+        return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()
-    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    outputs = torch.compile(fn, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture),
+                            fullgraph=True)(*args)
+    differentiable = [o for o in _as_tuple(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if differentiable:
+        sum(o.float().sum() for o in differentiable).backward()
     return seen

@@ -3,8 +3,8 @@
 `reshape` gives a view whenever the strides allow one and a copy only when they do not (the same
 rule einops' `rearrange` follows; it calls `reshape`). These views sit on every launch path, where
 host time is part of the speed of kernels that take tens of microseconds; einops adds a pattern
-lookup per call on top, about 5-15 microseconds on the H100 box's CPU (cProfile, 2026-11-22), so
-the launch paths call `reshape` directly.
+lookup per call on top (microseconds: shared/TUNING.md), so the launch paths call `reshape`
+directly.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ N in {1024, 4096, 16384}, bf16 and fp16, causal and not, forward and backward, a
 cuDNN and flash backends in the same run (PyTorch's own attention kernels: torch.compile of SDPA
 calls the same ones, and Liger has no attention kernel). TFLOP/s counts 4 * B * H * N^2 * D for
 the forward (half when causal) and 2.5x that for the backward; peak memory is recorded at
-N = 16384. Small sweep (interpreter): one tiny fp32 shape against SDPA's default.
+N = 16384. Small sweep (interpreter): one tiny fp32 shape against SDPA's default. Host time per
+call (`host_cases`): one tiny causal bf16 input against SDPA's default backend (named "torch",
+PyTorch's own op, like the other ops' host rows).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ DTYPES = [torch.bfloat16, torch.float16]
 MEMORY_LENGTH = 16384
 # Small sweep: (B, H, N, D) in fp32.
 SMALL_SHAPE = (2, 2, 32, 16)
+# Host time per call: (B, H, N, D), causal. fp32 on the interpreter, where bf16 tl.dot is unreliable
+# (and the numbers mean nothing anyway).
+HOST_SHAPE = (1, 8, 128, 64)
 # Backward flops per forward flop: five N x N x D matmuls (scores recomputed, dP, dV, dK, dQ)
 # against the forward's two, FlashAttention's convention (fk's split backward does seven).
 BACKWARD_FLOP_FACTOR = 2.5
@@ -114,3 +119,17 @@ def cases(full: bool) -> list[bench.Case]:
                 memory=n == MEMORY_LENGTH,
             ))
     return out
+
+
+def host_cases() -> list[bench.HostCase]:
+    """A tiny causal input, where a call's cost is its host work, against SDPA's default."""
+    b, h, n, d = HOST_SHAPE
+    dtype = torch.bfloat16 if testing.on_gpu() else torch.float32
+
+    def make_inputs():
+        return [testing.randn((b, h, n, d), dtype, requires_grad=True) for _ in range(3)]
+
+    return [bench.HostCase(op="attention", shape=f"B{b} H{h} N{n} d{d} causal", dtype=dtype,
+                           make_inputs=make_inputs,
+                           variants={"fk": functools.partial(attention, causal=True),
+                                     "torch": _sdpa(None, True)})]

@@ -5,6 +5,7 @@ LayerNorm with weight and bias, and RMSNorm with weight. Peers in the same run: 
 forward reads x and writes y (2 tensors); backward reads x and grad_y and writes grad_x (3). Peak
 memory is recorded for every variant on the bwd rows: the most the backward call allocates above
 what the inputs and the forward's output and saved tensors already hold (`bench._peak_mib`).
+Host time per call (`host_cases`): both ops on one tiny bf16 input against torch and Liger.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ FULL_SHAPES = [(32768, 1024), (16384, 4096), (8192, 8192), (4096, 16384), (1024,
 SMALL_SHAPES = [(64, 256), (3, 20000)]
 DTYPES = [torch.bfloat16, torch.float32]
 LN_EPS, RMS_EPS = 1e-5, 1e-6
+HOST_SHAPE = (4, 4096)
 
 
 def _torch_ln(x, w, b):
@@ -93,4 +95,19 @@ def cases(full: bool) -> list[bench.Case]:
                         variants={name: wrap(fn) for name, fn in variants.items()},
                         input_bytes=tensor_bytes, memory=direction == "bwd",
                     ))
+    return out
+
+
+def host_cases() -> list[bench.HostCase]:
+    """Both ops on a tiny input, where a call's cost is its host work, against torch's own op
+    and Liger (when installed)."""
+    rows, cols = HOST_SHAPE
+    out = []
+    for rms, name, fk in [(True, "rms_norm", rms_norm), (False, "layer_norm", layer_norm)]:
+        peers = {k: v for k, v in _peers(rms).items() if k != "torch.compile"}
+        out.append(bench.HostCase(
+            op=name, shape=f"{rows}×{cols}", dtype=torch.bfloat16,
+            make_inputs=functools.partial(_inputs, rows, cols, torch.bfloat16, rms),
+            variants={"fk": fk, **peers},
+        ))
     return out

@@ -3,8 +3,8 @@
 Means multiply by `inv_n_cols` (1/n computed on the host): the fp32 `/` Triton emits is an
 approximate division, whose rounding LayerNorm's 1/sqrt(var + eps) would amplify.
 
-Shared flags: IS_RMS (RMSNorm: no mean, no bias), STABLE (rows divided by their max first, the
-seed's `stable`), HAS_W / HAS_B (affine parameters). Statistics are fp32; per row we keep
+Shared flags: IS_RMS (RMSNorm: no mean, no bias), STABLE (`stable=True`: rows divided by their
+max first), HAS_W / HAS_B (affine parameters). Statistics are fp32; per row we keep
 `mean` (LayerNorm), `rstd`, and `row_max` (STABLE) for the backward.
 """
 

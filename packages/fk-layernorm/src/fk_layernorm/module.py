@@ -36,7 +36,7 @@ def _check_features(module: torch.nn.Module, x) -> None:
 
 
 class LayerNorm(torch.nn.Module):
-    """`torch.nn.LayerNorm(normalized_shape)` over the last dim, plus the seed's `stable`."""
+    """`torch.nn.LayerNorm(normalized_shape)` over the last dim, plus `stable` (rows divided by their max first)."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, device=None, dtype=None, stable: bool = False):

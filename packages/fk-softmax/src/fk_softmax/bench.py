@@ -2,7 +2,8 @@
 
 Peers in the same run: torch.softmax, torch.compile(torch.softmax), Liger (when installed; it
 refuses rows past 65536 columns, which the table reports). Bytes counted: forward reads x and
-writes y (2 tensors); backward reads y and grad_y and writes grad_x (3 tensors).
+writes y (2 tensors); backward reads y and grad_y and writes grad_x (3 tensors). Host time per
+call (`host_cases`): one tiny bf16 input against torch.softmax and Liger.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ FULL_SHAPES = [(16384, 1024), (8192, 4096), (4096, 16384), (1024, 65536), (256, 
 # The interpreter: one fused shape, one split over sibling programs.
 SMALL_SHAPES = [(64, 128), (4, 40000)]
 DTYPES = [torch.bfloat16, torch.float32]
+HOST_SHAPE = (4, 4096)
 
 
 def _torch_softmax(x):
@@ -89,3 +91,14 @@ def cases(full: bool) -> list[bench.Case]:
                     input_bytes=tensor_bytes,
                 ))
     return out
+
+
+def host_cases() -> list[bench.HostCase]:
+    """A tiny input, where a call's cost is its host work, against torch.softmax and Liger."""
+    rows, cols = HOST_SHAPE
+    peers = {k: v for k, v in _peers().items() if k != "torch.compile"}
+    return [bench.HostCase(
+        op="softmax", shape=f"{rows}×{cols}", dtype=torch.bfloat16,
+        make_inputs=lambda: [testing.randn((rows, cols), torch.bfloat16, requires_grad=True)],
+        variants={"fk": softmax, **peers},
+    )]

@@ -2,7 +2,8 @@
 
 Peers, measured in the same run: torch (`x @ w` with autograd) and
 `torch.compile((x * w).sum(-1))`. Bytes counted: forward reads x and w and writes y; backward
-reads x, w and grad_y and writes grad_x and grad_w.
+reads x, w and grad_y and writes grad_x and grad_w. Host time per call (`host_cases`): one tiny
+bf16 input against `x @ w`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .ops import weighted_sum
 FULL_SHAPES = [(65536, 1024), (16384, 4096), (4096, 16384), (262144, 256), (1048576, 128)]
 SMALL_SHAPES = [(64, 128), (17, 1000)]
 DTYPES = [torch.float32, torch.bfloat16]
+HOST_SHAPE = (4, 4096)
 
 
 def _torch_matmul(x, w):
@@ -73,3 +75,15 @@ def cases(full: bool) -> list[bench.Case]:
                     )
                 )
     return out
+
+
+def host_cases() -> list[bench.HostCase]:
+    """A tiny input, where a call's cost is its host work, against torch's `x @ w`."""
+    rows, dim = HOST_SHAPE
+
+    def make_inputs():
+        return [testing.randn((rows, dim), torch.bfloat16, requires_grad=True),
+                testing.randn((dim,), torch.bfloat16, requires_grad=True)]
+
+    return [bench.HostCase(op="weighted_sum", shape=f"{rows}×{dim}", dtype=torch.bfloat16,
+                           make_inputs=make_inputs, variants={"fk": weighted_sum, "torch": _torch_matmul})]

@@ -17,30 +17,18 @@ GQA group in steps of BLOCK_M).
   (B, H, N, D) operand passed as a kernel parameter (`tensor_descriptor`), and allowed on CUDA
   with compute capability >= 9 for 16-bit and fp32 inputs whose base and strides are 16-byte
   aligned; pointer loads everywhere else (the interpreter, HIP, Ampere, fp8, odd strides such as
-  an expanded gradient). Where allowed, every launch, fixed or tuned, uses them. (H100,
-  2026-11-24, bf16 forward, 16384 tokens: host descriptors against the former in-kernel ones,
-  which every program built with `tl.make_tensor_descriptor`: +16% at N = 1024 d64, +25% causal,
-  +6-9% at d128, +3-8% at N = 4096, +1-3% at N = 16384; and faster than pointers everywhere.)
+  an expanded gradient). Where allowed, every launch, fixed or tuned, uses them: on an H100 they
+  beat pointers, and descriptors built in the kernel, on every shape measured (TUNING.md).
 - HIP: `waves_per_eu` by head dim (the Triton tutorial's AMD choice), one pipeline stage.
 
-The candidates follow the Triton fused-attention tutorial's search space on the H100 (BLOCK_M 64
-or 128, BLOCK_N 32 to 128, 4 or 8 warps, 2 to 4 stages) and FlashAttention-2's Triton
-backward (128 keys x 32-64 queries for dK/dV, 128 queries x 32-64 keys for dQ). Head dims 64
-and 128 in 16 bits are narrowed by an H100 sweep (2026-11-22, bf16, 16384 tokens at N = 4096,
-TMA, every BLOCK_M/BLOCK_N in {64, 128} x {4, 8} warps x {2, 3} stages forward, 9 dK/dV and 8 dQ
-tiles backward): each list starts with that sweep's winner (forward d128 128x64 on 4 warps, 2
-stages: 515 TFLOP/s full, 438 causal, against 454 for the former default; d64 64x128 on 4 warps:
-427 / 376), followed by the runners-up. Head dim 256 keeps the priors. The backward lists were
-swept again with host descriptors (2026-11-24, bf16, N = 4096 and 16384, each kernel's tiles with
-the other kernel fixed, `out/exp_bwd_sweep.py`): d64 dQ 128 x 64 on 4 warps (377 TFLOP/s of
-backward at N = 16384 against 360 for the former 128 x 32 default), d64 dK/dV 64 x 64 (369
-against 357 for 32 x 128), d128 dK/dV 64 x 128 on 3 stages for full attention (418 against 392
-on 2 stages, which stays the causal pick: 393 against 380).
+The candidates follow the Triton fused-attention tutorial's search space (BLOCK_M 64 or 128,
+BLOCK_N 32 to 128, 4 or 8 warps, 2 to 4 stages) and FlashAttention-2's Triton backward (128 keys
+x 32-64 queries for dK/dV, 128 queries x 32-64 keys for dQ). For head dims 64 and 128 in 16 bits
+each list starts with the winner of an H100 sweep (the default), followed by the runners-up;
+head dim 256 keeps the priors (TUNING.md).
 
-Not used: Triton 3.6's warp specialization (`tl.range(..., warp_specialize=True)` on the forward's
-unmasked key walk, TMA loads). H100, 2026-11-23, bf16, 16384 tokens at N = 4096, d64 and d128,
-causal and not: every 4-warp config failed to compile (the NVGPUWarpSpecialization pass), every
-8-warp config ran within 1% of the same config without it, and the default above stayed fastest.
+Not used: Triton's warp specialization (`tl.range(..., warp_specialize=True)` on the forward's
+unmasked key walk): on an H100 it did not compile on 4 warps and gained nothing on 8 (TUNING.md).
 """
 
 from __future__ import annotations
@@ -49,11 +37,15 @@ import dataclasses
 import enum
 import functools
 import inspect
+import math
 import threading
 
 import torch
 
-from .. import backend, bench, sizing
+from fk_runtime import alloc, backend, bench, checks, sizing
+from fk_runtime.launch import Descriptor, Launch, PlanCache
+
+from . import kernels
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 256
@@ -84,9 +76,7 @@ INTERPRETER_BLOCK = 16
 AUTOTUNE_MIN_SCORES = 1 << 26
 AUTOTUNE_DTYPES = (torch.float16, torch.bfloat16)
 # Each candidate's warm-up before its timing (fk_runtime.bench.do_bench: at least 25 timed calls).
-# Triton's default 25 ms left the first candidate timed on a cold clock on the H100 (bf16,
-# N = 16384, d64: median 5.38 ms, 20-80% spread 5.00-5.60, against 5.10 +- 0.01 for the next
-# ones), so the tuner dropped the fastest tiling for one 7% slower.
+# 100 ms: with Triton's 25 ms the fastest candidate, timed first on a cold clock, lost (TUNING.md).
 AUTOTUNE_WARMUP_MS = 100
 # Autotune keys: sequence lengths and B * H rounded up to a power of two, lengths clamped to this
 # range (past 16384 the best tiles no longer change; below 128 every candidate is one block), and
@@ -129,6 +119,7 @@ def _configs(*rows: tuple[int, int, int, int]) -> tuple[Config, ...]:
 
 # Defaults (fixed launches on a GPU), by padded head dim then element size: (max head dim,
 # {kind: config}); first match wins. 4-byte inputs get half the tile bytes of 2-byte ones.
+# 16-bit head dims 64 and 128: the winners of the H100 sweeps (TUNING.md); the rest are priors.
 DEFAULTS_16BIT = (
     (64, {Kind.FORWARD: Config(64, 128, 4, 2), Kind.DQ: Config(128, 64, 4, 3),
           Kind.DKDV: Config(64, 64, 4, 3)}),
@@ -294,10 +285,12 @@ _TUNED_LAUNCH_LOCK = threading.Lock()
 
 def launch_tuned(kernel, kind: Kind, head_dim: int, descriptors: bool, grid, args: tuple, meta: dict):
     """Launch `kernel` through its autotuner (`autotuned`) over `grid` (a function of the chosen
-    config's meta-parameters), one tuned launch at a time across threads."""
+    config's meta-parameters), one tuned launch at a time across threads; returns the Triton config
+    it ran (the tuner's pick for this key), or None where this Triton does not say."""
     tuned = autotuned(kernel, kind, head_dim, descriptors)
     with _TUNED_LAUNCH_LOCK:
         tuned[grid](*args, **meta)
+        return getattr(tuned, "best_config", None)
 
 
 def fp8_supported() -> tuple[bool, str]:
@@ -388,3 +381,290 @@ def fit_descriptors(nargs: dict) -> None:
         rows = getattr(arg, "fk_rows", None)
         if rows is not None:
             arg.block_shape = [1, 1, nargs[rows], arg.block_shape[-1]]
+
+
+# ---- launch: plans bound once per (shapes, strides, dtype, device, flags) ---------------------------
+
+# Which block's rows each kernel's leading (B, H, N, D) operands are tiled by, in argument order
+# (None: not a tile operand): query-side tensors by BLOCK_M, key-side ones by BLOCK_N.
+FORWARD_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M")  # q, k, v, out
+# dQ: q, k, v, out, grad_out, lse, grad_lse, delta, dq; dK/dV: q, k, v, grad_out, lse, delta, dk, dv.
+DQ_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", "BLOCK_M", None, None, None, "BLOCK_M")
+DKDV_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", None, None, "BLOCK_N", "BLOCK_N")
+
+BOUND = PlanCache(CACHE_SIZE)
+# Autotuned configs by (kernel kind, head dim, descriptors, tuning key): once a key is tuned, its
+# calls launch the winner directly (no tuner, no lock on the hot path).
+WINNERS: dict = {}
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    # fp32 inputs get exact fp32 products (tf32 would cost them ~1e-3 relative error).
+    return "ieee" if dtype == torch.float32 else None
+
+
+def output_dtype(dtype: torch.dtype) -> torch.dtype:
+    return FP8_OUTPUT_DTYPE if dtype in FP8_DTYPES else dtype
+
+
+def _heads_inside_tokens(t: torch.Tensor) -> bool:
+    """Whether a fresh tensor laid out like t takes (B, N, H, D) storage: t is such a view (so
+    that `.transpose(1, 2)` of the result is contiguous again), unless that token stride (H * D)
+    would overflow the kernels' in-tile offsets."""
+    b, h, n, d = t.shape
+    return t.stride(1) < t.stride(2) and (MAX_TILE_EXTENT - 1) * (h * d + 1) < TILE_OFFSET_LIMIT
+
+
+def _new(shape, bnhd: bool, empty) -> torch.Tensor:
+    b, h, n, d = shape
+    return empty((b, n, h, d)).transpose(1, 2) if bnhd else empty((b, h, n, d))
+
+
+def alloc_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fresh (B, H, N, D) output laid out like t (see `_heads_inside_tokens`)."""
+    dtype = dtype or t.dtype
+    return _new(t.shape, _heads_inside_tokens(t), lambda s: alloc.empty(s, dtype=dtype, device=t.device))
+
+
+def fake_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    dtype = dtype or t.dtype
+    return _new(t.shape, _heads_inside_tokens(t), lambda s: t.new_empty(s, dtype=dtype))
+
+
+def _strides_allow_descriptors(t: torch.Tensor) -> bool:
+    """`_aligned` without the base address (checked per call)."""
+    size = t.element_size()
+    return t.dtype in DESCRIPTOR_DTYPES and t.stride(-1) == 1 and all(
+        0 < t.stride(i) * size < DESCRIPTOR_MAX_STRIDE_BYTES and (t.stride(i) * size) % DESCRIPTOR_ALIGN_BYTES == 0
+        for i in range(t.dim() - 1) if t.shape[i] > 1)
+
+
+def _on_hopper_descriptors() -> bool:
+    return DESCRIPTORS_ON_HOPPER and _is_hopper_or_newer()
+
+
+class _Kernel:
+    """One kernel launch of a bound plan over `programs` (batch, head) pairs x row blocks of
+    `n_rows`: the autotuner's winner for big half-precision problems (the tuner runs once per
+    key), else the head dim's fixed config, or the caller's (tests). `descriptors`: True / False
+    forces TMA on or off; None: TMA where the strides allow it (decided here) and every tile
+    operand's base is aligned (decided per call). The first len(`tiles`) head arguments are the
+    (B, H, N, D) operands, tiled by the named block's rows ("BLOCK_M" or "BLOCK_N")."""
+
+    def __init__(self, kernel, kind: Kind, n_rows: int, programs: int, tiles: tuple, examples: tuple,
+                 tail: tuple, meta: dict, dtype: torch.dtype, tune: bool, descriptors: bool | None,
+                 config: Config | None, device: torch.device):
+        self.kernel, self.kind, self.n_rows, self.programs = kernel, kind, n_rows, programs
+        self.tiles, self.tail, self.meta, self.dtype, self.device = tiles, tail, meta, dtype, device
+        self.head_dim, self.padded = meta["HEAD_DIM"], meta["HEAD_DIM_PADDED"]
+        self.walked = "BLOCK_N" if kind is Kind.DKDV else "BLOCK_M"
+        self.tune, self.config = tune and config is None, config
+        self.tile_index = tuple(i for i, rows in enumerate(tiles) if rows is not None)
+        operands = [examples[i] for i in self.tile_index]
+        if config is not None:
+            descriptors = config.descriptors
+        self.forced = descriptors
+        self.may_use = descriptors if descriptors is not None else (
+            _on_hopper_descriptors() and all(_strides_allow_descriptors(t) for t in operands))
+        self.layouts = tuple((list(t.shape), _descriptor_strides(t)) for t in operands)
+        self.tuning_key = (kind, self.head_dim, meta["CAUSAL"], tail[-4:])
+        self.launches: dict = {}
+
+    def _use_descriptors(self, head) -> bool:
+        if self.forced is not None or not self.may_use:
+            return self.may_use
+        return all(head[i].data_ptr() % DESCRIPTOR_ALIGN_BYTES == 0 for i in self.tile_index)
+
+    def __call__(self, *head) -> None:
+        use = self._use_descriptors(head)
+        entry = self.launches.get(use)
+        if entry is None:
+            config = self.config
+            if config is None and self.tune:
+                config = WINNERS.get((self.tuning_key, use))
+                if config is None:
+                    self._tune(head, use)
+                    return
+            config = config or default_config(self.kind, self.head_dim, self.dtype, use)
+            block = config.meta()[self.walked]
+            launch = Launch(self.kernel, (sizing.cdiv(self.n_rows, block) * self.programs,), self.tail,
+                            {**self.meta, **config.meta(), **launch_options(config, self.head_dim)},
+                            self.device)
+            entry = self.launches[use] = (launch, config)
+        launch, config = entry
+        if config.descriptors:
+            head = self._descriptors(head, config)
+        launch(*head)
+
+    def _descriptors(self, head, config: Config) -> tuple:
+        blocks = config.meta()
+        converted = list(head)
+        for i, (shape, strides) in zip(self.tile_index, self.layouts, strict=True):
+            converted[i] = Descriptor(head[i], shape, strides, [1, 1, blocks[self.tiles[i]], self.padded])
+        return tuple(converted)
+
+    def _tune(self, head, use: bool) -> None:
+        """Through Triton's autotuner (its launch runs the kernel); its pick is kept as the winner."""
+        args = list(head)
+        if use:
+            for i in self.tile_index:
+                args[i] = tensor_descriptor(head[i], self.tiles[i], self.padded, None)
+        walked = self.walked
+        best = launch_tuned(self.kernel, self.kind, self.head_dim, use,
+                            lambda m: (sizing.cdiv(self.n_rows, m[walked]) * self.programs,),
+                            (*args, *self.tail), self.meta)
+        if best is not None:
+            kw = best.kwargs
+            WINNERS[(self.tuning_key, use)] = Config(kw["BLOCK_M"], kw["BLOCK_N"], best.num_warps,
+                                                    best.num_stages, kw["USE_DESC"])
+
+
+def _keys(n_q: int, n_k: int, batch_heads: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    return length_key(n_q), length_key(n_k), heads_key(batch_heads), dtype_key(dtype)
+
+
+def _meta(causal: bool, head_dim: int, dtype: torch.dtype) -> dict:
+    return {"CAUSAL": causal, "HEAD_DIM": head_dim, "PRECISION": _precision(dtype),
+            "HEAD_DIM_PADDED": padded_head_dim(head_dim, dtype)}
+
+
+def _fit(t: torch.Tensor, fits=None) -> tuple[torch.Tensor, bool]:
+    """t, or a contiguous copy where its strides would overflow the kernels' 32-bit in-tile
+    offsets (rare layouts: see `tile_offsets_fit`); and whether t is used as it is."""
+    ok = (fits or tile_offsets_fit)(t)
+    return (t if ok else t.contiguous()), ok
+
+
+def _bind_forward(q, k, v, causal: bool, sm_scale: float, config=None, descriptors=None):
+    """The forward of one key: run(q, k, v) -> (out, lse)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_kernel_device(name, t)
+    if q.dtype in FP8_DTYPES:
+        ok, why = fp8_supported()
+        if not ok:
+            raise TypeError(why)
+    b, hq, n_q, d = q.shape
+    hk, n_k = k.shape[1], k.shape[2]
+    dtype, device, out_dtype = q.dtype, q.device, output_dtype(q.dtype)
+    bnhd = _heads_inside_tokens(q)  # out in q's layout, as the registered fake gives it
+    out_shape = q.shape
+    out_proto = torch.empty(0, dtype=out_dtype, device=device)
+    fp32 = torch.empty(0, dtype=torch.float32, device=device)
+
+    def new_outputs():
+        out = _new(out_shape, bnhd, functools.partial(alloc.new_empty, out_proto))
+        return out, alloc.new_empty(fp32, (b, hq, n_q))
+
+    if q.numel() == 0:
+        return lambda q, k, v: new_outputs()
+    if n_k == 0:  # no keys: SDPA gives zeros; the log-sum-exp of nothing is -inf
+        def no_keys(q, k, v):
+            out, lse = new_outputs()
+            return out.zero_(), lse.fill_(-math.inf)
+        return no_keys
+    (q_, q_ok), (k_, k_ok), (v_, v_ok) = _fit(q), _fit(k), _fit(v)
+    out, _ = new_outputs()
+    tail = (sm_scale, n_q, n_k, hq, hq // hk, *q_.stride(), *k_.stride(), *v_.stride(), *out.stride(),
+            *_keys(n_q, n_k, b * hq, dtype))
+    kernel = _Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, FORWARD_TILES, (q_, k_, v_, out),
+                     tail, _meta(causal, d, dtype), dtype, should_autotune(dtype, b * hq, n_q, n_k),
+                     descriptors, config, device)
+
+    def run(q, k, v):
+        out, lse = new_outputs()
+        kernel(q if q_ok else q.contiguous(), k if k_ok else k.contiguous(), v if v_ok else v.contiguous(),
+               out, lse)
+        return out, lse
+
+    return run
+
+
+def forward(q, k, v, causal: bool, sm_scale: float, config: Config | None = None,
+            descriptors: bool | None = None):
+    """(out, lse): out like q ((B, Hq, Nq, D), bf16 for fp8 inputs), lse (B, Hq, Nq) fp32 in
+    natural log. `config` (with its `descriptors` flag) or `descriptors` alone override the
+    table's choice (tests; not cached)."""
+    if config is not None or descriptors is not None:
+        return _bind_forward(q, k, v, causal, sm_scale, config, descriptors)(q, k, v)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
+           causal, sm_scale)
+    run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(q, k, v, causal, sm_scale))
+    return run(q, k, v)
+
+
+def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, causal: bool, sm_scale: float,
+                   configs=None, descriptors=None):
+    """The backward of one key: run(grad_out, grad_lse, q, k, v, out, lse) -> (dq, dk, dv)."""
+    b, hq, n_q, d = q.shape
+    hk, n_k = k.shape[1], k.shape[2]
+    dtype, device = q.dtype, q.device
+    layouts = [(t.shape, _heads_inside_tokens(t)) for t in (q, k, v)]  # gradients like the inputs
+    new_grad = functools.partial(alloc.new_empty, torch.empty(0, dtype=dtype, device=device))
+    fp32 = torch.empty(0, dtype=torch.float32, device=device)
+
+    def new_grads():
+        return tuple(_new(shape, bnhd, new_grad) for shape, bnhd in layouts)
+
+    if q.numel() == 0 or k.numel() == 0:
+        return lambda *args: tuple(g.zero_() for g in new_grads())
+    # An expanded gradient (`out.sum().backward()`: zero strides) is materialized: TMA cannot read
+    # it, and the pointer path costs more than the copy.
+    expanded = 0 in grad_out.stride()
+    fitted = [_fit(t) for t in (q, k, v, out, grad_out.contiguous() if expanded else grad_out)]
+    (q_, k_, v_, out_, go_), oks = zip(*fitted, strict=True)
+    has_dlse = grad_lse is not None
+    dlse_, dlse_ok = _fit(grad_lse, row_offsets_fit) if has_dlse else (lse, True)
+    dq, dk, dv = new_grads()
+    delta = alloc.new_empty(fp32, (b, hq, n_q))
+    dq_config, dkdv_config = configs or (None, None)
+    meta = _meta(causal, d, dtype)
+    keys = _keys(n_q, n_k, b * hq, dtype)
+    tune = should_autotune(dtype, b * hq, n_q, n_k)
+    if configs is None and descriptors is None:
+        # One choice for both kernels: TMA where every operand of either allows it.
+        descriptors = None if all(_strides_allow_descriptors(t) for t in (q_, k_, v_, out_, go_, dq, dk, dv)) \
+            else False
+    dq_kernel = _Kernel(
+        kernels.attn_bwd_dq_kernel, Kind.DQ, n_q, b * hq, DQ_TILES, (q_, k_, v_, out_, go_, lse, dlse_, delta, dq),
+        (sm_scale, n_q, n_k, hq, hq // hk, *q_.stride(), *k_.stride(), *v_.stride(), *out_.stride(),
+         *go_.stride(), *dlse_.stride(), *dq.stride(), *keys),
+        {**meta, "HAS_DLSE": has_dlse}, dtype, tune, descriptors, dq_config, device)
+    dkdv_kernel = _Kernel(
+        kernels.attn_bwd_dkdv_kernel, Kind.DKDV, n_k, b * hk, DKDV_TILES, (q_, k_, v_, go_, lse, delta, dk, dv),
+        (sm_scale, n_q, n_k, hk, hq // hk, *q_.stride(), *k_.stride(), *v_.stride(), *go_.stride(),
+         *dk.stride(), *dv.stride(), *keys),
+        meta, dtype, tune, descriptors, dkdv_config, device)
+
+    as_given = all(oks) and not expanded
+
+    def run(grad_out, grad_lse, q, k, v, out, lse):
+        if not as_given:
+            q, k, v, out, grad_out = (t if ok else t.contiguous()
+                                      for t, ok in zip((q, k, v, out, grad_out), oks, strict=True))
+            if expanded:
+                grad_out = grad_out.contiguous()
+        dlse = (grad_lse if dlse_ok else grad_lse.contiguous()) if has_dlse else lse
+        dq, dk, dv = new_grads()
+        delta = alloc.new_empty(fp32, (b, hq, n_q))
+        dq_kernel(q, k, v, out, grad_out, lse, dlse, delta, dq)
+        # dK/dV reads the delta the dQ kernel wrote (same stream, in order).
+        dkdv_kernel(q, k, v, grad_out, lse, delta, dk, dv)
+        return dq, dk, dv
+
+    return run
+
+
+def backward(grad_out, grad_lse, q, k, v, out, lse, causal: bool, sm_scale: float,
+             configs: tuple[Config, Config] | None = None, descriptors: bool | None = None):
+    """(dq, dk, dv). `grad_lse` (may be None) is the gradient reaching the log-sum-exp output.
+    `configs` = (dQ config, dK/dV config) or `descriptors` alone override the table's choice
+    (tests; not cached; each config's `descriptors` flag holds for its kernel)."""
+    if configs is not None or descriptors is not None:
+        return _bind_backward(grad_out, grad_lse, q, k, v, out, lse, causal, sm_scale, configs,
+                              descriptors)(grad_out, grad_lse, q, k, v, out, lse)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(),
+           None if grad_lse is None else grad_lse.stride(), q.dtype, grad_out.dtype, q.get_device(), causal,
+           sm_scale)
+    run = BOUND.get(key) or BOUND.get_or_build(
+        key, lambda: _bind_backward(grad_out, grad_lse, q, k, v, out, lse, causal, sm_scale))
+    return run(grad_out, grad_lse, q, k, v, out, lse)

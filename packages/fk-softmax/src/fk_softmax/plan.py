@@ -1,0 +1,214 @@
+"""Launch table for fk-softmax (softmax and log-softmax share it, forward and backward).
+
+Three paths, by row length:
+- fused: rows that fit `sizing.fused_row_block` are held whole in registers, one or a few rows per
+  program: one read and one write of HBM per tensor;
+- split: longer rows are cut into chunks, one program per (row, chunk). The
+  programs of a row ("siblings") publish per-chunk partials (max and sum of exp, or sum of y*g),
+  wait for each other, then write their chunk from registers: still one read and one write. This
+  needs the siblings resident together, so a row may have at most `max_siblings()` chunks;
+- two-pass: rows with more chunks than that (on an H100, past 2 x 132 x 4096 = 1.08M columns
+  forward and 2.16M backward): a partials kernel, then a kernel that combines the row's
+  partials and re-reads its chunk to write it (one more read of the input), over chunks of the
+  fused size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import torch
+
+from fk_runtime import alloc, checks, siblings, sizing, views
+from fk_runtime.launch import Launch, PlanCache
+from fk_runtime.siblings import max_siblings, spin_limit
+
+from . import kernels
+
+# Short rows: a program takes whole rows until it holds at least this many bytes of input.
+# 8 KB: within 2% of the best on every H100 row swept; 1.8% ahead of 4 KB on fp32 (TUNING.md).
+FUSED_TILE_BYTES = 8192
+# Split rows: columns per program, on SPLIT_NUM_WARPS warps.
+# 4096 on 4 warps: best or within 3% of it in 11 of the 12 H100 cases swept (TUNING.md).
+SPLIT_CHUNK_ELEMENTS = 4096
+# ... and twice that when it pads the row no more and the row has at most SPLIT_WIDE_MAX_CHUNKS
+# of them: on an H100 that gained 2-12% at 8-32 chunks a row, lost 6-10% at 128 (TUNING.md).
+SPLIT_WIDE_CHUNK_ELEMENTS = 8192
+SPLIT_WIDE_MAX_CHUNKS = 32
+# The backward holds its y and grad_y chunks in their own dtype through the wait, which leaves
+# registers for twice the columns: 7% faster than 4096 on the longest rows (TUNING.md).
+SPLIT_BACKWARD_CHUNK_ELEMENTS = 8192
+# Few threads per program keep many resident: while some wait for siblings, others load.
+SPLIT_NUM_WARPS = 4
+PLAN_CACHE_SIZE = 1024
+
+
+class Path(str, enum.Enum):
+    FUSED = "fused"
+    SPLIT = "split"
+    TWO_PASS = "two_pass"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    path: Path
+    block_rows: int  # rows per program (fused), else 1
+    block_cols: int  # the padded row (fused) or one chunk (split, two-pass)
+    chunks: int  # chunks per row; 1 when fused
+    chunks_p2: int  # chunks rounded up to a power of two, for combining a row's partials
+    num_warps: int
+    programs: int  # grid size
+    spin_limit: int
+
+
+def _forward_chunk(n_cols: int) -> int:
+    wide, narrow = SPLIT_WIDE_CHUNK_ELEMENTS, SPLIT_CHUNK_ELEMENTS
+    wide_chunks = sizing.cdiv(n_cols, wide)
+    if wide_chunks <= SPLIT_WIDE_MAX_CHUNKS and wide_chunks * wide <= sizing.cdiv(n_cols, narrow) * narrow:
+        return wide
+    return narrow
+
+
+# Plans depend only on the shape and dtype: cached, so a call pays for a dict lookup.
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def plan(n_rows: int, n_cols: int, dtype: torch.dtype, backward: bool = False) -> Plan:
+    block = sizing.fused_row_block(n_cols, dtype)
+    if block is not None:
+        rows = sizing.rows_per_program(n_rows, block, dtype, FUSED_TILE_BYTES)
+        return Plan(Path.FUSED, rows, block, 1, 1, sizing.row_warps(rows * block), sizing.cdiv(n_rows, rows), 0)
+    chunk, path = SPLIT_BACKWARD_CHUNK_ELEMENTS if backward else _forward_chunk(n_cols), Path.SPLIT
+    if sizing.cdiv(n_cols, chunk) > max_siblings():
+        chunk, path = sizing.looped_row_block(dtype), Path.TWO_PASS
+    chunks = sizing.cdiv(n_cols, chunk)
+    warps = SPLIT_NUM_WARPS if path is Path.SPLIT else sizing.row_warps(chunk)
+    return Plan(path, 1, chunk, chunks, sizing.next_power_of_2(chunks), warps,
+                n_rows * chunks, spin_limit())
+
+
+# ---- launch: a plan bound once per (shape, strides, dtype, device, flags) -------------------------
+
+BOUND = PlanCache(PLAN_CACHE_SIZE)
+
+
+def _around(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, bool]:
+    """t as (outer, n, inner) around `dim`, and whether that is a view of t (same strides every
+    call for this key), not a copy."""
+    t3 = views.around(t, dim)
+    return t3, t3.numel() == 0 or t3.data_ptr() == t.data_ptr()
+
+
+def _bind_forward(x: torch.Tensor, dim: int, causal: bool, log: bool):
+    """The forward of one (shape, strides, dtype, device, dim, causal, log): run(x) -> y."""
+    checks.check_kernel_device("x", x)
+    shape, dtype, device = x.shape, x.dtype, x.device
+    if x.numel() == 0:
+        return lambda x: alloc.empty(shape, dtype=dtype, device=device)
+    x3, is_view = _around(x, dim)
+    outer, n_cols, inner = x3.shape
+    n_rows, out_outer = outer * inner, n_cols * inner
+    seq_rows = x.shape[-2] if causal else 1
+    p = plan(n_rows, n_cols, dtype)
+    opts = sizing.launch_options(p.num_warps)
+    sx = x3.stride()
+    grid = (p.programs,)
+    if p.path is Path.FUSED:
+        fused = Launch(kernels.softmax_fwd_rows_kernel, grid, (n_rows, n_cols, inner, seq_rows, *sx, out_outer),
+                       dict(BLOCK_R=p.block_rows, BLOCK_C=p.block_cols, LOG=log, CAUSAL=causal, **opts), device)
+
+        def launch(x3, y):
+            fused(x3, y)
+    elif p.path is Path.SPLIT:
+        split = Launch(kernels.softmax_fwd_split_kernel, grid,
+                       (n_cols, inner, seq_rows, *sx, out_outer, p.chunks, p.spin_limit),
+                       dict(CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, LOG=log, CAUSAL=causal, **opts), device)
+
+        def launch(x3, y):
+            arrived, states, stats = siblings.scratch(n_rows, p.chunks, 2, device)
+            split(x3, y, stats, arrived, states)
+    else:
+        partial = Launch(kernels.softmax_fwd_partials_kernel, grid, (n_cols, inner, seq_rows, *sx, p.chunks),
+                         dict(CHUNK=p.block_cols, CAUSAL=causal, **opts), device)
+        combine = Launch(kernels.softmax_fwd_combine_kernel, grid,
+                         (n_cols, inner, seq_rows, *sx, out_outer, p.chunks),
+                         dict(CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, LOG=log, CAUSAL=causal, **opts), device)
+
+        def launch(x3, y):
+            stats = _partials(2 * p.programs, device)
+            partial(x3, stats)
+            combine(x3, y, stats)
+
+    def run(x):
+        y = alloc.new_empty(x, shape)
+        launch(x if is_view else views.around(x, dim), y)
+        return y
+
+    return run
+
+
+def _bind_backward(y: torch.Tensor, grad_y: torch.Tensor, dim: int, log: bool):
+    """The backward of one (shapes, strides, dtype, device, dim, log): run(y, grad_y) -> grad_x."""
+    shape, dtype, device = y.shape, y.dtype, y.device
+    if y.numel() == 0:
+        return lambda y, g: alloc.empty(shape, dtype=dtype, device=device)
+    y3, y_view = _around(y, dim)
+    g3, g_view = _around(grad_y, dim)
+    outer, n_cols, inner = y3.shape
+    n_rows, out_outer = outer * inner, n_cols * inner
+    p = plan(n_rows, n_cols, dtype, backward=True)
+    opts = sizing.launch_options(p.num_warps)
+    strides = (*y3.stride(), *g3.stride())
+    grid = (p.programs,)
+    if p.path is Path.FUSED:
+        fused = Launch(kernels.softmax_bwd_rows_kernel, grid, (n_rows, n_cols, inner, *strides, out_outer),
+                       dict(BLOCK_R=p.block_rows, BLOCK_C=p.block_cols, LOG=log, **opts), device)
+
+        def launch(y3, g3, gx):
+            fused(y3, g3, gx)
+    elif p.path is Path.SPLIT:
+        split = Launch(kernels.softmax_bwd_split_kernel, grid,
+                       (n_cols, inner, *strides, out_outer, p.chunks, p.spin_limit),
+                       dict(CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, LOG=log, **opts), device)
+
+        def launch(y3, g3, gx):
+            arrived, states, parts = siblings.scratch(n_rows, p.chunks, 1, device)
+            split(y3, g3, gx, parts, arrived, states)
+    else:
+        partial = Launch(kernels.softmax_bwd_partials_kernel, grid, (n_cols, inner, *strides, p.chunks),
+                         dict(CHUNK=p.block_cols, LOG=log, **opts), device)
+        combine = Launch(kernels.softmax_bwd_combine_kernel, grid,
+                         (n_cols, inner, *strides, out_outer, p.chunks),
+                         dict(CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, LOG=log, **opts), device)
+
+        def launch(y3, g3, gx):
+            parts = _partials(p.programs, device)
+            partial(y3, g3, parts)
+            combine(y3, g3, gx, parts)
+
+    def run(y, grad_y):
+        grad_x = alloc.new_empty(y, shape)
+        launch(y if y_view else views.around(y, dim), grad_y if g_view else views.around(grad_y, dim), grad_x)
+        return grad_x
+
+    return run
+
+
+def _partials(numel: int, device: torch.device) -> torch.Tensor:
+    """The two-pass path's fp32 partials, handed to the kernels as int32 bits (NaN-poisoned in
+    tests, so a partial never written shows up)."""
+    return alloc.empty(numel, dtype=torch.float32, device=device).view(torch.int32)
+
+
+def forward(x: torch.Tensor, dim: int, causal: bool, log: bool) -> torch.Tensor:
+    """y (contiguous, x's shape) = softmax / log-softmax of x over `dim` (non-negative)."""
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), dim, causal, log)
+    run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(x, dim, causal, log))
+    return run(x)
+
+
+def backward(y: torch.Tensor, grad_y: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """grad_x (contiguous, y's shape) from the forward's output y and its gradient."""
+    key = (y.shape, y.stride(), grad_y.stride(), y.dtype, grad_y.dtype, y.get_device(), dim, log, "backward")
+    run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_backward(y, grad_y, dim, log))
+    return run(y, grad_y)

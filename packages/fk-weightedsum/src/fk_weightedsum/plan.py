@@ -1,0 +1,194 @@
+"""Launch table for fk-weightedsum (y = x @ w over the last dim; fp32 accumulation).
+
+- forward: one program per row tile, walking D in BLOCK_D steps; when row tiles alone give fewer
+  than FORWARD_MIN_PROGRAMS_PER_SM programs per multiprocessor, D is split across programs too
+  and their fp32 partial sums are added afterwards (`fk_runtime.partials.sum_rows`);
+- backward: a persistent grid of row groups x D tiles; each program writes grad_x for its rows
+  and one fp32 partial row of grad_w, which are summed in a fixed order afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from fk_runtime import alloc, backend, checks, partials, sizing, views
+from fk_runtime.launch import Launch, PlanCache
+
+from . import kernels
+
+# Forward: elements of x one program loads per loop step (a BLOCK_R x BLOCK_D tile), and tile
+# elements per thread by element size (which sets the warps).
+# 8192 on 8 warps (bf16) or 4 (fp32): within 0.5% / 3% of each H100 shape's best (TUNING.md).
+FORWARD_TILE_ELEMENTS = 8192
+FORWARD_ELEMENTS_PER_THREAD_BY_ITEMSIZE = {2: 32, 4: 64}
+# Widest forward D tile: wider tiles read longer contiguous runs; 4096 tied or won on every shape.
+FORWARD_MAX_BLOCK_D = 4096
+# Forward: when row tiles alone give fewer programs than this many per multiprocessor, D is
+# split across programs too (partial sums reduced afterwards).
+FORWARD_MIN_PROGRAMS_PER_SM = 4
+# Backward tile: BACKWARD_TILE_BYTES of x, D up to BACKWARD_MAX_BLOCK_D wide, at most
+# BACKWARD_MAX_BLOCK_ROWS rows, one stage; (warps, row groups per multiprocessor) by element size.
+# These: within 5.5% (bf16) and 1% (fp32) of each H100 shape's best (TUNING.md).
+BACKWARD_TILE_BYTES = 32768
+BACKWARD_MAX_BLOCK_D = 1024
+BACKWARD_MAX_BLOCK_ROWS = 64
+BACKWARD_NUM_STAGES = 1
+BACKWARD_LAUNCH_BY_ITEMSIZE = {2: (4, 8), 4: (8, 8)}
+PLAN_CACHE_SIZE = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    tile: sizing.Tile2D
+    row_programs: int  # forward: row tiles; backward: row groups
+    col_programs: int  # forward: D splits; backward: D tiles
+    span: int  # forward: D elements one split covers; backward: rows one group walks
+
+
+def _with_warps(tile: sizing.Tile2D, num_warps: int) -> sizing.Tile2D:
+    return dataclasses.replace(tile, num_warps=max(sizing.MIN_WARPS, min(num_warps, sizing.max_warps())))
+
+
+# Plans depend only on the shape and dtype: cached, so a call pays for a dict lookup, not the
+# arithmetic (host time matters when the kernel itself takes tens of microseconds).
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
+    itemsize = sizing.element_size(dtype)
+    tile = sizing.tile_2d(n_rows, n_cols, dtype, FORWARD_TILE_ELEMENTS * itemsize, FORWARD_MAX_BLOCK_D)
+    threads = sizing.cdiv(tile.elements, FORWARD_ELEMENTS_PER_THREAD_BY_ITEMSIZE[itemsize])
+    tile = _with_warps(tile, sizing.next_power_of_2(sizing.cdiv(threads, backend.warp_size())))
+    row_programs = sizing.cdiv(n_rows, tile.block_rows)
+    wanted = backend.multiprocessor_count() * FORWARD_MIN_PROGRAMS_PER_SM
+    col_tiles = sizing.cdiv(n_cols, tile.block_cols)
+    splits = min(col_tiles, max(1, wanted // max(row_programs, 1)))
+    # Each split walks a whole number of D tiles.
+    tiles_per_split = sizing.cdiv(col_tiles, splits)
+    splits = sizing.cdiv(col_tiles, tiles_per_split)
+    return Plan(tile, row_programs, splits, tiles_per_split * tile.block_cols)
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
+    block_cols = min(sizing.next_power_of_2(n_cols), BACKWARD_MAX_BLOCK_D)
+    tile_elements = BACKWARD_TILE_BYTES // sizing.element_size(dtype)
+    block_rows = min(max(1, tile_elements // block_cols), BACKWARD_MAX_BLOCK_ROWS,
+                     sizing.next_power_of_2(n_rows))
+    num_warps, per_sm = BACKWARD_LAUNCH_BY_ITEMSIZE[sizing.element_size(dtype)]
+    tile = _with_warps(sizing.Tile2D(block_rows, block_cols, num_warps), num_warps)
+    col_programs = sizing.cdiv(n_cols, tile.block_cols)
+    row_tiles = sizing.cdiv(n_rows, tile.block_rows)
+    total = sizing.persistent_grid(row_tiles * col_programs, programs_per_sm=per_sm)
+    groups = max(1, min(row_tiles, total // col_programs))
+    rows_per_group = sizing.cdiv(row_tiles, groups) * tile.block_rows
+    return Plan(tile, sizing.cdiv(n_rows, rows_per_group), col_programs, rows_per_group)
+
+
+# ---- launch: a plan bound once per (shape, strides, dtype, device) --------------------------------
+
+BOUND = PlanCache(PLAN_CACHE_SIZE)
+
+
+def bind_forward_2d(x2: torch.Tensor, weight: torch.Tensor, plan: Plan | None = None):
+    """The forward of x2 (rows, D)'s shape, strides, dtype and device: run(x2, weight) -> y (rows,)."""
+    n_rows, n_cols = x2.shape
+    dtype, device = x2.dtype, x2.device
+    if n_rows == 0 or n_cols == 0:
+        return lambda x2, weight: torch.zeros(n_rows, dtype=dtype, device=device)
+    plan = plan or forward_plan(n_rows, n_cols, dtype)
+    split = plan.col_programs > 1
+    launch = Launch(kernels.weighted_sum_fwd_kernel, (plan.row_programs, plan.col_programs),
+                    (n_rows, n_cols, x2.stride(0), x2.stride(1), weight.stride(0), n_rows, plan.span),
+                    dict(BLOCK_R=plan.tile.block_rows, BLOCK_D=plan.tile.block_cols,
+                         **sizing.launch_options(plan.tile.num_warps)), device)
+    # D split across programs: fp32 partial sums, reduced in a fixed order (deterministic).
+    sum_parts = partials.bind_sum_rows(1, plan.col_programs, n_rows, (dtype,), device) if split else None
+
+    fp32 = torch.empty(0, dtype=torch.float32, device=device)
+
+    def run(x2, weight):
+        out = alloc.new_empty(fp32 if split else x2, (plan.col_programs, n_rows))
+        launch(x2, weight, out)
+        return sum_parts(out[None])[0] if split else out[0]
+
+    return run
+
+
+def bind_backward_2d(grad_y: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, plan: Plan | None = None):
+    """The backward of one key: run(grad_y (rows,), x2, weight) -> (grad_x (rows, D), grad_w)."""
+    n_rows, n_cols = x2.shape
+    dtype, device = x2.dtype, x2.device
+    if n_rows == 0 or n_cols == 0:
+        return lambda grad_y, x2, weight: (alloc.empty((n_rows, n_cols), dtype=dtype, device=device),
+                                           torch.zeros_like(weight))
+    plan = plan or backward_plan(n_rows, n_cols, dtype)
+    launch = Launch(kernels.weighted_sum_bwd_kernel, (plan.row_programs, plan.col_programs),
+                    (n_rows, n_cols, x2.stride(0), x2.stride(1), weight.stride(0), grad_y.stride(0), n_cols,
+                     plan.span),
+                    dict(BLOCK_R=plan.tile.block_rows, BLOCK_D=plan.tile.block_cols,
+                         **sizing.launch_options(plan.tile.num_warps, BACKWARD_NUM_STAGES)), device)
+    # Row groups reduced in a fixed order: grad_w has the same bits every run.
+    sum_parts = partials.bind_sum_rows(1, plan.row_programs, n_cols, (weight.dtype,), device)
+
+    fp32 = torch.empty(0, dtype=torch.float32, device=device)
+
+    def run(grad_y, x2, weight):
+        grad_x = alloc.new_empty(x2, (n_rows, n_cols))
+        partial = alloc.new_empty(fp32, (plan.row_programs, n_cols))
+        launch(x2, weight, grad_y, grad_x, partial)
+        return grad_x, sum_parts(partial[None])[0]
+
+    return run
+
+
+def forward_2d(x2: torch.Tensor, weight: torch.Tensor, plan: Plan | None = None) -> torch.Tensor:
+    """y = x2 @ weight for x2 (rows, D), with `plan` forced (tests) or the table's."""
+    return bind_forward_2d(x2, weight, plan)(x2, weight)
+
+
+def backward_2d(grad_y, x2, weight, plan: Plan | None = None):
+    return bind_backward_2d(grad_y, x2, weight, plan)(grad_y, x2, weight)
+
+
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """t as (rows, D) and whether that is a view of t (not a copy)."""
+    t2 = views.rows(t)
+    return t2, t2.numel() == 0 or t2.data_ptr() == t.data_ptr()
+
+
+def _bind_forward(x: torch.Tensor, weight: torch.Tensor):
+    checks.check_kernel_device("x", x)
+    checks.check_kernel_device("weight", weight)
+    x2, is_view = _rows(x)
+    run2d = bind_forward_2d(x2, weight)
+    out_shape = x.shape[:-1]
+    return lambda x, weight: run2d(x if is_view else views.rows(x), weight).reshape(out_shape)
+
+
+def _bind_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    x2, is_view = _rows(x)
+    run2d = bind_backward_2d(grad_y.reshape(-1), x2, weight)
+    shape = x.shape
+
+    def run(grad_y, x, weight):
+        grad_x, grad_w = run2d(grad_y.reshape(-1), x if is_view else views.rows(x), weight)
+        return grad_x.reshape(shape), grad_w
+
+    return run
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight over the last dim, shape x.shape[:-1]."""
+    key = (x.shape, x.stride(), x.dtype, weight.stride(), x.get_device())
+    run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(x, weight))
+    return run(x, weight)
+
+
+def backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    """(grad_x like x, contiguous; grad_weight)."""
+    key = (x.shape, x.stride(), grad_y.stride(), x.dtype, grad_y.dtype, weight.stride(), x.get_device(),
+           "backward")
+    run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_backward(grad_y, x, weight))
+    return run(grad_y, x, weight)

@@ -1,0 +1,198 @@
+"""Kernel launches that cost what a compiled kernel's launch costs, not Triton's JIT dispatch.
+
+`kernel[grid](*args, **meta)` binds and specializes every argument, builds a cache key string and
+checks globals on each call: tens of microseconds, more than a memory-bound kernel on a few MB
+takes on the GPU. An op decides its plan once per (shape, strides, dtype, device, flags) and binds
+each launch of that plan here: grid, the arguments fixed by the plan (sizes, strides: the tail)
+and the meta-parameters. A call passes only what changes from call to call (the tensors, leading
+the kernel's arguments) and, after the first call of a specialization, goes straight to the
+compiled kernel's launcher.
+
+What Triton specializes on must stay in the key of whatever reaches the compiled kernel: the
+plan's key holds shapes, strides, dtypes and the device (so every int argument and every
+constexpr), and a `Launch` keys its compiled kernels on the 16-byte alignment of the tensors it
+is given (Triton's pointer specialization). The stream is read at every call (CUDA graphs and
+side streams see their own).
+
+On the interpreter, with a launch hook set (profilers), or where a Triton version's compiled
+kernel lacks the launcher this relies on, every call takes `kernel[grid](...)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from . import backend
+
+# Triton specializes pointers on this alignment (bytes).
+POINTER_ALIGN = 16
+# Compiled kernels one Launch keeps (one per alignment pattern of its tensors).
+MAX_SPECIALIZATIONS = 16
+
+
+@dataclasses.dataclass
+class Descriptor:
+    """A TMA tensor descriptor as the compiled launcher reads it (base, shape, strides, padding),
+    built without Triton's per-call checks: the op validates once per plan. The first launch of a
+    specialization hands Triton a real `TensorDescriptor` (`real`)."""
+
+    base: torch.Tensor
+    shape: list
+    strides: list
+    block_shape: list
+    padding: str = "zero"
+
+    def real(self):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),
+                                self.padding)
+
+
+# The raw current device and stream, as Triton's own launch reads them (public APIs as fallback).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_current_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
+                   or (lambda index: torch.cuda.current_stream(index).cuda_stream))
+
+
+def _idle(hook) -> bool:
+    """No launch hook: None (older Triton) or an empty hook chain (Triton >= 3.5)."""
+    return hook is None or getattr(hook, "calls", True) == []
+
+
+def _runtime_knobs():
+    """Triton's runtime knobs (launch hooks), or None where this Triton has none: no fast path."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return knobs.runtime
+
+
+def _trailing_constexprs(kernel, meta: dict) -> tuple | None:
+    """The values of `kernel`'s constexpr parameters in order, when they all come after its other
+    parameters (the compiled launcher takes every parameter positionally); else None."""
+    params = getattr(kernel, "params", None)
+    if params is None:
+        return None
+    flags = [p.is_constexpr for p in params]
+    first = flags.index(True) if True in flags else len(flags)
+    if not all(flags[first:]):
+        return None
+    values = []
+    for p in params[first:]:
+        if p.name in meta:
+            values.append(meta[p.name])
+        elif p.has_default:
+            values.append(p.default)
+        else:
+            return None
+    return tuple(values)
+
+
+def _compiled_launcher(compiled) -> bool:
+    return all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata"))
+
+
+def _launcher_entry(compiled) -> tuple:
+    """(launch, function, arguments between the function and the kernel's own): the C launcher
+    itself where the kernel needs no scratch memory (Triton's Python wrapper only allocates that),
+    else the wrapper. Launch hooks are None: `Launch` takes this path only when none is set."""
+    runner = compiled.run
+    direct = getattr(runner, "launch", None)
+    plain = all(getattr(runner, name, None) == 0 for name in ("global_scratch_size", "profile_scratch_size"))
+    if direct is not None and plain and hasattr(runner, "launch_cooperative_grid") and hasattr(runner, "launch_pdl"):
+        return direct, compiled.function, (runner.launch_cooperative_grid, runner.launch_pdl, None, None,
+                                           compiled.packed_metadata, None, None, None)
+    return runner, compiled.function, (compiled.packed_metadata, None, None, None)
+
+
+class Launch:
+    """`kernel` over `grid` with the plan's `tail` arguments and `meta` (constexprs and launch
+    options such as num_warps): `launch(*head)` runs `kernel[grid](*head, *tail, **meta)`.
+
+    The head holds what changes per call: tensors (or `Descriptor`s) and floats, never ints (an
+    int would be specialized on, and the compiled kernel is reused without looking at it)."""
+
+    __slots__ = ("kernel", "grid", "tail", "meta", "device", "_tail", "_compiled", "_tensors", "_knobs")
+
+    def __init__(self, kernel, grid, tail=(), meta=None, device: torch.device | None = None):
+        self.kernel = kernel
+        grid = tuple(int(g) for g in grid)
+        self.grid = grid + (1,) * (3 - len(grid))
+        self.tail = tuple(tail)
+        self.meta = dict(meta or {})
+        self.device = None if device is None or device.type != "cuda" else device.index
+        self._tail: tuple = ()  # tail, then the constexprs: every parameter after the head
+        self._compiled: dict = {}
+        self._tensors: tuple | None = None
+        self._knobs = None
+
+    def __call__(self, *head) -> None:
+        if self._tensors is not None and self._device_ready():
+            # Pointers go as ints: the launcher then skips its data_ptr() call and pointer query.
+            args = list(head)
+            bits = 0
+            for bit, i in enumerate(self._tensors):
+                ptr = args[i] = head[i].data_ptr()
+                if ptr % POINTER_ALIGN:
+                    bits |= 1 << bit
+            entry = self._compiled.get(bits)
+            if entry is not None:
+                launch, function, middle = entry
+                launch(*self.grid, _current_stream(self.device), function, *middle, *args, *self._tail)
+                return
+        self._slow(head)
+
+    def _device_ready(self) -> bool:
+        knobs = self._knobs
+        return (_current_device() == self.device and _idle(knobs.launch_enter_hook)
+                and _idle(knobs.launch_exit_hook))
+
+    def _slow(self, head) -> None:
+        real = tuple(a.real() if isinstance(a, Descriptor) else a for a in head)
+        with self._on_device():
+            compiled = self.kernel[self.grid](*real, *self.tail, **self.meta)  # compiles on first use
+        if backend.is_interpreter() or not _compiled_launcher(compiled):
+            return
+        if self._tensors is None:
+            constexprs = _trailing_constexprs(self.kernel, self.meta)
+            knobs = _runtime_knobs()
+            if constexprs is None or knobs is None:
+                return
+            self._tail, self._knobs = self.tail + constexprs, knobs
+            self._tensors = tuple(i for i, a in enumerate(head) if isinstance(a, torch.Tensor))
+        bits = 0
+        for bit, i in enumerate(self._tensors):
+            if head[i].data_ptr() % POINTER_ALIGN:
+                bits |= 1 << bit
+        if len(self._compiled) < MAX_SPECIALIZATIONS:
+            self._compiled[bits] = _launcher_entry(compiled)
+
+    def _on_device(self):
+        if self.device is None or backend.is_interpreter() or _current_device() == self.device:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
+
+
+class PlanCache(dict):
+    """A bounded dict of an op's bound plans: `get_or_build(key, build)`; cleared when full (a
+    model uses a handful of shapes; a sweep over thousands should not grow without bound)."""
+
+    def __init__(self, max_size: int = 1024):
+        super().__init__()
+        self.max_size = max_size
+
+    def cache_clear(self) -> None:  # as functools.lru_cache names it
+        self.clear()
+
+    def get_or_build(self, key, build):
+        plan = self.get(key)
+        if plan is None:
+            if len(self) >= self.max_size:
+                self.clear()
+            plan = self[key] = build()
+        return plan

@@ -1,0 +1,123 @@
+"""Every op defined through fk_runtime.ops.define honours PyTorch's contracts: `torch.library.opcheck`
+on each registered op (schema, fake, autograd registration, AOT dispatch), and `torch.func.grad`,
+`vmap` and `jacrev` over each public function agree with torch's own results (float64 reference
+on fresh random inputs)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fk_runtime import testing
+
+from fk_attention import attention
+from fk_layernorm import layer_norm, rms_norm
+from fk_softmax import log_softmax, softmax
+from fk_weightedsum import weighted_sum
+
+
+def _x(*shape, requires_grad=False):
+    return testing.randn(shape, torch.float32, requires_grad=requires_grad)
+
+
+def _qkv(requires_grad=False):
+    q = testing.randn((1, 4, 9, 16), torch.float32, requires_grad=requires_grad)
+    k, v = (testing.randn((1, 2, 11, 16), torch.float32, requires_grad=requires_grad) for _ in range(2))
+    return q, k, v
+
+
+def _opcheck_cases():
+    """(registered op, args) for every forward and backward op: forwards with inputs that require
+    grad (their autograd formula is checked too), backwards without (they are first-order)."""
+    x, w, b = _x(5, 24, requires_grad=True), _x(24, requires_grad=True), _x(24, requires_grad=True)
+    q, k, v = _qkv(requires_grad=True)
+    y = softmax(x.detach())
+    out, lse = attention(q.detach(), k.detach(), v.detach(), return_lse=True)
+    stats = torch.ops.fk.norm(x.detach(), w.detach(), b.detach(), 1e-5, False, False, True)[1]
+    fk = torch.ops.fk
+    return {
+        "softmax": (fk.softmax.default, (x, 1, True, False)),
+        "softmax_backward": (fk.softmax_backward.default, (y, _x(5, 24), 1, False)),
+        "norm": (fk.norm.default, (x, w, b, 1e-5, False, False, True)),
+        "norm rms": (fk.norm.default, (x, w, None, 1e-6, True, False, True)),
+        "norm_backward": (fk.norm_backward.default, (_x(5, 24), x.detach(), w.detach(), b.detach(), stats,
+                                                     False, False)),
+        "weighted_sum": (fk.weighted_sum.default, (x, w)),
+        "weighted_sum_backward": (fk.weighted_sum_backward.default, (_x(5), x.detach(), w.detach())),
+        "attention": (fk.attention.default, (q, k, v, True, 0.25)),
+        "attention_backward": (fk.attention_backward.default,
+                               (testing.randn(out.shape), None, q.detach(), k.detach(), v.detach(), out,
+                                lse, True, 0.25)),
+    }
+
+
+OPCHECK = list(_opcheck_cases())
+
+
+@pytest.mark.parametrize("name", OPCHECK)
+def test_opcheck(name):
+    op, args = _opcheck_cases()[name]
+    torch.library.opcheck(op, args)
+
+
+def _reference_attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+# name: (fk function, torch function, inputs of one example (float64 reference is computed from
+# them), how vmap batches the inputs)
+FUNCTIONS = {
+    "softmax": (lambda x: softmax(x, -1), lambda x: torch.softmax(x, -1), lambda: [_x(3, 10)]),
+    "log_softmax dim 0": (lambda x: log_softmax(x, 0), lambda x: torch.log_softmax(x, 0), lambda: [_x(3, 10)]),
+    "layer_norm": (lambda x, w, b: layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (12,), w, b),
+                   lambda: [_x(4, 12), _x(12), _x(12)]),
+    "rms_norm": (lambda x, w: rms_norm(x, w), lambda x, w: F.rms_norm(x, (12,), w, 1e-6),
+                 lambda: [_x(4, 12), _x(12)]),
+    "weighted_sum": (weighted_sum, lambda x, w: x @ w, lambda: [_x(4, 12), _x(12)]),
+    "attention": (lambda q, k, v: attention(q, k, v, causal=True), _reference_attention, lambda: list(_qkv())),
+}
+
+
+def _loss(fn):
+    return lambda *args: (fn(*args) ** 2).sum()
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_func_grad_matches_torch(name):
+    fk_fn, torch_fn, make = FUNCTIONS[name]
+    inputs = make()
+    argnums = tuple(range(len(inputs)))
+    got = torch.func.grad(_loss(fk_fn), argnums=argnums)(*inputs)
+    want = torch.func.grad(_loss(torch_fn), argnums=argnums)(*[t.double() for t in inputs])
+    for i, (g, r) in enumerate(zip(got, want, strict=True)):
+        testing.assert_close(f"grad {i}", g, r, torch.float32)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_vmap_matches_torch(name):
+    fk_fn, torch_fn, make = FUNCTIONS[name]
+    batch = [make() for _ in range(3)]
+    stacked = [torch.stack(parts) for parts in zip(*batch, strict=True)]
+    got = torch.func.vmap(fk_fn)(*stacked)
+    want = torch.stack([torch_fn(*[t.double() for t in inputs]) for inputs in batch])
+    testing.assert_close("vmap", got, want, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["softmax", "rms_norm", "weighted_sum"])
+def test_jacrev_matches_torch(name):
+    fk_fn, torch_fn, make = FUNCTIONS[name]
+    inputs = make()
+    got = torch.func.jacrev(fk_fn)(*inputs)
+    want = torch.func.jacrev(torch_fn)(*[t.double() for t in inputs])
+    testing.assert_close("jacobian", got, want, torch.float32)
+
+
+def test_vmap_of_grad_matches_torch():
+    """Per-example gradients, the usual torch.func pattern."""
+    w = _x(12)
+    xs = _x(5, 4, 12)
+    got = torch.func.vmap(torch.func.grad(_loss(rms_norm), argnums=1), in_dims=(0, None))(xs, w)
+    ref = torch.func.grad(_loss(lambda x, w: F.rms_norm(x, (12,), w, 1e-6)), argnums=1)
+    want = torch.stack([ref(x.double(), w.double()) for x in xs])
+    testing.assert_close("per-example grad", got, want, torch.float32)
+    assert math.isfinite(got.sum().item())
