@@ -8,7 +8,7 @@ from fk_softmax import plan as plans
 from fk_softmax import LogSoftmax, Softmax, log_softmax, softmax
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-FUSED, SPLIT, TWO_PASS = plans.Path.FUSED, plans.Path.SPLIT, plans.Path.TWO_PASS
+FUSED, SPLIT, TWO_PASS = plans.Path.FUSED, plans.Path.SPLIT, plans.Path.LONG  # long rows: two passes
 # Row lengths and the path each takes (asserted below, so that no path goes untested): whole rows
 # (1, 17, 1000, 4097), rows split over sibling programs (40000: 5 chunks of 8192; 36000: 9 of
 # 4096 forward, which the wider chunk would pad more, and 5 of 8192 backward), rows past the split

@@ -31,6 +31,9 @@ from . import backend
 POINTER_ALIGN = 16
 # Compiled kernels one Launch keeps (one per alignment pattern of its tensors).
 MAX_SPECIALIZATIONS = 16
+# Bound plans an op keeps (and the size of its plan functions' caches): a model uses a handful of
+# shapes; a sweep over thousands should not grow without bound.
+PLAN_CACHE_SIZE = 1024
 
 
 @dataclasses.dataclass
@@ -179,10 +182,9 @@ class Launch:
 
 
 class PlanCache(dict):
-    """A bounded dict of an op's bound plans: `get_or_build(key, build)`; cleared when full (a
-    model uses a handful of shapes; a sweep over thousands should not grow without bound)."""
+    """A bounded dict of an op's bound plans: `get_or_build(key, build)`; cleared when full."""
 
-    def __init__(self, max_size: int = 1024):
+    def __init__(self, max_size: int = PLAN_CACHE_SIZE):
         super().__init__()
         self.max_size = max_size
 

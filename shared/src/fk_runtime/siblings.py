@@ -20,6 +20,8 @@ op packages' kernels are).
 
 from __future__ import annotations
 
+import enum
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +31,9 @@ from . import backend
 # Siblings per multiprocessor a plan counts on being resident at once (4-warp programs: several
 # fit): 2 x 132 chunks a row on an H100.
 SIBLINGS_PER_SM = 2
+# Warps of a split program: a quarter of a multiprocessor's threads, so that SIBLINGS_PER_SM of
+# them fit whatever their registers, and while some wait for their siblings, others load.
+PROGRAM_WARPS = 4
 # Polls of the arrival counter before a program stops waiting. Normally the last sibling arrives
 # within tens of polls (a few microseconds); 4096 polls take milliseconds. The interpreter runs
 # programs one after another, so waiting there is pointless: it gives up at once, which is also
@@ -38,6 +43,14 @@ INTERPRETER_SPIN_LIMIT = 1
 # The interpreter has no residency to respect: rows of up to this many chunks split there, so
 # CPU tests reach the split paths.
 INTERPRETER_MAX_SIBLINGS = 16
+
+class RowPath(str, enum.Enum):
+    """How a row-reducing op covers a row: the same three names in every such op."""
+
+    FUSED = "fused"  # whole rows in one program's registers
+    SPLIT = "split"  # a row cut into chunks across sibling programs that meet (this module)
+    LONG = "long"  # rows of more chunks than max_siblings(): the op's own multi-pass or looped kernels
+
 
 # States of a chunk: its owner writes it, unless the owner stopped waiting (ABANDONED); then
 # whichever of the owner and the row's last program first moves it to TAKEN writes it.

@@ -1,5 +1,6 @@
-"""Launch table for fk-attention: block shapes, warps, pipeline stages, autotuning and the Hopper
-tensor-descriptor (TMA) gate.
+"""fk-attention's plan, top to bottom: block shapes, warps, pipeline stages, autotuning, the Hopper
+tensor-descriptor (TMA) gate, and the launch code that binds them once per (shapes, strides, dtype,
+device, flags).
 
 Three kernels share it (`Kind`): the forward (a BLOCK_M block of queries walks the keys in steps
 of BLOCK_N), dQ (same walk, backward) and dK/dV (a BLOCK_N block of keys walks the queries of its

@@ -1,6 +1,8 @@
-"""Launch table for fk-layernorm (LayerNorm and RMSNorm share it).
+"""fk-layernorm's plan, top to bottom: its numbers, the path and tiles of a shape, and the launch
+code that binds them once per (shape, strides, dtypes, device, flags). LayerNorm and RMSNorm
+share it.
 
-Three paths, by row length:
+Three paths (`fk_runtime.siblings.RowPath`), by row length:
 - fused: rows that fit `sizing.fused_row_block` (backward: up to BACKWARD_FUSED_MAX_ELEMENTS, or
   BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT for RMSNorm in 16 bits) are
   held whole in registers: several rows per program in the forward, and a persistent backward
@@ -11,22 +13,22 @@ Three paths, by row length:
   one read and one write of HBM per tensor. The backward's programs are persistent over a group
   of rows, keeping dweight / dbias partials of their chunk in registers, and meet once per
   batch of rows (dx is written from a second read of the batch, which L2 still holds);
-- looped: rows with more chunks than `siblings.max_siblings()` allows, and the STABLE backward
-  of long rows: one program per row walks it in chunks (re-reading it from L2), dweight / dbias
+- long, looped: rows with more chunks than `siblings.max_siblings()` allows, and the STABLE
+  backward of long rows: one program per row walks it in chunks (re-reading it from L2), dweight / dbias
   from a column-tiled kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 
 import torch
 
 from fk_runtime import alloc, backend, checks, partials, siblings, sizing, views
-from fk_runtime.launch import Launch, PlanCache
-from fk_runtime.siblings import max_siblings, spin_limit
+from fk_runtime.launch import PLAN_CACHE_SIZE, Launch, PlanCache
+from fk_runtime.siblings import RowPath as Path
+from fk_runtime.siblings import PROGRAM_WARPS, max_siblings, spin_limit
 
 from . import kernels
 
@@ -69,24 +71,15 @@ SIXTEEN_BIT_ITEMSIZE = 2
 LOOPED_CHUNK_BYTES = 16384
 PARAMS_TILE_BYTES = 16384
 PARAMS_MAX_BLOCK_D = 512
-# Split rows: each program's chunk, on SPLIT_NUM_WARPS warps (4: a quarter of an SM's threads,
-# so that siblings.SIBLINGS_PER_SM programs fit on a multiprocessor whatever their registers).
-# The forward holds its chunk in the input's dtype through the wait (bf16 widened after it by a
-# shift, `siblings.widen_held`). These sizes beat half-size chunks on every H100 row (TUNING.md).
+# Split rows: each program's chunk, on the sibling protocol's PROGRAM_WARPS warps. The forward
+# holds its chunk in the input's dtype through the wait (bf16 widened after it by a shift,
+# `siblings.widen_held`). These sizes beat half-size chunks on every H100 row (TUNING.md).
 SPLIT_FORWARD_CHUNK_BYTES = 16384
 SPLIT_BACKWARD_CHUNK_ELEMENTS = 4096
 # Backward: a split program takes a batch of rows per meeting with its siblings, this many bytes
 # of each input (x, dy) in all: it reads the batch's chunks once for the row sums and once more,
 # from L2, to write dx. LayerNorm gained most on the longest rows, RMSNorm tied (TUNING.md).
 SPLIT_BACKWARD_BATCH_BYTES = 32768
-SPLIT_NUM_WARPS = 4
-PLAN_CACHE_SIZE = 1024
-
-
-class Path(str, enum.Enum):
-    FUSED = "fused"
-    SPLIT = "split"
-    LOOPED = "looped"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +133,10 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = Fa
     chunk = SPLIT_FORWARD_CHUNK_BYTES // sizing.element_size(dtype)
     chunks = _split_chunks(n_cols, chunk)
     if chunks is not None:
-        return Plan(Path.SPLIT, 1, chunk, SPLIT_NUM_WARPS, chunks=chunks,
+        return Plan(Path.SPLIT, 1, chunk, PROGRAM_WARPS, chunks=chunks,
                     chunks_p2=sizing.next_power_of_2(chunks), spin_limit=spin_limit())
     chunk = LOOPED_CHUNK_BYTES // sizing.element_size(dtype)
-    return Plan(Path.LOOPED, 1, chunk, sizing.num_warps_for(chunk))
+    return Plan(Path.LONG, 1, chunk, sizing.num_warps_for(chunk))
 
 
 def _backward_fused_max(dtype: torch.dtype, is_rms: bool) -> int:
@@ -174,21 +167,21 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = F
         batch_rows = max(1, SPLIT_BACKWARD_BATCH_BYTES // chunk_bytes)
         batches = sizing.cdiv(n_rows, batch_rows)
         groups = max(1, min(batches, max_siblings() // chunks))
-        return Plan(Path.SPLIT, 1, SPLIT_BACKWARD_CHUNK_ELEMENTS, SPLIT_NUM_WARPS, groups,
+        return Plan(Path.SPLIT, 1, SPLIT_BACKWARD_CHUNK_ELEMENTS, PROGRAM_WARPS, groups,
                     chunks=chunks, chunks_p2=sizing.next_power_of_2(chunks), spin_limit=spin_limit(),
                     batch_rows=batch_rows)
     chunk = LOOPED_CHUNK_BYTES // sizing.element_size(dtype)
     tile = sizing.tile_2d(n_rows, n_cols, dtype, PARAMS_TILE_BYTES, PARAMS_MAX_BLOCK_D)
     col_tiles = sizing.cdiv(n_cols, tile.block_cols)
     groups, per_group = _groups(n_rows, n_cols, tile.block_rows, 1)
-    return Plan(Path.LOOPED, 1, chunk, sizing.num_warps_for(chunk), groups, per_group,
+    return Plan(Path.LONG, 1, chunk, sizing.num_warps_for(chunk), groups, per_group,
                 col_tiles=col_tiles, params_block_rows=tile.block_rows,
                 params_block_cols=tile.block_cols, params_num_warps=tile.num_warps)
 
 
 # ---- launch: a plan bound once per (shape, strides, dtypes, device, flags) ------------------------
 
-BOUND = PlanCache(PLAN_CACHE_SIZE)
+BOUND = PlanCache()
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -1,14 +1,16 @@
-"""Launch table for fk-softmax (softmax and log-softmax share it, forward and backward).
+"""fk-softmax's plan, top to bottom: its numbers, the path and tiles of a shape, and the launch
+code that binds them once per (shape, strides, dtype, device, flags). Softmax and log-softmax
+share it, forward and backward.
 
-Three paths, by row length:
+Three paths (`fk_runtime.siblings.RowPath`), by row length:
 - fused: rows that fit `sizing.fused_row_block` are held whole in registers, one or a few rows per
   program: one read and one write of HBM per tensor;
 - split: longer rows are cut into chunks, one program per (row, chunk). The
   programs of a row ("siblings") publish per-chunk partials (max and sum of exp, or sum of y*g),
   wait for each other, then write their chunk from registers: still one read and one write. This
   needs the siblings resident together, so a row may have at most `max_siblings()` chunks;
-- two-pass: rows with more chunks than that (on an H100, past 2 x 132 x 4096 = 1.08M columns
-  forward and 2.16M backward): a partials kernel, then a kernel that combines the row's
+- long, in two passes: rows with more chunks than that (on an H100, past 2 x 132 x 4096 = 1.08M
+  columns forward and 2.16M backward): a partials kernel, then a kernel that combines the row's
   partials and re-reads its chunk to write it (one more read of the input), over chunks of the
   fused size.
 """
@@ -16,21 +18,21 @@ Three paths, by row length:
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 
 import torch
 
 from fk_runtime import alloc, checks, siblings, sizing, views
-from fk_runtime.launch import Launch, PlanCache
-from fk_runtime.siblings import max_siblings, spin_limit
+from fk_runtime.launch import PLAN_CACHE_SIZE, Launch, PlanCache
+from fk_runtime.siblings import RowPath as Path
+from fk_runtime.siblings import PROGRAM_WARPS, max_siblings, spin_limit
 
 from . import kernels
 
 # Short rows: a program takes whole rows until it holds at least this many bytes of input.
 # 8 KB: within 2% of the best on every H100 row swept; 1.8% ahead of 4 KB on fp32 (TUNING.md).
 FUSED_TILE_BYTES = 8192
-# Split rows: columns per program, on SPLIT_NUM_WARPS warps.
+# Split rows: columns per program, on the sibling protocol's PROGRAM_WARPS (4) warps.
 # 4096 on 4 warps: best or within 3% of it in 11 of the 12 H100 cases swept (TUNING.md).
 SPLIT_CHUNK_ELEMENTS = 4096
 # ... and twice that when it pads the row no more and the row has at most SPLIT_WIDE_MAX_CHUNKS
@@ -40,15 +42,14 @@ SPLIT_WIDE_MAX_CHUNKS = 32
 # The backward holds its y and grad_y chunks in their own dtype through the wait, which leaves
 # registers for twice the columns: 7% faster than 4096 on the longest rows (TUNING.md).
 SPLIT_BACKWARD_CHUNK_ELEMENTS = 8192
-# Few threads per program keep many resident: while some wait for siblings, others load.
-SPLIT_NUM_WARPS = 4
-PLAN_CACHE_SIZE = 1024
 
 
-class Path(str, enum.Enum):
-    FUSED = "fused"
-    SPLIT = "split"
-    TWO_PASS = "two_pass"
+def _forward_chunk(n_cols: int) -> int:
+    wide, narrow = SPLIT_WIDE_CHUNK_ELEMENTS, SPLIT_CHUNK_ELEMENTS
+    wide_chunks = sizing.cdiv(n_cols, wide)
+    if wide_chunks <= SPLIT_WIDE_MAX_CHUNKS and wide_chunks * wide <= sizing.cdiv(n_cols, narrow) * narrow:
+        return wide
+    return narrow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +64,6 @@ class Plan:
     spin_limit: int
 
 
-def _forward_chunk(n_cols: int) -> int:
-    wide, narrow = SPLIT_WIDE_CHUNK_ELEMENTS, SPLIT_CHUNK_ELEMENTS
-    wide_chunks = sizing.cdiv(n_cols, wide)
-    if wide_chunks <= SPLIT_WIDE_MAX_CHUNKS and wide_chunks * wide <= sizing.cdiv(n_cols, narrow) * narrow:
-        return wide
-    return narrow
-
-
 # Plans depend only on the shape and dtype: cached, so a call pays for a dict lookup.
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def plan(n_rows: int, n_cols: int, dtype: torch.dtype, backward: bool = False) -> Plan:
@@ -80,16 +73,16 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, backward: bool = False) -
         return Plan(Path.FUSED, rows, block, 1, 1, sizing.row_warps(rows * block), sizing.cdiv(n_rows, rows), 0)
     chunk, path = SPLIT_BACKWARD_CHUNK_ELEMENTS if backward else _forward_chunk(n_cols), Path.SPLIT
     if sizing.cdiv(n_cols, chunk) > max_siblings():
-        chunk, path = sizing.looped_row_block(dtype), Path.TWO_PASS
+        chunk, path = sizing.looped_row_block(dtype), Path.LONG
     chunks = sizing.cdiv(n_cols, chunk)
-    warps = SPLIT_NUM_WARPS if path is Path.SPLIT else sizing.row_warps(chunk)
+    warps = PROGRAM_WARPS if path is Path.SPLIT else sizing.row_warps(chunk)
     return Plan(path, 1, chunk, chunks, sizing.next_power_of_2(chunks), warps,
                 n_rows * chunks, spin_limit())
 
 
 # ---- launch: a plan bound once per (shape, strides, dtype, device, flags) -------------------------
 
-BOUND = PlanCache(PLAN_CACHE_SIZE)
+BOUND = PlanCache()
 
 
 def _around(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, bool]:

@@ -1,4 +1,5 @@
-"""Launch table for fk-weightedsum (y = x @ w over the last dim; fp32 accumulation).
+"""fk-weightedsum's plan, top to bottom: its numbers, the tiles of a shape and the launch code that
+binds them once per (shape, strides, dtype, device). y = x @ w over the last dim, fp32 accumulation.
 
 - forward: one program per row tile, walking D in BLOCK_D steps; when row tiles alone give fewer
   than FORWARD_MIN_PROGRAMS_PER_SM programs per multiprocessor, D is split across programs too
@@ -15,7 +16,7 @@ import functools
 import torch
 
 from fk_runtime import alloc, backend, checks, partials, sizing, views
-from fk_runtime.launch import Launch, PlanCache
+from fk_runtime.launch import PLAN_CACHE_SIZE, Launch, PlanCache
 
 from . import kernels
 
@@ -37,7 +38,6 @@ BACKWARD_MAX_BLOCK_D = 1024
 BACKWARD_MAX_BLOCK_ROWS = 64
 BACKWARD_NUM_STAGES = 1
 BACKWARD_LAUNCH_BY_ITEMSIZE = {2: (4, 8), 4: (8, 8)}
-PLAN_CACHE_SIZE = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,7 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype) -> Plan:
 
 # ---- launch: a plan bound once per (shape, strides, dtype, device) --------------------------------
 
-BOUND = PlanCache(PLAN_CACHE_SIZE)
+BOUND = PlanCache()
 
 
 def bind_forward_2d(x2: torch.Tensor, weight: torch.Tensor, plan: Plan | None = None):
