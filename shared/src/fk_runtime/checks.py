@@ -56,6 +56,8 @@ def check_kernel_device(name: str, value: torch.Tensor) -> None:
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:
     present = {k: v for k, v in tensors.items() if v is not None}
+    if len(present) < 2:
+        return
     devices = {v.device for v in present.values()}
     if len(devices) > 1:
         where = ", ".join(f"{k} on {v.device}" for k, v in present.items())
@@ -64,6 +66,8 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 
 def check_same_dtype(**tensors: torch.Tensor | None) -> None:
     present = {k: v for k, v in tensors.items() if v is not None}
+    if len(present) < 2:
+        return
     dtypes = {v.dtype for v in present.values()}
     if len(dtypes) > 1:
         which = ", ".join(f"{k} is {v.dtype}" for k, v in present.items())
@@ -77,6 +81,8 @@ def check_shape(name: str, value: torch.Tensor, expected: tuple[int, ...]) -> No
 
 def check_positive(name: str, value) -> None:
     """A finite real number above 0 (Python or NumPy scalars; not a bool)."""
+    if type(value) is float and 0.0 < value < math.inf:  # the usual case, without the ABC check
+        return
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     try:
         ok = ok and math.isfinite(value) and value > 0
