@@ -64,25 +64,38 @@ def test_plan_cache_is_bounded():
         assert len(cache) <= 3
 
 
-def test_bound_launch_reuses_its_compiled_kernel():
+def test_bound_launch_reuses_its_compiled_kernel(monkeypatch):
     """After the first call of a specialization, a Launch launches the compiled kernel directly
-    (GPU); with a misaligned tensor it specializes again rather than reuse an aligned kernel."""
+    (GPU: no more slow-path calls); a tensor of the same shape and strides that is not 16-byte
+    aligned takes the slow path once, for a kernel of its own, and gets the right answer."""
     if not testing.on_gpu():
         pytest.skip("compiled kernels exist on a GPU only (the interpreter runs each call)")
     import fk_weightedsum.plan as plan
 
+    slow = []
+    real_slow = launch.Launch._slow
+
+    def counted(self, head):
+        slow.append(self)
+        return real_slow(self, head)
+
+    monkeypatch.setattr(launch.Launch, "_slow", counted)
+    monkeypatch.setattr(plan, "BOUND", launch.PlanCache())
     x = testing.randn((64, 256), torch.float32)
     w = testing.randn((256,), torch.float32)
-    plan.BOUND.clear()
     first = weighted_sum(x, w)
+    bound = len(slow)
+    assert bound > 0
     again = weighted_sum(x, w)
+    assert len(slow) == bound, "a bound launch went through Triton's JIT again"
     torch.testing.assert_close(first, again, rtol=0, atol=0)
-    launches = [c for run in plan.BOUND.values() for c in _launches(run)]
-    assert launches and all(len(c._compiled) == 1 for c in launches)
-    # A view starting 4 bytes in: not 16-byte aligned, so not the aligned kernel.
-    storage = testing.randn((64 * 257 + 1,), torch.float32)
-    x_odd = storage[1:].view(64, 257)[:, :256]
+    # The same shape and strides, 4 bytes into a storage: same plan, a different specialization.
+    storage = testing.randn((64 * 256 + 4,), torch.float32)
+    x_odd = storage[1:1 + 64 * 256].view(64, 256)
+    assert x_odd.stride() == x.stride() and x_odd.data_ptr() % 16
     testing.assert_close("misaligned", weighted_sum(x_odd, w), x_odd.double() @ w.double(), torch.float32)
+    assert len(slow) > bound
+    assert any(len(c._compiled) == 2 for run in plan.BOUND.values() for c in _launches(run))
 
 
 def _launches(run):

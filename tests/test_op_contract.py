@@ -3,8 +3,6 @@ on each registered op (schema, fake, autograd registration, AOT dispatch), and `
 `vmap` and `jacrev` over each public function agree with torch's own results (float64 reference
 on fresh random inputs)."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,6 +58,19 @@ def test_opcheck(name):
     torch.library.opcheck(op, args)
 
 
+def test_registered_ops_check_their_inputs():
+    """torch.ops.fk.* called directly (not through the checked public functions) still refuse
+    mixed dtypes: a plan bound for one dtype is never reused for another."""
+    x, w = _x(4, 8), _x(8)
+    torch.ops.fk.weighted_sum(x, w)
+    with pytest.raises(TypeError, match="one dtype"):
+        torch.ops.fk.weighted_sum(x, w.double())
+    q, k, v = _qkv()
+    torch.ops.fk.attention(q, k, v, False, 0.25)
+    with pytest.raises(TypeError, match="one dtype"):
+        torch.ops.fk.attention(q, k.double(), v, False, 0.25)
+
+
 def _reference_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
@@ -112,6 +123,17 @@ def test_jacrev_matches_torch(name):
     testing.assert_close("jacobian", got, want, torch.float32)
 
 
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_forward_mode_ad_raises(name):
+    """Forward-mode AD (dual tensors) is not supported: it raises rather than drop the tangent."""
+    fk_fn, _, make = FUNCTIONS[name]
+    inputs = make()
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(inputs[0], torch.randn_like(inputs[0]))
+        with pytest.raises(RuntimeError, match="jvp"):
+            fk_fn(dual, *inputs[1:])
+
+
 def test_vmap_of_grad_matches_torch():
     """Per-example gradients, the usual torch.func pattern."""
     w = _x(12)
@@ -120,4 +142,3 @@ def test_vmap_of_grad_matches_torch():
     ref = torch.func.grad(_loss(lambda x, w: F.rms_norm(x, (12,), w, 1e-6)), argnums=1)
     want = torch.stack([ref(x.double(), w.double()) for x in xs])
     testing.assert_close("per-example grad", got, want, torch.float32)
-    assert math.isfinite(got.sum().item())

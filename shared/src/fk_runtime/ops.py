@@ -29,6 +29,12 @@ import torch
 # Tensor types the implementation may touch directly (data pointers, strides of real memory).
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_forward_ad = torch.autograd.forward_ad
+
+
+def _forward_ad_active() -> bool:
+    """Whether a forward-mode AD level is open (dual tensors are plain tensors to look at)."""
+    return getattr(_forward_ad, "_current_level", -1) >= 0
 
 
 def transforms_active() -> bool:
@@ -189,7 +195,8 @@ def define(
     c_apply = super(torch.autograd.Function, eager).apply
 
     def apply(*inputs):
-        if _functorch_active() or torch.compiler.is_compiling():
+        # torch.func, compiling and forward-mode AD take torch's own apply (the last raises: no jvp).
+        if _functorch_active() or torch.compiler.is_compiling() or _forward_ad_active():
             return function.apply(*inputs)
         grad_mode = torch.is_grad_enabled()
         records = False

@@ -230,9 +230,9 @@ def heads_key(batch_heads: int) -> int:
     return min(sizing.next_power_of_2(batch_heads), KEY_MAX_HEADS)
 
 
-def _is_hopper_or_newer() -> bool:
+def _is_hopper_or_newer(device: torch.device | None = None) -> bool:
     return (backend.backend() is backend.Backend.CUDA
-            and torch.cuda.get_device_capability() >= DESCRIPTOR_MIN_CAPABILITY)
+            and torch.cuda.get_device_capability(device) >= DESCRIPTOR_MIN_CAPABILITY)
 
 
 def candidates(kind: Kind, head_dim: int, descriptors: bool) -> tuple[Config, ...]:
@@ -294,12 +294,12 @@ def launch_tuned(kernel, kind: Kind, head_dim: int, descriptors: bool, grid, arg
         return getattr(tuned, "best_config", None)
 
 
-def fp8_supported() -> tuple[bool, str]:
-    """Whether fp8 inputs can run here, and why not."""
+def fp8_supported(device: torch.device | None = None) -> tuple[bool, str]:
+    """Whether fp8 inputs can run on `device` (default: the current GPU), and why not."""
     if backend.backend() is not backend.Backend.CUDA:
         return False, ("fp8 attention needs a CUDA GPU (compute capability >= 8.9), backend is "
                        f"{backend.backend().value}")
-    capability = torch.cuda.get_device_capability()
+    capability = torch.cuda.get_device_capability(device)
     if capability < FP8_MIN_CAPABILITY:
         return False, f"fp8 attention needs compute capability >= 8.9, this GPU has {capability}"
     return True, ""
@@ -440,8 +440,8 @@ def _strides_allow_descriptors(t: torch.Tensor) -> bool:
         for i in range(t.dim() - 1) if t.shape[i] > 1)
 
 
-def _on_hopper_descriptors() -> bool:
-    return DESCRIPTORS_ON_HOPPER and _is_hopper_or_newer()
+def _on_hopper_descriptors(device: torch.device) -> bool:
+    return DESCRIPTORS_ON_HOPPER and _is_hopper_or_newer(device)
 
 
 class _Kernel:
@@ -466,9 +466,9 @@ class _Kernel:
             descriptors = config.descriptors
         self.forced = descriptors
         self.may_use = descriptors if descriptors is not None else (
-            _on_hopper_descriptors() and all(_strides_allow_descriptors(t) for t in operands))
+            _on_hopper_descriptors(device) and all(_strides_allow_descriptors(t) for t in operands))
         self.layouts = tuple((list(t.shape), _descriptor_strides(t)) for t in operands)
-        self.tuning_key = (kind, self.head_dim, meta["CAUSAL"], tail[-4:])
+        self.tuning_key = (kind, self.head_dim, meta["CAUSAL"], meta.get("HAS_DLSE"), tail[-4:], device.index)
         self.launches: dict = {}
 
     def _use_descriptors(self, head) -> bool:
@@ -540,8 +540,10 @@ def _bind_forward(q, k, v, causal: bool, sm_scale: float, config=None, descripto
     """The forward of one key: run(q, k, v) -> (out, lse)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_kernel_device(name, t)
+    checks.check_same_device(q=q, k=k, v=v)
+    checks.check_same_dtype(q=q, k=k, v=v)
     if q.dtype in FP8_DTYPES:
-        ok, why = fp8_supported()
+        ok, why = fp8_supported(q.device)
         if not ok:
             raise TypeError(why)
     b, hq, n_q, d = q.shape
@@ -588,7 +590,7 @@ def forward(q, k, v, causal: bool, sm_scale: float, config: Config | None = None
     if config is not None or descriptors is not None:
         return _bind_forward(q, k, v, causal, sm_scale, config, descriptors)(q, k, v)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
-           causal, sm_scale)
+           k.get_device(), v.get_device(), causal, sm_scale)
     run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(q, k, v, causal, sm_scale))
     return run(q, k, v)
 
@@ -596,6 +598,12 @@ def forward(q, k, v, causal: bool, sm_scale: float, config: Config | None = None
 def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, causal: bool, sm_scale: float,
                    configs=None, descriptors=None):
     """The backward of one key: run(grad_out, grad_lse, q, k, v, out, lse) -> (dq, dk, dv)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("grad_out", grad_out), ("lse", lse)):
+        checks.check_kernel_device(name, t)
+    checks.check_same_device(q=q, k=k, v=v, out=out, grad_out=grad_out, lse=lse, grad_lse=grad_lse)
+    checks.check_same_dtype(q=q, k=k, v=v, out=out, grad_out=grad_out)
+    if lse.dtype != torch.float32 or (grad_lse is not None and grad_lse.dtype != torch.float32):
+        raise TypeError("lse and grad_lse must be float32")
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     dtype, device = q.dtype, q.device
@@ -663,9 +671,10 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, causal: bool, sm_scale: floa
     if configs is not None or descriptors is not None:
         return _bind_backward(grad_out, grad_lse, q, k, v, out, lse, causal, sm_scale, configs,
                               descriptors)(grad_out, grad_lse, q, k, v, out, lse)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(),
-           None if grad_lse is None else grad_lse.stride(), q.dtype, grad_out.dtype, q.get_device(), causal,
-           sm_scale)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(), lse.stride(),
+           None if grad_lse is None else (grad_lse.stride(), grad_lse.dtype, grad_lse.get_device()),
+           q.dtype, k.dtype, v.dtype, out.dtype, grad_out.dtype, lse.dtype,
+           tuple(t.get_device() for t in (q, k, v, out, grad_out, lse)), causal, sm_scale)
     run = BOUND.get(key) or BOUND.get_or_build(
         key, lambda: _bind_backward(grad_out, grad_lse, q, k, v, out, lse, causal, sm_scale))
     return run(grad_out, grad_lse, q, k, v, out, lse)

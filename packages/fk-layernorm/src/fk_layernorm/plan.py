@@ -207,10 +207,15 @@ def _stat_rows(stats: torch.Tensor, is_rms: bool, stable: bool) -> tuple:
     return (rstd if is_rms else stats[1]), rstd, (stats[-1] if stable else rstd)
 
 
-def _bind_forward(x, has_w: bool, has_b: bool, eps: float, is_rms: bool, stable: bool, save_stats: bool):
+def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: bool):
     """The forward of one key: run(x, w, b) -> (y, stats); w, b contiguous (x's rows stand in
     for an absent one: no load reaches it)."""
-    checks.check_kernel_device("x", x)
+    for name, t in (("x", x), ("weight", w), ("bias", b)):
+        if t is not None:
+            checks.check_kernel_device(name, t)
+    checks.check_same_device(x=x, weight=w, bias=b)
+    checks.check_same_dtype(weight=w, bias=b)
+    has_w, has_b = w is not None, b is not None
     shape, dtype, device = x.shape, x.dtype, x.device
     x2, is_view = _rows(x)
     n_rows, n_cols = x2.shape
@@ -269,6 +274,9 @@ def _absent(x: torch.Tensor) -> torch.Tensor:
 
 def _bind_backward(grad_y, x, w_dtype, b_dtype, is_rms: bool, stable: bool):
     """The backward of one key: run(grad_y, x, w, stats) -> (grad_x, grad_w, grad_b)."""
+    checks.check_kernel_device("x", x)
+    checks.check_same_device(grad_y=grad_y, x=x)
+    checks.check_same_dtype(grad_y=grad_y, x=x)
     shape, dtype, device = x.shape, x.dtype, x.device
     has_w, has_b = w_dtype is not None, b_dtype is not None
     x2, x_view = _rows(x)
@@ -344,10 +352,10 @@ def forward(x, weight, bias, eps: float, is_rms: bool, stable: bool, save_stats:
     """(y, stats): y like x (contiguous), stats as `stats_shape` gives them."""
     w = weight.contiguous() if weight is not None else None  # the kernels read contiguous vectors
     b = bias.contiguous() if bias is not None else None
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), None if w is None else w.dtype,
-           None if b is None else b.dtype, eps, is_rms, stable, save_stats)
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), None if w is None else (w.dtype, w.get_device()),
+           None if b is None else (b.dtype, b.get_device()), eps, is_rms, stable, save_stats)
     run = BOUND.get(key) or BOUND.get_or_build(
-        key, lambda: _bind_forward(x, w is not None, b is not None, eps, is_rms, stable, save_stats))
+        key, lambda: _bind_forward(x, w, b, eps, is_rms, stable, save_stats))
     return run(x, w, b)
 
 
@@ -356,8 +364,8 @@ def backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
     w = weight.contiguous() if weight is not None else None
     w_dtype = None if weight is None else weight.dtype
     b_dtype = None if bias is None else bias.dtype
-    key = (x.shape, x.stride(), grad_y.stride(), x.dtype, grad_y.dtype, x.get_device(), w_dtype, b_dtype,
-           is_rms, stable, "backward")
+    key = (x.shape, x.stride(), grad_y.stride(), x.dtype, grad_y.dtype, x.get_device(), grad_y.get_device(),
+           w_dtype, None if weight is None else weight.get_device(), b_dtype, is_rms, stable, "backward")
     run = BOUND.get(key) or BOUND.get_or_build(
         key, lambda: _bind_backward(grad_y, x, w_dtype, b_dtype, is_rms, stable))
     return run(grad_y, x, w, stats)

@@ -142,6 +142,9 @@ def _bind_forward(x: torch.Tensor, dim: int, causal: bool, log: bool):
 
 def _bind_backward(y: torch.Tensor, grad_y: torch.Tensor, dim: int, log: bool):
     """The backward of one (shapes, strides, dtype, device, dim, log): run(y, grad_y) -> grad_x."""
+    checks.check_kernel_device("y", y)
+    checks.check_same_device(y=y, grad_y=grad_y)
+    checks.check_same_dtype(y=y, grad_y=grad_y)
     shape, dtype, device = y.shape, y.dtype, y.device
     if y.numel() == 0:
         return lambda y, g: alloc.empty(shape, dtype=dtype, device=device)
@@ -202,6 +205,7 @@ def forward(x: torch.Tensor, dim: int, causal: bool, log: bool) -> torch.Tensor:
 
 def backward(y: torch.Tensor, grad_y: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     """grad_x (contiguous, y's shape) from the forward's output y and its gradient."""
-    key = (y.shape, y.stride(), grad_y.stride(), y.dtype, grad_y.dtype, y.get_device(), dim, log, "backward")
+    key = (y.shape, y.stride(), grad_y.stride(), y.dtype, grad_y.dtype, y.get_device(), grad_y.get_device(),
+           dim, log, "backward")
     run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_backward(y, grad_y, dim, log))
     return run(y, grad_y)

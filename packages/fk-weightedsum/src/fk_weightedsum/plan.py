@@ -161,6 +161,8 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def _bind_forward(x: torch.Tensor, weight: torch.Tensor):
     checks.check_kernel_device("x", x)
     checks.check_kernel_device("weight", weight)
+    checks.check_same_device(x=x, weight=weight)
+    checks.check_same_dtype(x=x, weight=weight)
     x2, is_view = _rows(x)
     run2d = bind_forward_2d(x2, weight)
     out_shape = x.shape[:-1]
@@ -168,6 +170,10 @@ def _bind_forward(x: torch.Tensor, weight: torch.Tensor):
 
 
 def _bind_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    for name, t in (("grad_y", grad_y), ("x", x), ("weight", weight)):
+        checks.check_kernel_device(name, t)
+    checks.check_same_device(grad_y=grad_y, x=x, weight=weight)
+    checks.check_same_dtype(grad_y=grad_y, x=x, weight=weight)
     x2, is_view = _rows(x)
     run2d = bind_backward_2d(grad_y.reshape(-1), x2, weight)
     shape = x.shape
@@ -181,14 +187,14 @@ def _bind_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
 
 def forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight over the last dim, shape x.shape[:-1]."""
-    key = (x.shape, x.stride(), x.dtype, weight.stride(), x.get_device())
+    key = (x.shape, x.stride(), x.dtype, weight.stride(), weight.dtype, x.get_device(), weight.get_device())
     run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(x, weight))
     return run(x, weight)
 
 
 def backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
     """(grad_x like x, contiguous; grad_weight)."""
-    key = (x.shape, x.stride(), grad_y.stride(), x.dtype, grad_y.dtype, weight.stride(), x.get_device(),
-           "backward")
+    key = (x.shape, x.stride(), grad_y.stride(), x.dtype, grad_y.dtype, weight.stride(), weight.dtype,
+           x.get_device(), grad_y.get_device(), weight.get_device(), "backward")
     run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_backward(grad_y, x, weight))
     return run(grad_y, x, weight)
