@@ -421,13 +421,8 @@ def _new(shape, bnhd: bool, empty) -> torch.Tensor:
     return empty((b, n, h, d)).transpose(1, 2) if bnhd else empty((b, h, n, d))
 
 
-def alloc_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A fresh (B, H, N, D) output laid out like t (see `_heads_inside_tokens`)."""
-    dtype = dtype or t.dtype
-    return _new(t.shape, _heads_inside_tokens(t), lambda s: alloc.empty(s, dtype=dtype, device=t.device))
-
-
 def fake_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The registered fakes' output laid out like t, as the bound plans allocate it."""
     dtype = dtype or t.dtype
     return _new(t.shape, _heads_inside_tokens(t), lambda s: t.new_empty(s, dtype=dtype))
 
