@@ -71,6 +71,31 @@ def test_registered_ops_check_their_inputs():
         torch.ops.fk.attention(q, k.double(), v, False, 0.25)
 
 
+def _flag_calls():
+    x = _x(3, 8)
+    q, k, v = _qkv()
+    return {
+        "softmax causal": lambda flag: softmax(x, causal=flag),
+        "layer_norm stable": lambda flag: layer_norm(x, stable=flag),
+        "attention causal": lambda flag: attention(q, k, v, causal=flag),
+        "attention return_lse": lambda flag: attention(q, k, v, return_lse=flag),
+    }
+
+
+@pytest.mark.parametrize("name", list(_flag_calls()))
+def test_flags_take_bools_only(name):
+    """A truthy string or a tensor is refused with a TypeError naming the flag (as SDPA refuses a
+    non-bool is_causal), where it used to switch the option on; NumPy bools count as bools."""
+    call = _flag_calls()[name]
+    flag = name.split()[-1]
+    for bad in ("False", "no", 1, torch.tensor(False)):
+        with pytest.raises(TypeError, match=flag):
+            call(bad)
+    numpy = pytest.importorskip("numpy")
+    call(numpy.bool_(False))
+    call(False)
+
+
 def _reference_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
