@@ -37,9 +37,7 @@ import gc
 import json
 import math
 import shlex
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -194,26 +192,12 @@ def rel_gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _synchronize() -> None:
-    if not backend.is_interpreter():
-        torch.cuda.synchronize()
-
-
 def time_steps(steps: dict[str, Callable[[], object]], warmup: int, count: int) -> dict[str, float]:
     """Median ms of each step, every step between two synchronizations, the sides interleaved so
-    that a slow stretch of the machine weighs on both alike."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(count):
-        for name, step in steps.items():
-            _synchronize()
-            start = time.perf_counter()
-            step()
-            _synchronize()
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    that a slow stretch of the machine weighs on both alike (`fk_runtime.bench`'s timer)."""
+    from fk_runtime import bench
+
+    return {name: s * 1e3 for name, s in bench.interleaved_seconds(steps, warmup, 1, count).items()}
 
 
 def _check(what: str, gap: float, dtype: torch.dtype) -> None:

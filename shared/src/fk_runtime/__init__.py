@@ -29,7 +29,7 @@ PUBLIC = {
     "sizing": ("INT32_OFFSET_LIMIT", "MIN_WARPS", "Tile2D", "cdiv", "element_size", "fused_row_block",
                "launch_options", "looped_row_block", "max_warps", "next_power_of_2", "num_warps_for",
                "persistent_grid", "row_warps", "rows_per_program", "tile_2d", "vector_elements"),
-    "views": ("around", "rows"),
+    "views": ("around", "in_place", "rows"),
     # The harnesses: tests, benchmarks, the main job.
     "bench": "*",
     "testing": "*",

@@ -526,15 +526,14 @@ def host_settings() -> tuple[int, int, int]:
     return HOST_WARMUP_GPU, HOST_CALLS_GPU, HOST_REPEATS_GPU
 
 
-def time_per_call_us(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Median microseconds per call of each of `calls`, run back to back with one synchronization
-    after each batch; the repeats of all calls are interleaved so that a slow stretch of the
-    machine weighs on each alike."""
-    warmup, count, repeats = host_settings()
+def interleaved_seconds(calls: dict[str, Callable[[], object]], warmup: int, count: int,
+                        repeats: int) -> dict[str, float]:
+    """Median wall seconds per call of each of `calls`: `count` calls back to back between two
+    synchronizations make one sample; the samples of all calls are interleaved so that a slow
+    stretch of the machine weighs on each alike. Host work included: what a user pays."""
     for call in calls.values():
         for _ in range(warmup):
             call()
-    _synchronize()
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
@@ -543,8 +542,14 @@ def time_per_call_us(calls: dict[str, Callable[[], object]]) -> dict[str, float]
             for _ in range(count):
                 call()
             _synchronize()
-            samples[name].append((time.perf_counter() - start) / count * 1e6)
+            samples[name].append((time.perf_counter() - start) / count)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def time_per_call_us(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Median microseconds per call of each of `calls` (`interleaved_seconds`, host settings)."""
+    warmup, count, repeats = host_settings()
+    return {name: s * 1e6 for name, s in interleaved_seconds(calls, warmup, count, repeats).items()}
 
 
 def device_us_per_call(call: Callable[[], object], calls: int = PROFILED_CALLS) -> float | None:

@@ -24,3 +24,9 @@ def around(t: torch.Tensor, dim: int) -> torch.Tensor:
     the middle, so no dim is moved."""
     shape = t.shape
     return t.reshape(math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:]))
+
+
+def in_place(view: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether `view` (from `rows` or `around`) reads t's own memory rather than a copy: the same
+    for every tensor of t's shape and strides, so a bound launch decides it once."""
+    return view.numel() == 0 or view.data_ptr() == t.data_ptr()

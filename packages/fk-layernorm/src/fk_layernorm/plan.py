@@ -184,12 +184,6 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = F
 BOUND = PlanCache()
 
 
-def _rows(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """t as (rows, features), and whether that is a view of t (not a copy)."""
-    t2 = views.rows(t)
-    return t2, t2.numel() == 0 or t2.data_ptr() == t.data_ptr()
-
-
 def _flags(has_w: bool, has_b: bool, is_rms: bool, stable: bool) -> dict:
     return dict(IS_RMS=is_rms, STABLE=stable, HAS_W=has_w, HAS_B=has_b)
 
@@ -217,7 +211,8 @@ def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: b
     checks.check_same_dtype(weight=w, bias=b)
     has_w, has_b = w is not None, b is not None
     shape, dtype, device = x.shape, x.dtype, x.device
-    x2, is_view = _rows(x)
+    x2 = views.rows(x)
+    is_view = views.in_place(x2, x)
     n_rows, n_cols = x2.shape
     stats_size = stats_shape(n_rows, is_rms, stable, save_stats)
     fp32 = torch.empty(0, dtype=torch.float32, device=device)
@@ -279,8 +274,8 @@ def _bind_backward(grad_y, x, w_dtype, b_dtype, is_rms: bool, stable: bool):
     checks.check_same_dtype(grad_y=grad_y, x=x)
     shape, dtype, device = x.shape, x.dtype, x.device
     has_w, has_b = w_dtype is not None, b_dtype is not None
-    x2, x_view = _rows(x)
-    dy2, dy_view = _rows(grad_y)
+    x2, dy2 = views.rows(x), views.rows(grad_y)
+    x_view, dy_view = views.in_place(x2, x), views.in_place(dy2, grad_y)
     n_rows, n_cols = x2.shape
     if x.numel() == 0:
         def empty(grad_y, x, w, stats):

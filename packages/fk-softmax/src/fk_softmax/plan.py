@@ -85,20 +85,14 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, backward: bool = False) -
 BOUND = PlanCache()
 
 
-def _around(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, bool]:
-    """t as (outer, n, inner) around `dim`, and whether that is a view of t (same strides every
-    call for this key), not a copy."""
-    t3 = views.around(t, dim)
-    return t3, t3.numel() == 0 or t3.data_ptr() == t.data_ptr()
-
-
 def _bind_forward(x: torch.Tensor, dim: int, causal: bool, log: bool):
     """The forward of one (shape, strides, dtype, device, dim, causal, log): run(x) -> y."""
     checks.check_kernel_device("x", x)
     shape, dtype, device = x.shape, x.dtype, x.device
     if x.numel() == 0:
         return lambda x: alloc.empty(shape, dtype=dtype, device=device)
-    x3, is_view = _around(x, dim)
+    x3 = views.around(x, dim)
+    is_view = views.in_place(x3, x)
     outer, n_cols, inner = x3.shape
     n_rows, out_outer = outer * inner, n_cols * inner
     seq_rows = x.shape[-2] if causal else 1
@@ -148,8 +142,8 @@ def _bind_backward(y: torch.Tensor, grad_y: torch.Tensor, dim: int, log: bool):
     shape, dtype, device = y.shape, y.dtype, y.device
     if y.numel() == 0:
         return lambda y, g: alloc.empty(shape, dtype=dtype, device=device)
-    y3, y_view = _around(y, dim)
-    g3, g_view = _around(grad_y, dim)
+    y3, g3 = views.around(y, dim), views.around(grad_y, dim)
+    y_view, g_view = views.in_place(y3, y), views.in_place(g3, grad_y)
     outer, n_cols, inner = y3.shape
     n_rows, out_outer = outer * inner, n_cols * inner
     p = plan(n_rows, n_cols, dtype, backward=True)

@@ -152,18 +152,13 @@ def backward_2d(grad_y, x2, weight, plan: Plan | None = None):
     return bind_backward_2d(grad_y, x2, weight, plan)(grad_y, x2, weight)
 
 
-def _rows(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """t as (rows, D) and whether that is a view of t (not a copy)."""
-    t2 = views.rows(t)
-    return t2, t2.numel() == 0 or t2.data_ptr() == t.data_ptr()
-
-
 def _bind_forward(x: torch.Tensor, weight: torch.Tensor):
     checks.check_kernel_device("x", x)
     checks.check_kernel_device("weight", weight)
     checks.check_same_device(x=x, weight=weight)
     checks.check_same_dtype(x=x, weight=weight)
-    x2, is_view = _rows(x)
+    x2 = views.rows(x)
+    is_view = views.in_place(x2, x)
     run2d = bind_forward_2d(x2, weight)
     out_shape = x.shape[:-1]
     return lambda x, weight: run2d(x if is_view else views.rows(x), weight).reshape(out_shape)
@@ -174,7 +169,8 @@ def _bind_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
         checks.check_kernel_device(name, t)
     checks.check_same_device(grad_y=grad_y, x=x, weight=weight)
     checks.check_same_dtype(grad_y=grad_y, x=x, weight=weight)
-    x2, is_view = _rows(x)
+    x2 = views.rows(x)
+    is_view = views.in_place(x2, x)
     run2d = bind_backward_2d(grad_y.reshape(-1), x2, weight)
     shape = x.shape
 
