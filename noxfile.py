@@ -6,15 +6,17 @@
     nox -s build                 sdist + wheel of every distribution, metadata checked
     nox -s bench-weightedsum     one op's check and benchmark (the main job, one op)
 
-torch is installed first in every session from $FK_TORCH (a pip requirement, default "torch").
-On a CPU-only machine point it at a CPU build so that no session pulls the multi-GB CUDA build,
-e.g. FK_TORCH="torch==2.13.0" where that wheel is at hand, or FK_TORCH_INDEX set to PyTorch's CPU
-index (https://download.pytorch.org/whl/cpu). fk-runtime always comes from this working tree.
+torch is installed first in every session: $FK_TORCH (a pip requirement) from $FK_TORCH_INDEX when
+set; else, on a machine with no GPU, a CPU build (a local `torch-*+cpu` wheel for this Python found
+in pip's find-links folders, else PyTorch's CPU index) so that no session pulls the multi-GB CUDA
+build; else PyPI's default torch. fk-runtime always comes from this working tree.
 """
 
 from __future__ import annotations
 
+import configparser
 import os
+import sys
 from pathlib import Path
 
 import nox
@@ -33,10 +35,47 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
 
 
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# Device nodes of an NVIDIA or AMD GPU driver (no torch needed to look).
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+
+
+def gpu_present() -> bool:
+    return any(Path(p).exists() for p in GPU_DEVICE_FILES)
+
+
+def pip_wheel_dirs(environ) -> list[Path]:
+    """pip's find-links folders: PIP_FIND_LINKS, then the [global] find-links of pip's config files."""
+    links = environ.get("PIP_FIND_LINKS", "").split()
+    for path in ("/etc/pip.conf", "/etc/xdg/pip/pip.conf", Path.home() / ".config/pip/pip.conf",
+                 Path.home() / ".pip/pip.conf", environ.get("PIP_CONFIG_FILE", "")):
+        config = configparser.ConfigParser()
+        if path and Path(path).is_file():
+            config.read(path)
+            links += config.get("global", "find-links", fallback="").split()
+    return [Path(link.removeprefix("file://")) for link in links if not link.startswith(("http:", "https:"))]
+
+
+def _wheel_version(wheel: Path) -> list[int]:
+    return [int(part) for part in wheel.name.split("-")[1].split("+")[0].split(".") if part.isdigit()]
+
+
+def torch_install_args(environ, gpu: bool, wheel_dirs, python_tag: str) -> list[str]:
+    """What `pip install` gets for torch (see the module docstring)."""
+    index = environ.get("FK_TORCH_INDEX")
+    if "FK_TORCH" in environ or index or gpu:
+        return [environ.get("FK_TORCH", "torch"), *(["--index-url", index] if index else [])]
+    for folder in wheel_dirs:
+        wheels = sorted(Path(folder).glob(f"torch-*+cpu-{python_tag}-*.whl"), key=_wheel_version) \
+            if Path(folder).is_dir() else []
+        if wheels:
+            return [str(wheels[-1])]
+    return ["torch", "--index-url", TORCH_CPU_INDEX]
+
+
 def install_torch(session: nox.Session) -> None:
-    requirement = os.environ.get("FK_TORCH", "torch")
-    index = os.environ.get("FK_TORCH_INDEX")
-    session.install(requirement, *(["--index-url", index] if index else []))
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    session.install(*torch_install_args(os.environ, gpu_present(), pip_wheel_dirs(os.environ), tag))
 
 
 def install_packages(session: nox.Session, *paths: Path, extras: list[str] = ()) -> None:

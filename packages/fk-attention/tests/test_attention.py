@@ -9,8 +9,8 @@ from fk_runtime.launch import PlanCache
 from fk_attention import SelfAttention, attention
 from fk_attention import plan as table
 
-# The interpreter's tl.dot is wrong on bf16 (right on fp16 / fp32): bf16 runs on the GPU.
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if testing.on_gpu() else [])
+# bf16 too on the interpreter, whose bf16 tl.dot is wrong: the plan runs it in fp32 there.
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (B, Hq, Hk, Nq, Nk, D): two queries (causal: the first sees one key), odd lengths, Nq != Nk both ways, GQA and MQA, padded head
 # dims (24, 40), several blocks per program on the interpreter's 16 x 16 blocks. The two-query case
 # spans 8 heads: in one head alone, the causal gradient is a single 2-key row (the first row's is
@@ -397,6 +397,23 @@ def test_self_attention_module(mode):
     testing.assert_matches_reference(fn, torch_layer, [x, *params], dtype=torch.float32,
                                      names=["x", "w_qkv", "b_qkv", "w_proj", "b_proj"])
     assert "num_kv_heads=2" in repr(layer)
+
+
+def test_self_attention_refuses_bad_shapes_clearly():
+    """Head dims the kernels refuse fail at construction; inputs of the wrong rank or width fail
+    with a ValueError naming x (not inside einops or nn.Linear)."""
+    with pytest.raises(ValueError, match="dim / num_heads .* head dim"):
+        SelfAttention(48, 4)  # head dim 12
+    with pytest.raises(ValueError, match="dim / num_heads"):
+        SelfAttention(1024, 2)  # head dim 512
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        SelfAttention(64, 4, causal="yes")
+    layer = SelfAttention(64, 4, device=testing.device())
+    for bad in (testing.randn((5, 64)), testing.randn((2, 5, 32)), testing.randn((1, 2, 5, 64))):
+        with pytest.raises(ValueError, match=r"x must be \(batch, tokens, dim=64\)"):
+            layer(bad)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        layer([[0.0] * 64])
 
 
 @pytest.mark.skipif(not testing.on_gpu(), reason="memory statistics need a GPU")

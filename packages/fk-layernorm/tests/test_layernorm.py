@@ -55,7 +55,8 @@ def test_rms_norm_backward_keeps_16bit_rows_to_16384_whole(dtype):
 
 def ref_layer_norm(x, w=None, b=None, stable=False):
     if stable:
-        x = x / torch.amax(x, dim=-1, keepdim=True)
+        scale = torch.amax(x.abs(), dim=-1, keepdim=True)
+        x = x / torch.where(scale > 0, scale, 1)
     return F.layer_norm(x, x.shape[-1:], w, b, 1e-5)
 
 
@@ -110,16 +111,55 @@ def test_rms_norm_of_one_feature(dtype):
     testing.assert_close("grad w", gw, (g.double() * x.double() * rstd).sum(0), dtype)
 
 
-@pytest.mark.parametrize("cols", [40, 20000])
+@pytest.mark.parametrize("cols", [40, 20000, LONG[-1]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stable_divides_by_row_max_with_correct_gradient(cols, dtype):
-    # Positive maxima keep the division meaningful; the gradient through the max is checked too.
-    x = testing.randn((6, cols), dtype, shift=0.5, requires_grad=True)
+@pytest.mark.parametrize("sign", ["positive", "negative", "mixed"])
+def test_stable_divides_by_row_max_magnitude_with_correct_gradient(cols, dtype, sign):
+    """Rows divided by max |x|: a negative row keeps its sign (dividing by its max flipped it), a
+    row whose max is 0 stays finite (it gave NaN), and the gradient through the max |x| (its sign
+    included) matches float64 torch."""
+    shift = {"positive": 0.5, "negative": -0.5, "mixed": 0.0}[sign]
+    x = testing.randn((4, cols), dtype, shift=shift).detach()
+    if sign == "mixed":
+        x[1] = -x[1].abs() - 0.5
+        x[1, cols // 2] = 0.0  # the row's max is 0
+        x[2].zero_()  # an all-zero row
+    x.requires_grad_(True)
     w, b = _params(cols, dtype)
     testing.assert_matches_reference(
         lambda *a: layer_norm(*a, stable=True), lambda *a: ref_layer_norm(*a, stable=True),
         [x, w, b], dtype=dtype, names=["x", "weight", "bias"],
     )
+
+
+def test_stable_rows_of_the_issue():
+    """#19's rows: all negative (sign was flipped) and a max of 0 (was NaN). Equal to plain
+    LayerNorm but for eps, which the division by max|x| (here 0.5 to 2) scales."""
+    for x in (-torch.rand(3, 6) - 0.5, torch.tensor([[-1.0, 0.0, -2.0]])):
+        x = x.to(testing.device())
+        y = layer_norm(x, stable=True)
+        testing.assert_close("y", y, ref_layer_norm(x.double(), stable=True), torch.float32)
+        torch.testing.assert_close(y, F.layer_norm(x, x.shape[-1:]), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("cols", [7, 1000, 20000, LONG[-1]])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_huge_finite_rows_are_right_or_flagged(cols, rms):
+    """An fp32 row holding 1e30 (its sum of squares overflows fp32): rows held whole come back
+    right (float64 torch), split and looped rows come back NaN; never the bias alone."""
+    x = testing.randn((3, cols), torch.float32)
+    x[1, 0] = 1e30
+    x[2, : cols // 2 + 1] = -3e36
+    w, b = _params(cols, torch.float32, bias=not rms)
+    fn = (lambda x: rms_norm(x, w, 1e-6)) if rms else (lambda x: layer_norm(x, w, b))
+    ref = ref_rms_norm(x.double(), w.double()) if rms else ref_layer_norm(x.double(), w.double(), b.double())
+    y = fn(x)
+    path = plans.forward_plan(3, cols, torch.float32, rms).path
+    if path is FUSED:
+        testing.assert_close("y", y, ref, torch.float32)
+    else:
+        assert y[1:].isnan().all(), path
+    testing.assert_close("y row 0", y[0], ref[0], torch.float32)
 
 
 @pytest.mark.parametrize("rms", [False, True])
@@ -236,6 +276,21 @@ def test_empty_inputs():
         assert y.shape == x.shape
         gx, gw, gb = torch.autograd.grad(y, [x, w, b], torch.ones_like(y))
         assert gx.shape == x.shape and torch.all(gw == 0) and torch.all(gb == 0)
+
+
+@pytest.mark.parametrize("module", [LayerNorm, RMSNorm])
+def test_modules_initialise_from_the_meta_device(module):
+    """The usual deferred init: build on "meta", `to_empty`, then `reset_parameters()` (as torch's
+    modules have it) gives torch's initial parameters."""
+    with torch.device("meta"):
+        layer = module(24)
+    layer.to_empty(device=testing.device())
+    layer.reset_parameters()
+    theirs = getattr(torch.nn, module.__name__)(24, device=testing.device())
+    for name, p in theirs.named_parameters():
+        torch.testing.assert_close(getattr(layer, name), p, rtol=0, atol=0)
+    x = testing.randn((3, 24))
+    torch.testing.assert_close(layer(x), theirs(x), rtol=1e-5, atol=1e-5)
 
 
 def test_modules_are_drop_ins_for_torch():

@@ -15,6 +15,11 @@ import sys
 import torch
 
 INTERPRET_ENV = "TRITON_INTERPRET"
+NO_GPU_HINT = (
+    f"fk's kernels need a CUDA or ROCm GPU, and torch sees none here. To run them on the CPU through "
+    f"Triton's interpreter (slow; for tests), set {INTERPRET_ENV}=1 in the environment before "
+    "importing triton or any fk op"
+)
 
 
 class Backend(str, enum.Enum):

@@ -61,6 +61,14 @@ _current_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
                    or (lambda index: torch.cuda.current_stream(index).cuda_stream))
 
 
+def _interpreted(kernel) -> bool:
+    """Whether Triton made `kernel` for its interpreter (it decides when `@triton.jit` runs): with
+    no GPU and TRITON_INTERPRET unset then, a launch dies in Triton's driver lookup instead."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
 def _idle(hook) -> bool:
     """No launch hook: None (older Triton) or an empty hook chain (Triton >= 3.5)."""
     return hook is None or getattr(hook, "calls", True) == []
@@ -123,6 +131,8 @@ class Launch:
     __slots__ = ("kernel", "grid", "tail", "meta", "device", "_tail", "_compiled", "_tensors", "_knobs")
 
     def __init__(self, kernel, grid, tail=(), meta=None, device: torch.device | None = None):
+        if backend.is_interpreter() and not _interpreted(kernel):
+            raise RuntimeError(backend.NO_GPU_HINT)
         self.kernel = kernel
         grid = tuple(int(g) for g in grid)
         self.grid = grid + (1,) * (3 - len(grid))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 from einops import rearrange
+from fk_runtime import checks
 
+from . import plan as table
 from .ops import attention
 
 
@@ -17,6 +19,7 @@ class SelfAttention(torch.nn.Module):
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, causal: bool = False,
                  bias: bool = False, device=None, dtype=None):
+        """dim / num_heads is the head dim: a multiple of 8 from 16 to 256 (the kernels' range)."""
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, value in (("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
@@ -26,14 +29,24 @@ class SelfAttention(torch.nn.Module):
             raise ValueError(f"dim ({dim}) must be a multiple of num_heads ({num_heads})")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.num_heads, self.num_kv_heads, self.causal = num_heads, num_kv_heads, causal
         self.head_dim = dim // num_heads
+        try:
+            table.check_head_dim(self.head_dim)
+        except ValueError as e:
+            raise ValueError(f"dim / num_heads ({dim} / {num_heads}) is the head dim, and fk attention's {e}") \
+                from None
+        self.dim, self.num_heads, self.num_kv_heads = dim, num_heads, num_kv_heads
+        self.causal = checks.check_flag("causal", causal)
         kv_dim = num_kv_heads * self.head_dim
         self.splits = (dim, kv_dim, kv_dim)
         self.qkv = torch.nn.Linear(dim, dim + 2 * kv_dim, bias=bias, device=device, dtype=dtype)
         self.proj = torch.nn.Linear(dim, dim, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must be (batch, tokens, dim={self.dim}), got shape {tuple(x.shape)}")
         q, k, v = self.qkv(x).split(self.splits, dim=-1)
         q, k, v = (rearrange(t, "b n (h d) -> b h n d", d=self.head_dim) for t in (q, k, v))
         out = attention(q, k, v, causal=self.causal)

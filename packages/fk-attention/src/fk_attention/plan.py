@@ -71,6 +71,9 @@ DESCRIPTOR_MAX_STRIDE_BYTES = 1 << 40
 
 # The interpreter: 16 x 16 blocks, the smallest tl.dot shape.
 INTERPRETER_BLOCK = 16
+# The interpreter's tl.dot is wrong on bf16 (NumPy has no bf16; fp16 and fp32 are right): bf16
+# inputs run there in fp32, results cast back.
+INTERPRETER_WIDENED = (torch.bfloat16,)
 # Autotune when B * H * Nq * Nk reaches this (N = 1024 with 64 heads; every case of the
 # benchmark sweep is above it). Below it a launch takes tens of microseconds on an H100, too
 # little for a sweep of compiles to pay back: the head dim's default runs (a prior, not measured).
@@ -582,6 +585,9 @@ def forward(q, k, v, causal: bool, sm_scale: float, config: Config | None = None
     """(out, lse): out like q ((B, Hq, Nq, D), bf16 for fp8 inputs), lse (B, Hq, Nq) fp32 in
     natural log. `config` (with its `descriptors` flag) or `descriptors` alone override the
     table's choice (tests; not cached)."""
+    if q.dtype in INTERPRETER_WIDENED and backend.is_interpreter():
+        out, lse = forward(q.float(), k.float(), v.float(), causal, sm_scale, config, descriptors)
+        return out.to(q.dtype), lse
     if config is not None or descriptors is not None:
         return _bind_forward(q, k, v, causal, sm_scale, config, descriptors)(q, k, v)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
@@ -663,6 +669,10 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, causal: bool, sm_scale: floa
     """(dq, dk, dv). `grad_lse` (may be None) is the gradient reaching the log-sum-exp output.
     `configs` = (dQ config, dK/dV config) or `descriptors` alone override the table's choice
     (tests; not cached; each config's `descriptors` flag holds for its kernel)."""
+    if q.dtype in INTERPRETER_WIDENED and backend.is_interpreter():
+        wide = [t.float() for t in (grad_out, q, k, v, out)]
+        grads = backward(wide[0], grad_lse, *wide[1:], lse, causal, sm_scale, configs, descriptors)
+        return tuple(g.to(q.dtype) for g in grads)
     if configs is not None or descriptors is not None:
         return _bind_backward(grad_out, grad_lse, q, k, v, out, lse, causal, sm_scale, configs,
                               descriptors)(grad_out, grad_lse, q, k, v, out, lse)

@@ -4,8 +4,12 @@ Means multiply by `inv_n_cols` (1/n computed on the host): the fp32 `/` Triton e
 approximate division, whose rounding LayerNorm's 1/sqrt(var + eps) would amplify.
 
 Shared flags: IS_RMS (RMSNorm: no mean, no bias), STABLE (`stable=True`: rows divided by their
-max first), HAS_W / HAS_B (affine parameters). Statistics are fp32; per row we keep
-`mean` (LayerNorm), `rstd`, and `row_max` (STABLE) for the backward.
+largest magnitude first, 1 for an all-zero row), HAS_W / HAS_B (affine parameters). Statistics
+are fp32; per row we keep `mean` (LayerNorm), `rstd`, and `row_max` (STABLE: the max |x|) for
+the backward.
+
+Rows whose sums overflow fp32 (|x| past ~1e19): rows held whole are normalised again from
+x / max |x| (right results); split and looped rows come back NaN (flagged, never a plausible row).
 """
 
 import triton
@@ -29,6 +33,33 @@ def _affine(xhat, w_ptr, b_ptr, cols, col_mask, HAS_W: tl.constexpr, HAS_B: tl.c
 
 
 @triton.jit
+def _abs_max(x, mask, axis):
+    """max |x| over `axis`, 1 where every entry is 0 (nothing to scale)."""
+    m = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=axis)
+    return tl.where(m > 0.0, m, 1.0)
+
+
+@triton.jit
+def _sign(x):
+    return tl.where(x < 0.0, -1.0, 1.0)
+
+
+@triton.jit
+def _rescaled_rows(x_row_ptrs, mask, inv_n_cols, eps, IS_RMS: tl.constexpr):
+    """(x-hat, mean, rstd) of rows whose sum of squares overflowed: the statistics of x / max|x|,
+    scaled back (x re-read: the common path keeps no second copy in registers)."""
+    x = tl.load(x_row_ptrs, mask=mask, other=0.0).to(tl.float32)
+    scale = _abs_max(x, mask, 1)
+    x = x / scale[:, None]
+    mean = tl.zeros_like(scale)
+    if not IS_RMS:
+        mean = tl.sum(x, axis=1) * inv_n_cols
+        x = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) * inv_n_cols + eps / (scale * scale))
+    return x * rstd[:, None], mean * scale, rstd / scale
+
+
+@triton.jit
 def norm_fwd_fused_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, max_ptr,
     n_rows, n_cols, inv_n_cols, stride_xr, stride_xc, stride_yr, eps,
@@ -43,23 +74,30 @@ def norm_fwd_fused_kernel(
     col_mask = cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows64 * stride_xr + cols[None, :].to(tl.int64) * stride_xc, mask=mask, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
+    x_ptrs = x_ptr + rows64 * stride_xr + cols[None, :].to(tl.int64) * stride_xc
+    x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if STABLE:
-        row_max = tl.max(tl.where(mask, x, -float("inf")), axis=1)
+        row_max = _abs_max(x, mask, 1)
         x = x / row_max[:, None]
         if SAVE_STATS:
             tl.store(max_ptr + rows, row_max, mask=row_mask)
-    if IS_RMS:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) * inv_n_cols + eps)
-        xhat = x * rstd[:, None]
-    else:
+    mean = tl.zeros((BLOCK_R,), tl.float32)
+    if not IS_RMS:
         mean = tl.sum(x, axis=1) * inv_n_cols
-        centered = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) * inv_n_cols + eps)
-        xhat = centered * rstd[:, None]
-        if SAVE_STATS:
-            tl.store(mean_ptr + rows, mean, mask=row_mask)
+        x = tl.where(mask, x - mean[:, None], 0.0)
+    squares = tl.sum(x * x, axis=1)
+    rstd = 1.0 / tl.sqrt(squares * inv_n_cols + eps)
+    xhat = x * rstd[:, None]
+    if not STABLE:
+        # A sum of squares past fp32 (or NaN): normalise those rows again, from x / max|x|.
+        overflow = ~(squares < float("inf"))
+        if tl.max(overflow.to(tl.int32), axis=0) > 0:
+            xhat_r, mean_r, rstd_r = _rescaled_rows(x_ptrs, mask, inv_n_cols, eps, IS_RMS)
+            xhat = tl.where(overflow[:, None], xhat_r, xhat)
+            mean = tl.where(overflow, mean_r, mean)
+            rstd = tl.where(overflow, rstd_r, rstd)
+    if SAVE_STATS and not IS_RMS:
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
     if SAVE_STATS:
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     y = _affine(xhat, w_ptr, b_ptr, cols, col_mask, HAS_W, HAS_B)
@@ -79,12 +117,13 @@ def norm_fwd_looped_kernel(
     x_row = x_ptr + row.to(tl.int64) * stride_xr
     row_max = 1.0
     if STABLE:
-        acc_max = tl.full((1, BLOCK_D), -float("inf"), tl.float32)
+        acc_max = tl.zeros((1, BLOCK_D), tl.float32)
         for c0 in range(0, n_cols, BLOCK_D):
             cols = c0 + tl.arange(0, BLOCK_D)[None, :]
-            x = tl.load(x_row + cols.to(tl.int64) * stride_xc, mask=cols < n_cols, other=-float("inf"))
-            acc_max = tl.maximum(acc_max, x.to(tl.float32))
+            x = tl.load(x_row + cols.to(tl.int64) * stride_xc, mask=cols < n_cols, other=0.0)
+            acc_max = tl.maximum(acc_max, tl.abs(x.to(tl.float32)))
         row_max = tl.max(tl.max(acc_max, axis=1), axis=0)
+        row_max = tl.where(row_max > 0.0, row_max, 1.0)
         if SAVE_STATS:
             tl.store(max_ptr + row, row_max)
     mean = 0.0
@@ -104,7 +143,9 @@ def norm_fwd_looped_kernel(
         x = tl.load(x_row + cols.to(tl.int64) * stride_xc, mask=mask, other=0.0).to(tl.float32) / row_max
         d = tl.where(mask, x - mean, 0.0)
         acc += d * d
-    rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(acc, axis=1), axis=0) * inv_n_cols + eps)
+    var = tl.sum(tl.sum(acc, axis=1), axis=0) * inv_n_cols
+    # A variance past fp32 comes back NaN (flagged), not as rstd = 0 (the bias alone).
+    rstd = tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan"))
     if SAVE_STATS:
         tl.store(rstd_ptr + row, rstd)
     for c0 in range(0, n_cols, BLOCK_D):
@@ -154,10 +195,12 @@ def _split_row_stats(part_ptr, chunks, n_cols, inv_n_cols, eps,
         var = (tl.sum(squares, axis=0) + tl.sum(between, axis=0)) * inv_n_cols
     row_max = 1.0
     if STABLE:
-        row_max = tl.max(partials(part_ptr + 2, chunks, FWD_PARTIALS, -float("inf"), CHUNKS_P2), axis=0)
+        row_max = tl.max(partials(part_ptr + 2, chunks, FWD_PARTIALS, 0.0, CHUNKS_P2), axis=0)
+        row_max = tl.where(row_max > 0.0, row_max, 1.0)
         mean = mean / row_max
         var = var / (row_max * row_max)
-    return mean, 1.0 / tl.sqrt(var + eps), row_max
+    # A variance past fp32 comes back NaN (flagged), not as rstd = 0 (the bias alone).
+    return mean, tl.where(var < float("inf"), 1.0 / tl.sqrt(var + eps), float("nan")), row_max
 
 
 @triton.jit
@@ -195,7 +238,7 @@ def norm_fwd_split_kernel(
     publish(part_ptr + FWD_PARTIALS * slot, total)
     publish(part_ptr + FWD_PARTIALS * slot + 1, squares)
     if STABLE:
-        publish(part_ptr + FWD_PARTIALS * slot + 2, tl.max(tl.max(tl.where(col_mask[None, :], x, -float("inf")),
+        publish(part_ptr + FWD_PARTIALS * slot + 2, tl.max(tl.max(tl.where(col_mask[None, :], tl.abs(x), 0.0),
                                                                    axis=1), axis=0))
     ready, last = await_row(arrived_ptr + row, state_ptr + slot, chunks, spin_limit)
     row_parts = part_ptr + FWD_PARTIALS * row * chunks
@@ -329,13 +372,13 @@ def norm_bwd_fused_kernel(
             dz -= c2[:, None]
         dz = dz * rstd[:, None]
         if STABLE:
-            # z = x / max(x): dx = dz / m, and the max's entries get -sum(dz * x) / m^2, shared
-            # between ties as torch.amax's gradient shares it.
+            # z = x / m, m = max|x|: dx = dz / m, and the entries of largest magnitude get
+            # sign(x) * -sum(dz * x) / m^2, shared between ties as torch.amax's gradient shares it.
             dx = dz / row_max
-            is_max = mask & (x == row_max)
+            is_max = mask & (tl.abs(x) == row_max)
             ties = tl.sum(is_max.to(tl.float32), axis=1)
             through_max = -tl.sum(tl.where(mask, dz * x, 0.0), axis=1) / (row_max_1d * row_max_1d)
-            dx += tl.where(is_max, (through_max / ties)[:, None], 0.0)
+            dx += tl.where(is_max, _sign(x) * (through_max / ties)[:, None], 0.0)
         else:
             dx = dz
         tl.store(dx_ptr + rows.to(tl.int64)[:, None] * stride_dxr + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
@@ -403,7 +446,7 @@ def norm_bwd_looped_dx_kernel(
             xhat = _normalized(x, mean, rstd, row_max, IS_RMS, STABLE)
             dz = (wdy - xhat * c1 - c2) * rstd
             acc1 += tl.where(mask, dz * x, 0.0)
-            acc2 += (mask & (x == row_max)).to(tl.float32)
+            acc2 += (mask & (tl.abs(x) == row_max)).to(tl.float32)
         through_max = -tl.sum(tl.sum(acc1, axis=1), axis=0) / (row_max * row_max)
         ties = tl.sum(tl.sum(acc2, axis=1), axis=0)
     for c0 in range(0, n_cols, BLOCK_D):
@@ -413,7 +456,7 @@ def norm_bwd_looped_dx_kernel(
         xhat = _normalized(x, mean, rstd, row_max, IS_RMS, STABLE)
         dx = (wdy - xhat * c1 - c2) * rstd
         if STABLE:
-            dx = dx / row_max + tl.where(x == row_max, through_max / ties, 0.0)
+            dx = dx / row_max + tl.where(tl.abs(x) == row_max, _sign(x) * (through_max / ties), 0.0)
         tl.store(dx_ptr + row.to(tl.int64) * stride_dxr + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 

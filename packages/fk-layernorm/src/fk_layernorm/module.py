@@ -35,8 +35,15 @@ def _check_features(module: torch.nn.Module, x) -> None:
         )
 
 
+def _reset(module: torch.nn.Module) -> None:
+    if module.weight is not None:
+        torch.nn.init.ones_(module.weight)
+    if getattr(module, "bias", None) is not None:
+        torch.nn.init.zeros_(module.bias)
+
+
 class LayerNorm(torch.nn.Module):
-    """`torch.nn.LayerNorm(normalized_shape)` over the last dim, plus `stable` (rows divided by their max first)."""
+    """`torch.nn.LayerNorm(normalized_shape)` over the last dim, plus `stable` (rows divided by their max |x| first)."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, device=None, dtype=None, stable: bool = False):
@@ -45,11 +52,16 @@ class LayerNorm(torch.nn.Module):
         self.eps, self.elementwise_affine, self.stable = eps, elementwise_affine, stable
         factory = {"device": device, "dtype": dtype}
         if elementwise_affine:
-            self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape, **factory))
-            self.bias = torch.nn.Parameter(torch.zeros(self.normalized_shape, **factory)) if bias else None
+            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
+            self.bias = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory)) if bias else None
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """weight 1, bias 0, as torch's (and after `to_empty` from the meta device)."""
+        _reset(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_features(self, x)
@@ -70,9 +82,14 @@ class RMSNorm(torch.nn.Module):
         self.normalized_shape = (_features(normalized_shape),)
         self.eps, self.elementwise_affine = eps, elementwise_affine
         if elementwise_affine:
-            self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """weight 1, as torch's (and after `to_empty` from the meta device)."""
+        _reset(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_features(self, x)

@@ -92,8 +92,11 @@ def _norm(x, weight, bias, eps, is_rms: bool, stable: bool) -> torch.Tensor:
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, stable: bool = False) -> torch.Tensor:
     """LayerNorm over the last dim (`torch.nn.functional.layer_norm(x, x.shape[-1:], ...)`).
 
-    `stable=True` divides each row by its max first, with the gradient flowing through the
-    division. fp32 statistics for every dtype."""
+    `stable=True` divides each row by its largest magnitude max|x| first (an all-zero row by 1),
+    with the gradient flowing through the division: LayerNorm is unchanged by that positive scale
+    but for eps, and no sum overflows. fp32 statistics for every dtype; a row whose sums overflow
+    fp32 is normalised again from x / max|x| where the row fits in registers, else comes back NaN
+    (see `fk_layernorm.kernels`)."""
     _check(x, weight, bias, eps)
     return _norm(x, weight, bias, eps, False, checks.check_flag("stable", stable))
 
