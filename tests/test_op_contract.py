@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from fk_runtime import testing
 
-from fk_attention import attention
+from fk_attention import attention, attention_varlen
 from fk_layernorm import layer_norm, rms_norm
 from fk_softmax import log_softmax, softmax
 from fk_weightedsum import weighted_sum
@@ -31,6 +31,12 @@ def _opcheck_cases():
     q, k, v = _qkv(requires_grad=True)
     y = softmax(x.detach())
     out, lse = attention(q.detach(), k.detach(), v.detach(), return_lse=True)
+    # Packed: three sequences (query lengths 4, 0, 6; key lengths 7, 3, 5), GQA 4:2.
+    cu_q = torch.tensor([0, 4, 4, 10], dtype=torch.int32, device=testing.device())
+    cu_k = torch.tensor([0, 7, 10, 15], dtype=torch.int32, device=testing.device())
+    qp = testing.randn((10, 4, 16), torch.float32, requires_grad=True)
+    kp, vp = (testing.randn((15, 2, 16), torch.float32, requires_grad=True) for _ in range(2))
+    outp, lsep = attention_varlen(qp.detach(), kp.detach(), vp.detach(), cu_q, cu_k, 6, 7, return_lse=True)
     stats = torch.ops.fk.norm(x.detach(), w.detach(), b.detach(), 1e-5, False, False, True)[1]
     fk = torch.ops.fk
     return {
@@ -42,10 +48,17 @@ def _opcheck_cases():
                                                      False, False)),
         "weighted_sum": (fk.weighted_sum.default, (x, w)),
         "weighted_sum_backward": (fk.weighted_sum_backward.default, (_x(5), x.detach(), w.detach())),
-        "attention": (fk.attention.default, (q, k, v, True, 0.25)),
+        "attention": (fk.attention.default, (q, k, v, 0.25, -1, 0, False, 0.0)),
+        "attention window softcap": (fk.attention.default, (q, k, v, 0.25, 3, 1, True, 5.0)),
         "attention_backward": (fk.attention_backward.default,
                                (testing.randn(out.shape), None, q.detach(), k.detach(), v.detach(), out,
-                                lse, True, 0.25)),
+                                lse, 0.25, -1, 0, False, 0.0)),
+        "attention_varlen": (fk.attention_varlen.default,
+                             (qp, kp, vp, cu_q, cu_k, 6, 7, 0.25, -1, 0, True, 0.0)),
+        "attention_varlen_backward": (fk.attention_varlen_backward.default,
+                                      (testing.randn(outp.shape), testing.randn(lsep.shape), qp.detach(),
+                                       kp.detach(), vp.detach(), outp, lsep, cu_q, cu_k, 6, 7, 0.25, 2, -1,
+                                       False, 0.0)),
     }
 
 
@@ -66,9 +79,9 @@ def test_registered_ops_check_their_inputs():
     with pytest.raises(TypeError, match="one dtype"):
         torch.ops.fk.weighted_sum(x, w.double())
     q, k, v = _qkv()
-    torch.ops.fk.attention(q, k, v, False, 0.25)
+    torch.ops.fk.attention(q, k, v, 0.25, -1, -1, False, 0.0)
     with pytest.raises(TypeError, match="one dtype"):
-        torch.ops.fk.attention(q, k.double(), v, False, 0.25)
+        torch.ops.fk.attention(q, k.double(), v, 0.25, -1, -1, False, 0.0)
 
 
 def _flag_calls():
@@ -89,7 +102,10 @@ def test_flags_take_bools_only(name):
     call = _flag_calls()[name]
     flag = name.split()[-1]
     for bad in ("False", "no", 1, torch.tensor(False)):
-        with pytest.raises(TypeError, match=flag):
+        # attention's causal also takes the strings "upper_left" and "lower_right": others are a
+        # ValueError there.
+        error = ValueError if name == "attention causal" and isinstance(bad, str) else TypeError
+        with pytest.raises(error, match=flag):
             call(bad)
     numpy = pytest.importorskip("numpy")
     call(numpy.bool_(False))

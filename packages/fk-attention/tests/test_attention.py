@@ -218,13 +218,14 @@ def test_every_tiling_and_load_path(tiling, lengths, causal):
     # dK/dV walks queries in steps of BLOCK_M with BLOCK_N keys held: swap for the other shape.
     bwd = (fwd, table.Config(block_n, block_m, 4, 1, descriptors))
     scale = 0.3
-    out, lse = table.forward(q, k, v, causal, scale, config=fwd)
+    mask = table.CAUSAL if causal else table.FULL
+    out, lse = table.forward(q, k, v, mask, scale, config=fwd)
     ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference(*ref_inputs, causal=causal, scale=scale, lse=True)
     testing.assert_close("out", out, ref_out, torch.float32)
     testing.assert_close("lse", lse, ref_lse, torch.float32)
     g_out, g_lse = testing.randn(out.shape), testing.randn(lse.shape)
-    grads = table.backward(g_out, g_lse, q, k, v, out, lse, causal, scale, configs=bwd)
+    grads = table.backward(g_out, g_lse, q, k, v, out, lse, mask, scale, configs=bwd)
     ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [g_out.double(), g_lse.double()])
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         testing.assert_close(f"grad {name}", g, r, torch.float32)
@@ -243,7 +244,8 @@ def test_descriptors_on_odd_strides(causal):
     if testing.on_gpu() and not table.use_descriptors(q, k, v):
         pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
     config = table.Config(16, 16, 4, 1, True)
-    out, lse = table.forward(q, k, v, causal, 0.3, config=config)
+    mask = table.CAUSAL if causal else table.FULL
+    out, lse = table.forward(q, k, v, mask, 0.3, config=config)
     ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference(*ref_inputs, causal=causal, scale=0.3, lse=True)
     testing.assert_close("out", out, ref_out, torch.float32)
@@ -251,7 +253,7 @@ def test_descriptors_on_odd_strides(causal):
     # The backward reads q and the upstream gradient through the same kind of strides.
     g_out = testing.randn((1, 3, 1, d + 1), torch.float32)[:, :1, :, :d]
     g_lse = testing.randn(lse.shape)
-    grads = table.backward(g_out, g_lse, q, k, v, out, lse, causal, 0.3, configs=(config, config))
+    grads = table.backward(g_out, g_lse, q, k, v, out, lse, mask, 0.3, configs=(config, config))
     ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [g_out.double(), g_lse.double()])
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         testing.assert_close(f"grad {name}", g, r, torch.float32)
@@ -374,7 +376,7 @@ def test_compiled_graph_runs_the_fk_ops():
 def test_registered_op_is_differentiable(mode):
     """torch.ops.fk.attention on its own (register_autograd), eager and compiled."""
     inputs = make((1, 2, 1, 13, 21, 16), torch.float32)
-    fn = testing.maybe_compile(lambda q, k, v: torch.ops.fk.attention(q, k, v, True, 0.25), mode)
+    fn = testing.maybe_compile(lambda q, k, v: torch.ops.fk.attention(q, k, v, 0.25, -1, 0, False, 0.0), mode)
     results = testing.check_against_reference(
         fn, lambda q, k, v: reference(q, k, v, True, 0.25, lse=True), inputs, dtype=torch.float32,
     )

@@ -3,8 +3,8 @@
 from fk_runtime import package_version
 
 from .module import SelfAttention
-from .ops import attention
+from .ops import attention, attention_varlen
 
 __version__ = package_version(__name__, __file__)
 
-__all__ = ["SelfAttention", "__version__", "attention"]
+__all__ = ["SelfAttention", "__version__", "attention", "attention_varlen"]

@@ -6,7 +6,14 @@ Hopper; passed as a kernel parameter, so no program builds one; zero fill past t
 through pointers with masks. (The `*_ptr` operands of the kernels are those descriptors when
 USE_DESC is set.) Head dims are padded to HEAD_DIM_PADDED (a power of
 two) with zeros, sequence ends are masked, so no length rule applies. GQA: query head h reads
-key/value head h // group. Causal masking is SDPA's top-left alignment: query i sees keys j <= i.
+key/value head h // group.
+
+Masks (WINDOW): query i sees key j when -left <= j - (i + shift) <= right, shift = Nk - Nq for
+lower-right alignment (`lower_right` = 1), else 0; causal is right = 0, an unbounded side a bound
+past every length. Key (or query) blocks no row sees are skipped, and blocks every row sees fully
+run without a mask. SOFTCAP: scores s * scale become cap * tanh(s * scale / cap). VARLEN: packed
+sequences, (1, H, total, D) operands, sequence b's rows [cu[b], cu[b + 1]) (dense tensors use
+b as the batch index and start every sequence at row 0).
 
 Softmax works in base 2 (exp2 of scores scaled by sm_scale * log2(e)) with fp32 statistics; the
 row log-sum-exp is saved in natural log (what callers merging partial attentions use) and turned
@@ -22,14 +29,14 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _source(t, b, h, stride_b, stride_h, USE_DESC: tl.constexpr):
+def _source(t, b, h, stride_b, stride_h, first, stride_n, USE_DESC: tl.constexpr):
     """Head (b, h) of a (B, H, N, D) operand: the whole tensor's descriptor (its loads and stores
     name b and h; out-of-range rows and the head-dim padding read as zeros, writes there are
-    dropped) or a pointer to the head's first row."""
+    dropped) or a pointer to the head's first row (row `first`: where a packed sequence starts)."""
     if USE_DESC:
         return t
     else:
-        return t + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+        return t + tl.cast(b, tl.int64) * stride_b + tl.cast(h, tl.int64) * stride_h + tl.cast(first, tl.int64) * stride_n
 
 
 @triton.jit
@@ -44,7 +51,7 @@ def _load(src, b, h, start, n_rows, stride_n, stride_d, BLOCK: tl.constexpr, HEA
         rows = tl.arange(0, BLOCK)
         cols = tl.arange(0, HEAD_DIM_PADDED)
         # The block's offset in 64 bits (long sequences of wide rows), the tile's in 32.
-        ptrs = src + start.to(tl.int64) * stride_n + rows[:, None] * stride_n + cols[None, :] * stride_d
+        ptrs = src + tl.cast(start, tl.int64) * stride_n + rows[:, None] * stride_n + cols[None, :] * stride_d
         if CHECK_ROWS:
             if HEAD_DIM == HEAD_DIM_PADDED:
                 tile = tl.load(ptrs, mask=(start + rows)[:, None] < n_rows, other=0.0)
@@ -69,7 +76,7 @@ def _store(dst, tile, b, h, start, n_rows, stride_n, stride_d, BLOCK: tl.constex
     else:
         rows = tl.arange(0, BLOCK)
         cols = tl.arange(0, HEAD_DIM_PADDED)
-        ptrs = dst + start.to(tl.int64) * stride_n + rows[:, None] * stride_n + cols[None, :] * stride_d
+        ptrs = dst + tl.cast(start, tl.int64) * stride_n + rows[:, None] * stride_n + cols[None, :] * stride_d
         mask = (start + rows)[:, None] < n_rows
         if HEAD_DIM != HEAD_DIM_PADDED:
             mask = mask & (cols[None, :] < HEAD_DIM)
@@ -77,38 +84,98 @@ def _store(dst, tile, b, h, start, n_rows, stride_n, stride_d, BLOCK: tl.constex
 
 
 @triton.jit
-def _key_range(start_m, n_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """For the query block at start_m: keys [0, full_end) need no mask (every row sees them all),
-    keys [full_end, end) need one (sequence end, causal diagonal); none past end are seen."""
-    if CAUSAL:
-        end = tl.minimum(n_k, start_m + BLOCK_M)
-        full_end = (tl.minimum(n_k, start_m + 1) // BLOCK_N) * BLOCK_N
-    else:
-        end = n_k
-        full_end = (n_k // BLOCK_N) * BLOCK_N
-    return full_end, end
+def _sequence(cu_ptr, b, n_fixed, total, VARLEN: tl.constexpr):
+    """(first row, length) of sequence b: packed sequences read their bounds from the int32 prefix
+    sums, clamped to [0, total] (bad bounds give wrong rows, never an out-of-range access); a
+    dense batch starts every sequence at row 0 with the same length."""
+    if VARLEN:
+        first = tl.minimum(tl.maximum(tl.load(cu_ptr + b), 0), total)
+        end = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1), first), total)
+        return first, end - first
+    return 0, n_fixed
 
 
 @triton.jit
-def _key_mask(offs_m, cols, n_k, CAUSAL: tl.constexpr):
+def _tanh(x):
+    """tanh from exp2 (the interpreter has no libdevice): 1 - 2 / (e^2x + 1), exact at +-inf."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def _capped(s, cap_scale, SOFTCAP: tl.constexpr):
+    """Scores before the base-2 scale: tanh(s * sm_scale / cap) with softcapping (the kernels'
+    qk_scale then holds cap * log2(e)), else s itself."""
+    if SOFTCAP:
+        return _tanh(s * cap_scale)
+    return s
+
+
+@triton.jit
+def _key_range(start_m, n_k, shift, left, right, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Key blocks of the query block at start_m: [lo, full_lo) and [full_hi, hi) need a mask,
+    [full_lo, full_hi) none (every row sees every key there); keys outside [lo, hi) are seen by no
+    row and skipped. WINDOW: row i sees keys j with -left <= j - (i + shift) <= right."""
+    if WINDOW:
+        lo = (tl.maximum(start_m + shift - left, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + shift + right), lo)
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + shift - left, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        full_hi = (tl.maximum(start_m + shift + right + 1, 0) // BLOCK_N) * BLOCK_N
+        full_hi = tl.maximum(tl.minimum(full_hi, (n_k // BLOCK_N) * BLOCK_N), full_lo)
+    else:
+        lo = 0
+        full_lo = 0
+        full_hi = (n_k // BLOCK_N) * BLOCK_N
+        hi = n_k
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_range(start_n, n_q, shift, left, right, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, ROWS_PAST_END: tl.constexpr):
+    """`_key_range` seen from the key block at start_n: query blocks [lo, full_lo) and
+    [full_hi, hi) need a mask (and row checks), [full_lo, full_hi) neither. ROWS_PAST_END: loads
+    read zeros past n_q by themselves (TMA), so the unmasked walk may take the last partial block."""
+    body_end = n_q if ROWS_PAST_END else (n_q // BLOCK_M) * BLOCK_M
+    if WINDOW:
+        lo = (tl.maximum(start_n - shift - right, 0) // BLOCK_M) * BLOCK_M
+        hi = tl.maximum(tl.minimum(n_q, start_n + BLOCK_N - shift + left), lo)
+        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift - right, 0), BLOCK_M) * BLOCK_M
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        full_hi = (tl.maximum(start_n - shift + left + 1, 0) // BLOCK_M) * BLOCK_M
+        full_hi = tl.maximum(tl.minimum(full_hi, body_end), full_lo)
+    else:
+        lo = 0
+        full_lo = 0
+        full_hi = body_end
+        hi = n_q
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _visible(offs_m, cols, n_k, shift, left, right, WINDOW: tl.constexpr):
+    """Which keys each query row sees: j < n_k and, with a window, -left <= j - (i + shift) <= right."""
     valid = cols[None, :] < n_k
-    if CAUSAL:
-        valid = valid & (cols[None, :] <= offs_m[:, None])
+    if WINDOW:
+        d = cols[None, :] - (offs_m[:, None] + shift)
+        valid = valid & (d >= -left) & (d <= right)
     return valid
 
 
 @triton.jit
-def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, qk_scale,
-               skn, skd, svn, svd,
-               CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-               HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift, left, right,
+               qk_scale, cap_scale, skn, skd, svn, svd,
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr,
+               PRECISION: tl.constexpr):
     """Online softmax over the key blocks [lo, hi): running max m, running sum l, O accumulator."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load(k_src, b, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
         if MASKED:
-            valid = _key_mask(offs_m, start_n + tl.arange(0, BLOCK_N), n_k, CAUSAL)
+            valid = _visible(offs_m, start_n + tl.arange(0, BLOCK_N), n_k, shift, left, right, WINDOW)
             s = tl.where(valid, s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row with no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
@@ -116,7 +183,7 @@ def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, qk_sc
             p = tl.exp2(s - m_shift[:, None])
             alpha = tl.exp2(m_i - m_shift)
         else:
-            # Unmasked: scale inside the max (sm_scale > 0), then one FMA per score.
+            # Unmasked: scale inside the max (qk_scale > 0), then one FMA per score.
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             p = tl.exp2(s * qk_scale - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
@@ -129,105 +196,127 @@ def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, qk_sc
 
 
 @triton.jit
+def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, b, h, hk, start_m, n_q, n_k, shift, left, right,
+               qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod,
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+               HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows [start_m, start_m + BLOCK_M) of one (sequence, head): the output and the row
+    log-sum-exp. A row that sees no key gets 0 and -inf (the log-sum-exp of nothing)."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = _load(q_src, b, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
+    lo, full_lo, full_hi, hi = _key_range(start_m, n_k, shift, left, right, WINDOW, BLOCK_M, BLOCK_N)
+    if WINDOW:
+        acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, full_lo, offs_m, n_k, shift, left,
+                                   right, qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True,
+                                   BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, full_lo, full_hi, offs_m, n_k, shift, left,
+                               right, qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, False,
+                               BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, full_hi, hi, offs_m, n_k, shift, left,
+                               right, qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True,
+                               BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc * (1.0 / l_safe)[:, None]
+    _store(o_dst, out, b, h, start_m, n_q, son, sod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
+    lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    tl.store(lse_row + offs_m, lse, mask=offs_m < n_q)
+
+
+@triton.jit
 def attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, n_q, n_k, n_heads, group,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, sm_scale, softcap,
+    n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, slb, slh,
     n_q_key, n_k_key, bh_key, dtype_key,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-    USE_DESC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One block of queries against every key it sees: O = softmax(Q K^T * scale) V, and the row
-    log-sum-exp. Causal: the blocks that see the most keys start first (shorter ones fill the
-    tail). n_*_key, bh_key, dtype_key: autotuning keys only."""
+    log-sum-exp. With a window (causal included) the blocks that see the most keys start first
+    (shorter ones fill the tail). VARLEN: b is a packed sequence, n_q / n_k the longest lengths
+    the grid was sized for; a longer sequence's extra blocks are walked by its programs in turn.
+    n_*_key, bh_key, dtype_key: autotuning keys only."""
     n_blocks = tl.cdiv(n_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // n_blocks
     block = pid % n_blocks
-    if CAUSAL:
+    if WINDOW:
         block = n_blocks - 1 - block
-    start_m = block * BLOCK_M
     b = bh // n_heads
     h = bh % n_heads
     hk = h // group
-    q_src = _source(q_ptr, b, h, sqb, sqh, USE_DESC)
-    k_src = _source(k_ptr, b, hk, skb, skh, USE_DESC)
-    v_src = _source(v_ptr, b, hk, svb, svh, USE_DESC)
-    o_dst = _source(o_ptr, b, h, sob, soh, USE_DESC)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _load(q_src, b, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
-    qk_scale = sm_scale * LOG2E
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
-    full_end, end = _key_range(start_m, n_k, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, 0, full_end, offs_m, n_k, qk_scale,
-                               skn, skd, svn, svd, CAUSAL, False, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED,
-                               USE_DESC, PRECISION)
-    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, full_end, end, offs_m, n_k, qk_scale,
-                               skn, skd, svn, svd, CAUSAL, True, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED,
-                               USE_DESC, PRECISION)
-    # Every row sees key 0 (n_k == 0 never reaches the kernel), so l > 0; the guard is cheap.
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc * (1.0 / l_safe)[:, None]
-    _store(o_dst, out, b, h, start_m, n_q, son, sod,
-           BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
-    lse = (m_i + tl.log2(l_safe)) * LN2
-    tl.store(lse_ptr + bh.to(tl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+    q_first, n_q_b = _sequence(cu_q_ptr, b, n_q, total_q, VARLEN)
+    k_first, n_k_b = _sequence(cu_k_ptr, b, n_k, total_k, VARLEN)
+    shift = lower_right * (n_k_b - n_q_b)
+    q_src = _source(q_ptr, b, h, sqb, sqh, q_first, sqn, USE_DESC)
+    k_src = _source(k_ptr, b, hk, skb, skh, k_first, skn, USE_DESC)
+    v_src = _source(v_ptr, b, hk, svb, svh, k_first, svn, USE_DESC)
+    o_dst = _source(o_ptr, b, h, sob, soh, q_first, son, USE_DESC)
+    lse_row = lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + q_first
+    if SOFTCAP:
+        qk_scale = softcap * LOG2E
+        cap_scale = sm_scale / softcap
+    else:
+        qk_scale = sm_scale * LOG2E
+        cap_scale = 1.0
+    if VARLEN:
+        for start_m in range(block * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
+            _fwd_block(q_src, k_src, v_src, o_dst, lse_row, b, h, hk, start_m, n_q_b, n_k_b, shift, left, right,
+                       qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW, SOFTCAP, HEAD_DIM,
+                       HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+    else:
+        _fwd_block(q_src, k_src, v_src, o_dst, lse_row, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right,
+                   qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW, SOFTCAP, HEAD_DIM,
+                   HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, n_k, qk_scale,
-              skn, skd, svn, svd,
-              CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-              HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr):
-    """dQ += dS K over the key blocks [lo, hi), P recomputed from the saved log-sum-exp."""
+def _row_lse2(lse_row, offs_m, n_q):
+    """Saved row log-sum-exps in base 2; +inf for a row that saw no key (lse -inf), so that its
+    recomputed P is 0, and 0 past n_q (those rows hold q = dO = 0: they contribute nothing)."""
+    lse = tl.load(lse_row + offs_m, mask=offs_m < n_q, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift, left, right,
+              qk_scale, cap_scale, skn, skd, svn, svd,
+              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """dQ += dS K over the key blocks [lo, hi), P recomputed from the saved log-sum-exp; with
+    softcapping dS also carries the cap's derivative, 1 - tanh^2."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load(k_src, b, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         v = _load(v_src, b, hk, start_n, n_k, svn, svd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
-        z = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None]
+        t = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
+        z = t * qk_scale - lse2[:, None]
         if MASKED:
-            z = tl.where(_key_mask(offs_m, start_n + tl.arange(0, BLOCK_N), n_k, CAUSAL), z, float("-inf"))
+            valid = _visible(offs_m, start_n + tl.arange(0, BLOCK_N), n_k, shift, left, right, WINDOW)
+            z = tl.where(valid, z, float("-inf"))
         p = tl.exp2(z)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
 
 @triton.jit
-def attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr,
-    sm_scale, n_q, n_k, n_heads, group,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-    sdob, sdoh, sdon, sdod, sdlb, sdlh, sdln, sdqb, sdqh, sdqn, sdqd,
-    n_q_key, n_k_key, bh_key, dtype_key,
-    CAUSAL: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """dQ of one query block, walking the keys it saw (no atomics: one writer per element).
-
-    It first computes the softmax backward's row term delta = rowsum(dO * O) (minus the
-    log-sum-exp's own gradient when the caller used it: d lse / d s = P, so that gradient enters
-    dS = P (dP - delta) exactly like delta) and stores it for the dK/dV kernel, which runs next:
-    no separate pass over O and dO."""
-    n_blocks = tl.cdiv(n_q, BLOCK_M)
-    pid = tl.program_id(0)
-    bh = pid // n_blocks
-    block = pid % n_blocks
-    if CAUSAL:
-        block = n_blocks - 1 - block
-    start_m = block * BLOCK_M
-    b = bh // n_heads
-    h = bh % n_heads
-    hk = h // group
-    q_src = _source(q_ptr, b, h, sqb, sqh, USE_DESC)
-    o_src = _source(o_ptr, b, h, sob, soh, USE_DESC)
-    do_src = _source(do_ptr, b, h, sdob, sdoh, USE_DESC)
-    k_src = _source(k_ptr, b, hk, skb, skh, USE_DESC)
-    v_src = _source(v_ptr, b, hk, svb, svh, USE_DESC)
-    dq_dst = _source(dq_ptr, b, h, sdqb, sdqh, USE_DESC)
+def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, delta_row, b, h, hk, start_m,
+              n_q, n_k, shift, left, right, sm_scale, qk_scale, cap_scale,
+              sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
+              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr,
+              HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ of rows [start_m, start_m + BLOCK_M), after their row term delta (stored for dK/dV)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < n_q
     q = _load(q_src, b, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
@@ -235,120 +324,194 @@ def attn_bwd_dq_kernel(
     o = _load(o_src, b, h, start_m, n_q, son, sod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:
-        dlse = tl.load(dlse_ptr + b.to(tl.int64) * sdlb + h.to(tl.int64) * sdlh + offs_m * sdln,
-                       mask=row_ok, other=0.0)
-        delta -= dlse
-    tl.store(delta_ptr + bh.to(tl.int64) * n_q + offs_m, delta, mask=row_ok)
-    # Rows past n_q: q = dO = 0 and lse = 0 give P = 1, dP = 0, delta = 0, so dS = 0 there.
-    lse2 = tl.load(lse_ptr + bh.to(tl.int64) * n_q + offs_m, mask=row_ok, other=0.0) * LOG2E
-    qk_scale = sm_scale * LOG2E
+        delta -= tl.load(dlse_row + offs_m * sdln, mask=row_ok, other=0.0)
+    tl.store(delta_row + offs_m, delta, mask=row_ok)
+    lse2 = _row_lse2(lse_row, offs_m, n_q)
     dq = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
-    full_end, end = _key_range(start_m, n_k, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, 0, full_end, offs_m, n_k, qk_scale,
-                   skn, skd, svn, svd, CAUSAL, False, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC,
-                   PRECISION)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, full_end, end, offs_m, n_k, qk_scale,
-                   skn, skd, svn, svd, CAUSAL, True, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC,
-                   PRECISION)
-    dq = dq * sm_scale
-    _store(dq_dst, dq, b, h, start_m, n_q, sdqn, sdqd,
-           BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
+    lo, full_lo, full_hi, hi = _key_range(start_m, n_k, shift, left, right, WINDOW, BLOCK_M, BLOCK_N)
+    if WINDOW:
+        dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, full_lo, offs_m, n_k, shift, left, right,
+                       qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True, BLOCK_N, HEAD_DIM,
+                       HEAD_DIM_PADDED, USE_DESC, PRECISION)
+    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, full_lo, full_hi, offs_m, n_k, shift, left, right,
+                   qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, False, BLOCK_N, HEAD_DIM,
+                   HEAD_DIM_PADDED, USE_DESC, PRECISION)
+    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, full_hi, hi, offs_m, n_k, shift, left, right,
+                   qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True, BLOCK_N, HEAD_DIM,
+                   HEAD_DIM_PADDED, USE_DESC, PRECISION)
+    _store(dq_dst, dq * sm_scale, b, h, start_m, n_q, sdqn, sdqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
 
 @triton.jit
-def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_ptr, delta_ptr, lo, hi, offs_n, n_q, qk_scale,
-                sqn, sqd, sdon, sdod,
-                CAUSAL_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+def attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
+    sm_scale, softcap, n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+    sdob, sdoh, sdon, sdod, sdlb, sdlh, sdln, sdqb, sdqh, sdqn, sdqd, slb, slh,
+    n_q_key, n_k_key, bh_key, dtype_key,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ of one query block, walking the keys it saw (no atomics: one writer per element).
+
+    It first computes the softmax backward's row term delta = rowsum(dO * O) (minus the
+    log-sum-exp's own gradient when the caller used it: d lse / d s = P, so that gradient enters
+    dS = P (dP - delta) exactly like delta) and stores it for the dK/dV kernel, which runs next:
+    no separate pass over O and dO. Blocks and sequences as in the forward."""
+    n_blocks = tl.cdiv(n_q, BLOCK_M)
+    pid = tl.program_id(0)
+    bh = pid // n_blocks
+    block = pid % n_blocks
+    if WINDOW:
+        block = n_blocks - 1 - block
+    b = bh // n_heads
+    h = bh % n_heads
+    hk = h // group
+    q_first, n_q_b = _sequence(cu_q_ptr, b, n_q, total_q, VARLEN)
+    k_first, n_k_b = _sequence(cu_k_ptr, b, n_k, total_k, VARLEN)
+    shift = lower_right * (n_k_b - n_q_b)
+    q_src = _source(q_ptr, b, h, sqb, sqh, q_first, sqn, USE_DESC)
+    o_src = _source(o_ptr, b, h, sob, soh, q_first, son, USE_DESC)
+    do_src = _source(do_ptr, b, h, sdob, sdoh, q_first, sdon, USE_DESC)
+    k_src = _source(k_ptr, b, hk, skb, skh, k_first, skn, USE_DESC)
+    v_src = _source(v_ptr, b, hk, svb, svh, k_first, svn, USE_DESC)
+    dq_dst = _source(dq_ptr, b, h, sdqb, sdqh, q_first, sdqn, USE_DESC)
+    stat_offset = tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + q_first
+    dlse_row = dlse_ptr + tl.cast(b, tl.int64) * sdlb + tl.cast(h, tl.int64) * sdlh + q_first * sdln
+    if SOFTCAP:
+        qk_scale = softcap * LOG2E
+        cap_scale = sm_scale / softcap
+    else:
+        qk_scale = sm_scale * LOG2E
+        cap_scale = 1.0
+    if VARLEN:
+        for start_m in range(block * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
+            _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
+                      delta_ptr + stat_offset, b, h, hk, start_m, n_q_b, n_k_b, shift, left, right, sm_scale,
+                      qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
+                      WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
+                      BLOCK_N)
+    else:
+        _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
+                  delta_ptr + stat_offset, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right, sm_scale,
+                  qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
+                  WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, lo, hi, offs_n, n_q, shift, left, right,
+                qk_scale, cap_scale, sqn, sqd, sdon, sdod,
+                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr,
                 PRECISION: tl.constexpr):
     """dV += P^T dO and dK += dS^T Q over the query blocks [lo, hi), computed transposed (keys as
-    rows) so that the key block's accumulators never move. Rows past n_q read q = dO = 0 (CHECK_ROWS,
-    or the descriptor's zero fill) and lse = delta = 0, which contributes exactly 0."""
+    rows) so that the key block's accumulators never move. MASKED walks check rows (past n_q they
+    read q = dO = 0 and lse = delta = 0, which contributes exactly 0) and apply the window."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load(q_src, b, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC,
-                  CHECK_ROWS)
+        q = _load(q_src, b, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         # lse and delta are always masked (a few bytes): the descriptor path walks the last
-        # partial block without CHECK_ROWS.
-        lse2 = tl.load(lse_ptr + offs_m, mask=offs_m < n_q, other=0.0) * LOG2E
-        zt = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :]
-        if CAUSAL_MASK:
-            zt = tl.where(offs_m[None, :] >= offs_n[:, None], zt, float("-inf"))
+        # partial block unmasked.
+        lse2 = _row_lse2(lse_row, offs_m, n_q)
+        tt = _capped(tl.dot(k, tl.trans(q), input_precision=PRECISION), cap_scale, SOFTCAP)
+        zt = tt * qk_scale - lse2[None, :]
+        if MASKED and WINDOW:
+            d = offs_n[:, None] - (offs_m[None, :] + shift)
+            zt = tl.where((d >= -left) & (d <= right), zt, float("-inf"))
         pt = tl.exp2(zt)
-        do = _load(do_src, b, h, start_m, n_q, sdon, sdod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC,
-                   CHECK_ROWS)
+        do = _load(do_src, b, h, start_m, n_q, sdon, sdod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
-        delta = tl.load(delta_ptr + offs_m, mask=offs_m < n_q, other=0.0)
+        delta = tl.load(delta_row + offs_m, mask=offs_m < n_q, other=0.0)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
+        if SOFTCAP:
+            dst = dst * (1.0 - tt * tt)
         dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
 @triton.jit
-def attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    sm_scale, n_q, n_k, n_heads_k, group,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
-    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    n_q_key, n_k_key, bh_key, dtype_key,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-    USE_DESC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """dK and dV of one key block of one KV head, summed over every query head of its GQA group
-    inside this program: no atomics, the same bits every run.
-
-    Per query head, three walks over the query blocks: the causal diagonal (masked), the blocks
-    below it (no mask at all), and the last partial block (row checks; TMA zero-fills it, so the
-    descriptor path folds it into the second walk)."""
-    n_blocks = tl.cdiv(n_k, BLOCK_N)
-    pid = tl.program_id(0)
-    bhk = pid // n_blocks
-    start_n = (pid % n_blocks) * BLOCK_N
-    b = bhk // n_heads_k
-    hk = bhk % n_heads_k
-    k_src = _source(k_ptr, b, hk, skb, skh, USE_DESC)
-    v_src = _source(v_ptr, b, hk, svb, svh, USE_DESC)
+def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, hk, q_first, start_n,
+                n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
+                sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd, slb, slh,
+                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK and dV of keys [start_n, start_n + BLOCK_N) of KV head hk, summed over its query heads.
+    Per query head three walks: the window's edges (masked, rows checked) around the blocks
+    that see every key (no mask); without a window the last partial block is the masked walk
+    (TMA zero-fills it, so the descriptor path folds it into the unmasked one)."""
     k = _load(k_src, b, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
     v = _load(v_src, b, hk, start_n, n_k, svn, svd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     dk = tl.zeros((BLOCK_N, HEAD_DIM_PADDED), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM_PADDED), tl.float32)
-    qk_scale = sm_scale * LOG2E
-    if CAUSAL:
-        # Queries before start_n see none of these keys; past the diagonal they see all.
-        lo = (start_n // BLOCK_M) * BLOCK_M
-        diag_end = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M, n_q)
-        body_end = tl.maximum(diag_end, (n_q // BLOCK_M) * BLOCK_M)
-    else:
-        diag_end = 0
-        body_end = (n_q // BLOCK_M) * BLOCK_M
-    if USE_DESC:
-        body_end = n_q
+    lo, full_lo, full_hi, hi = _query_range(start_n, n_q, shift, left, right, WINDOW, BLOCK_M, BLOCK_N, USE_DESC)
     # Not pipelined itself (num_stages=1): the walks inside are.
     for g in tl.range(0, group, num_stages=1):
         h = hk * group + g
-        bh = (b * n_heads_k * group + h).to(tl.int64)
-        q_src = _source(q_ptr, b, h, sqb, sqh, USE_DESC)
-        do_src = _source(do_ptr, b, h, sdob, sdoh, USE_DESC)
-        lse_h = lse_ptr + bh * n_q
-        delta_h = delta_ptr + bh * n_q
-        if CAUSAL:
-            dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_h, delta_h, lo, diag_end, offs_n,
-                                 n_q, qk_scale, sqn, sqd, sdon, sdod, True, True, BLOCK_M, HEAD_DIM,
-                                 HEAD_DIM_PADDED, USE_DESC, PRECISION)
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_h, delta_h, diag_end, body_end, offs_n,
-                             n_q, qk_scale, sqn, sqd, sdon, sdod, False, False, BLOCK_M, HEAD_DIM,
-                             HEAD_DIM_PADDED, USE_DESC, PRECISION)
-        if not USE_DESC:
-            dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_h, delta_h, body_end, n_q, offs_n,
-                                 n_q, qk_scale, sqn, sqd, sdon, sdod, False, True, BLOCK_M, HEAD_DIM,
-                                 HEAD_DIM_PADDED, USE_DESC, PRECISION)
-    dk = dk * sm_scale
-    dk_dst = _source(dk_ptr, b, hk, sdkb, sdkh, USE_DESC)
-    dv_dst = _source(dv_ptr, b, hk, sdvb, sdvh, USE_DESC)
-    _store(dk_dst, dk, b, hk, start_n, n_k, sdkn, sdkd,
-           BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
-    _store(dv_dst, dv, b, hk, start_n, n_k, sdvn, sdvd,
-           BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
+        q_src = _source(q_ptr, b, h, sqb, sqh, q_first, sqn, USE_DESC)
+        do_src = _source(do_ptr, b, h, sdob, sdoh, q_first, sdon, USE_DESC)
+        stat_offset = tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + q_first
+        lse_row = lse_ptr + stat_offset
+        delta_row = delta_ptr + stat_offset
+        if WINDOW:
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, lo, full_lo, offs_n, n_q,
+                                 shift, left, right, qk_scale, cap_scale, sqn, sqd, sdon, sdod, WINDOW, SOFTCAP,
+                                 True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, full_lo, full_hi, offs_n, n_q,
+                             shift, left, right, qk_scale, cap_scale, sqn, sqd, sdon, sdod, WINDOW, SOFTCAP,
+                             False, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, full_hi, hi, offs_n, n_q,
+                             shift, left, right, qk_scale, cap_scale, sqn, sqd, sdon, sdod, WINDOW, SOFTCAP,
+                             True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+    _store(dk_dst, dk * sm_scale, b, hk, start_n, n_k, sdkn, sdkd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
+    _store(dv_dst, dv, b, hk, start_n, n_k, sdvn, sdvd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
+    sm_scale, softcap, n_q, n_k, n_heads_k, group, lower_right, left, right, total_q, total_k,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
+    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, slb, slh,
+    n_q_key, n_k_key, bh_key, dtype_key,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """dK and dV of one key block of one KV head, summed over every query head of its GQA group
+    inside this program: no atomics, the same bits every run. Sequences as in the forward."""
+    n_blocks = tl.cdiv(n_k, BLOCK_N)
+    pid = tl.program_id(0)
+    bhk = pid // n_blocks
+    block = pid % n_blocks
+    b = bhk // n_heads_k
+    hk = bhk % n_heads_k
+    q_first, n_q_b = _sequence(cu_q_ptr, b, n_q, total_q, VARLEN)
+    k_first, n_k_b = _sequence(cu_k_ptr, b, n_k, total_k, VARLEN)
+    shift = lower_right * (n_k_b - n_q_b)
+    k_src = _source(k_ptr, b, hk, skb, skh, k_first, skn, USE_DESC)
+    v_src = _source(v_ptr, b, hk, svb, svh, k_first, svn, USE_DESC)
+    dk_dst = _source(dk_ptr, b, hk, sdkb, sdkh, k_first, sdkn, USE_DESC)
+    dv_dst = _source(dv_ptr, b, hk, sdvb, sdvh, k_first, sdvn, USE_DESC)
+    if SOFTCAP:
+        qk_scale = softcap * LOG2E
+        cap_scale = sm_scale / softcap
+    else:
+        qk_scale = sm_scale * LOG2E
+        cap_scale = 1.0
+    if VARLEN:
+        for start_n in range(block * BLOCK_N, n_k_b, n_blocks * BLOCK_N):
+            _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, hk, q_first, start_n,
+                        n_q_b, n_k_b, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
+                        sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd,
+                        slb, slh, WINDOW, SOFTCAP, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
+                        BLOCK_N)
+    else:
+        _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, hk, q_first,
+                    block * BLOCK_N, n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
+                    sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd,
+                    slb, slh, WINDOW, SOFTCAP, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)

@@ -1,15 +1,20 @@
-"""attention: checks, then the differentiable op (fk_runtime.ops.define).
+"""attention and attention_varlen: checks, then the differentiable ops (fk_runtime.ops.define).
 
-Path of a call: metadata checks -> `fk::attention` (eager: its autograd.Function straight into
-`plan.forward`, bound once per shapes, strides, dtype, device and flags: a fixed config or the
-autotuner's winner, TMA descriptors or pointers) -> forward kernel (saves O and the fp32 row
-log-sum-exp) -> backward: dQ kernel (also writes the row term delta = rowsum(dO * O)), then dK/dV
-kernel (per KV head, summed over its query heads). Nothing N x N is ever stored.
+Path of a call: metadata checks -> `fk::attention` / `fk::attention_varlen` (eager: the
+autograd.Function straight into `plan.forward` / `plan.forward_packed`, bound once per shapes,
+strides, dtype, device and mask: a fixed config or the autotuner's winner, TMA descriptors or
+pointers) -> forward kernel (saves O and the fp32 row log-sum-exp) -> backward: dQ kernel (also
+writes the row term delta = rowsum(dO * O)), then dK/dV kernel (per KV head, summed over its
+query heads). Nothing N x N is ever stored.
+
+The registered ops take the mask as plain values: window sides (-1: unbounded), lower-right
+alignment, softcap (0.0: none).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from fk_runtime import checks
@@ -18,35 +23,44 @@ from fk_runtime import ops as fk_ops
 from . import plan as table
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *table.FP8_DTYPES)
+CAUSAL_ALIGNMENTS = ("upper_left", "lower_right")
+
+
+def _mask(left: int, right: int, lower_right: bool, softcap: float) -> table.Mask:
+    return table.Mask(None if left < 0 else left, None if right < 0 else right, lower_right,
+                      softcap if softcap > 0 else None)
 
 
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, left: int, right: int,
+    lower_right: bool, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return table.forward(q, k, v, causal, sm_scale)
+    return table.forward(q, k, v, _mask(left, right, lower_right, softcap), sm_scale)
 
 
-def _forward_fake(q, k, v, causal, sm_scale):
+def _forward_fake(q, k, v, sm_scale, left, right, lower_right, softcap):
     return table.fake_like(q, table.output_dtype(q.dtype)), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _backward(
     grad_out: torch.Tensor, grad_lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
-    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool, sm_scale: float,
+    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sm_scale: float, left: int, right: int,
+    lower_right: bool, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return table.backward(grad_out, grad_lse, q, k, v, out, lse, causal, sm_scale)
+    return table.backward(grad_out, grad_lse, q, k, v, out, lse, _mask(left, right, lower_right, softcap),
+                          sm_scale)
 
 
-def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, causal, sm_scale):
+def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, *mask):
     return table.fake_like(q), table.fake_like(k), table.fake_like(v)
 
 
 def _backward_args(saved, other, grads):
-    q, k, v, out, lse = saved
+    *inputs, out, lse = saved
     grad_out, grad_lse = grads
     if grad_out is None:  # only the log-sum-exp was used
         grad_out = torch.zeros_like(out)
-    return (grad_out, grad_lse, q, k, v, out, lse, *other)
+    return (grad_out, grad_lse, *inputs[:3], out, lse, *inputs[3:], *other)
 
 
 # Both outputs are differentiable (the log-sum-exp's gradient folds into the backward's delta);
@@ -56,48 +70,200 @@ ATTENTION = fk_ops.define(
     forward=_forward, forward_fake=_forward_fake, backward=_backward, backward_fake=_backward_fake,
     save=lambda inputs, outputs: ((*inputs[:3], *outputs), inputs[3:]),
     backward_args=_backward_args,
-    input_grads=lambda other, grads, needs: (*grads, None, None),
+    input_grads=lambda other, grads, needs: (*grads, *(None,) * len(other)),
     materialize_grads=False,
 )
 
 
-def _check(q, k, v, sm_scale) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.check_tensor(name, t, dtypes=ATTENTION_DTYPES, min_dim=4, max_dim=4)
+def _packing(cu_q: torch.Tensor, max_q: int, max_k: int) -> table.Packing:
+    return table.Packing(cu_q.shape[0] - 1, max_q, max_k)
+
+
+def _forward_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+    max_k: int, sm_scale: float, left: int, right: int, lower_right: bool, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return table.forward_packed(q, k, v, cu_q, cu_k, _packing(cu_q, max_q, max_k),
+                                _mask(left, right, lower_right, softcap), sm_scale)
+
+
+def _forward_varlen_fake(q, k, v, cu_q, cu_k, *args):
+    out = q.new_empty(q.shape, dtype=table.output_dtype(q.dtype))
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _backward_varlen(
+    grad_out: torch.Tensor, grad_lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+    max_q: int, max_k: int, sm_scale: float, left: int, right: int, lower_right: bool, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return table.backward_packed(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k,
+                                 _packing(cu_q, max_q, max_k), _mask(left, right, lower_right, softcap),
+                                 sm_scale)
+
+
+def _backward_varlen_fake(grad_out, grad_lse, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+ATTENTION_VARLEN = fk_ops.define(
+    "attention_varlen",
+    forward=_forward_varlen, forward_fake=_forward_varlen_fake, backward=_backward_varlen,
+    backward_fake=_backward_varlen_fake,
+    save=lambda inputs, outputs: ((*inputs[:5], *outputs), inputs[5:]),
+    backward_args=_backward_args,
+    input_grads=lambda other, grads, needs: (*grads, None, None, *(None,) * len(other)),
+    materialize_grads=False,
+)
+
+
+def _check_heads(q, k, v, head_axis: int) -> None:
     checks.check_same_dtype(q=q, k=k, v=v)
     checks.check_same_device(q=q, k=k, v=v)
-    b, hq, _, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-    if k.shape[3] != d or v.shape[3] != d:
-        raise ValueError(f"q, k, v must share the head dim, got {d}, {k.shape[3]}, {v.shape[3]}")
+    d = q.shape[-1]
+    if k.shape[-1] != d or v.shape[-1] != d:
+        raise ValueError(f"q, k, v must share the head dim, got {d}, {k.shape[-1]}, {v.shape[-1]}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    hk = k.shape[1]
+    hq, hk = q.shape[head_axis], k.shape[head_axis]
     if hk == 0 or hq % hk != 0:
         raise ValueError(f"q's heads ({hq}) must be a multiple of k's and v's heads ({hk})")
     table.check_head_dim(d)
-    if sm_scale is not None:
-        checks.check_positive("sm_scale", sm_scale)
     if q.dtype in table.FP8_DTYPES and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise ValueError("fp8 attention is forward-only (inference): q, k, v must not require grad")
 
 
-def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, return_lse: bool = False):
-    """`scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=True)`.
+def _check(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_tensor(name, t, dtypes=ATTENTION_DTYPES, min_dim=4, max_dim=4)
+    b = q.shape[0]
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    _check_heads(q, k, v, 1)
+
+
+def _window_side(name: str, value) -> int:
+    """A window side as the registered op takes it: an int >= 0, or -1 for unbounded (None, or -1
+    as FlashAttention writes it)."""
+    if value is None:
+        return -1
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be None or an int, got {type(value).__name__}")
+    if value < -1:
+        raise ValueError(f"{name} must be >= 0 (or None / -1: unbounded), got {value}")
+    return int(value)
+
+
+def mask_args(causal, window, softcap) -> tuple[int, int, bool, float]:
+    """(left, right, lower_right, softcap) for the registered ops from the public arguments.
+
+    causal: a bool (True: "upper_left"), "upper_left", "lower_right", or torch's CausalVariant;
+    window: None or (left, right), each None / -1 (unbounded) or an int >= 0, under the causal
+    argument's alignment (top-left unless "lower_right"), causal capping right at 0; softcap: None
+    (or 0.0, as FlashAttention writes it) or a positive number."""
+    variant = getattr(causal, "name", None) if type(causal).__name__ == "CausalVariant" else None
+    if variant is not None:
+        causal = variant.lower()
+    if isinstance(causal, str):
+        if causal not in CAUSAL_ALIGNMENTS:
+            raise ValueError(f"causal must be a bool, 'upper_left' or 'lower_right', got {causal!r}")
+        is_causal, lower_right = True, causal == "lower_right"
+    else:
+        is_causal, lower_right = checks.check_flag("causal", causal), False
+    left = right = -1
+    if window is not None:
+        if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+            raise TypeError(f"window must be None or a (left, right) pair, got {window!r}")
+        left, right = _window_side("window[0]", window[0]), _window_side("window[1]", window[1])
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    cap = 0.0
+    zero = isinstance(softcap, numbers.Real) and not isinstance(softcap, bool) and softcap == 0
+    if softcap is not None and not zero:
+        checks.check_positive("softcap", softcap)
+        cap = float(softcap)
+    return left, right, lower_right, cap
+
+
+def _scale(sm_scale, head_dim: int) -> float:
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    checks.check_positive("sm_scale", sm_scale)
+    return float(sm_scale)
+
+
+def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: bool = False,
+              window=None, softcap: float | None = None):
+    """`scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=True)`,
+    with sliding windows, softcapping and lower-right causal alignment.
 
     q (B, Hq, Nq, D), k and v (B, Hk, Nk, D) with Hq a multiple of Hk (GQA/MQA), D a multiple of 8
     from 16 to 256; any strides (e.g. (B, N, H, D) tensors transposed), any lengths. fp16, bf16,
     fp32 (fp32 math inside, fp32 products); fp8 (e5m2, e4m3fn) forward only, on CUDA GPUs of
-    compute capability >= 8.9, with a bf16 output. `causal` masks key j for query i when j > i
-    (SDPA's top-left alignment when Nq != Nk). `sm_scale` > 0 defaults to 1 / sqrt(D).
+    compute capability >= 8.9, with a bf16 output. `sm_scale` > 0 defaults to 1 / sqrt(D).
+
+    `causal`: False; True or "upper_left" (query i sees keys j <= i: SDPA's `is_causal`); or
+    "lower_right" (query i sees keys j <= i + Nk - Nq: FlashAttention's convention, torch's
+    CausalVariant.LOWER_RIGHT, what a KV cache or chunked prefill needs). `window=(left, right)`
+    (None for unbounded on a side): query i sees keys j with -left <= j - (i + shift) <= right,
+    shift = Nk - Nq under "lower_right", else 0; with causal, right is at most 0. Key blocks outside
+    the window are skipped. `softcap=c`: scores become c * tanh(scores / c) before the softmax
+    (Gemma 2). A query that sees no key gets a zero output and a log-sum-exp of -inf.
 
     `return_lse=True` returns (out, lse) with lse the fp32 row log-sum-exp (B, Hq, Nq) of the
     scaled scores, natural log: what merging partial attentions needs. It is differentiable too.
     The output is laid out like q ((B, N, H, D) storage for such a view)."""
-    _check(q, k, v, sm_scale)
-    causal = checks.check_flag("causal", causal)
+    _check(q, k, v)
+    mask = mask_args(causal, window, softcap)
     return_lse = checks.check_flag("return_lse", return_lse)
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = ATTENTION.apply(q, k, v, causal, scale)
+    out, lse = ATTENTION.apply(q, k, v, _scale(sm_scale, q.shape[-1]), *mask)
+    return (out, lse) if return_lse else out
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor) -> None:
+    checks.check_tensor(name, cu, dtypes=(torch.int32,), min_dim=1, max_dim=1)
+    if cu.shape[0] < 1:
+        raise ValueError(f"{name} must hold at least one entry (0), got shape {tuple(cu.shape)}")
+    if cu.device != q.device:
+        raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+
+
+def _check_length(name: str, value) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal=False,
+                     sm_scale: float | None = None, window=None, softcap: float | None = None,
+                     return_lse: bool = False):
+    """Attention over packed sequences, as FlashAttention's `flash_attn_varlen_func`.
+
+    q (total_q, Hq, D), k and v (total_k, Hk, D): the sequences' tokens one after another;
+    `cu_seqlens_q` / `cu_seqlens_k` int32 (S + 1,) prefix sums of their lengths (sequence i is rows
+    cu[i]:cu[i + 1]), on q's device; `max_seqlen_q` / `max_seqlen_k` the longest lengths (they
+    size the grid: a smaller value costs parallelism, never correctness). No attention crosses
+    sequences and no work is spent on padding. `causal`, `window`, `softcap`, `sm_scale` as in
+    `attention`, per sequence (lower-right alignment uses each sequence's own lengths). Bounds
+    are read on the GPU without a sync: out-of-range or decreasing ones are clamped to [0, total]
+    (wrong rows, never an out-of-range access). Gradients for q, k, v; the backward is
+    deterministic.
+
+    Returns out (total_q, Hq, D), and with `return_lse=True` also lse (Hq, total_q) fp32."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_tensor(name, t, dtypes=ATTENTION_DTYPES, min_dim=3, max_dim=3)
+    _check_heads(q, k, v, 1)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one shape (sequences + 1), got "
+                         f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+    max_q = _check_length("max_seqlen_q", max_seqlen_q)
+    max_k = _check_length("max_seqlen_k", max_seqlen_k)
+    mask = mask_args(causal, window, softcap)
+    return_lse = checks.check_flag("return_lse", return_lse)
+    out, lse = ATTENTION_VARLEN.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
+                                      _scale(sm_scale, q.shape[-1]), *mask)
     return (out, lse) if return_lse else out

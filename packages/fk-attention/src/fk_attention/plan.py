@@ -9,8 +9,8 @@ GQA group in steps of BLOCK_M).
 - The interpreter runs one fixed small config (programs run one by one on the CPU; small blocks
   keep the tests quick and still take several loop steps on tiny shapes).
 - On a GPU, problems of at least AUTOTUNE_MIN_SCORES scores in fp16/bf16 are autotuned over a few
-  candidates per head dim (`triton.autotune`, key: length buckets, heads bucket, causal, head
-  dim, dtype), the result kept for the process so a shape tunes once (on disk too where no
+  candidates per head dim (`triton.autotune`, key: length buckets, heads bucket, window,
+  softcap, packed, head dim, dtype), the result kept for the process so a shape tunes once (on disk too where no
   config carries a pre-hook: Triton cannot store those, and the descriptor configs need one to
   size their tiles). Smaller problems, fp32 and fp8 launch the default config of their head dim
   (a handful of compiles instead of a sweep).
@@ -89,7 +89,7 @@ AUTOTUNE_WARMUP_MS = 100
 KEY_MIN_LENGTH = 128
 KEY_MAX_LENGTH = 16384
 KEY_MAX_HEADS = 1024
-KEY_ARGS = ["n_q_key", "n_k_key", "bh_key", "dtype_key", "CAUSAL", "HEAD_DIM"]
+KEY_ARGS = ["n_q_key", "n_k_key", "bh_key", "dtype_key", "WINDOW", "SOFTCAP", "VARLEN", "HEAD_DIM"]
 # HIP (AMD): waves per execution unit by padded head dim, (max head dim, waves); one stage.
 HIP_WAVES_PER_EU = ((64, 3), (None, 2))
 HIP_NUM_STAGES = 1
@@ -100,6 +100,37 @@ class Kind(str, enum.Enum):
     FORWARD = "fwd"
     DQ = "dq"
     DKDV = "dkdv"
+
+
+# An unbounded window side as the kernels take it: past any sequence length, and small enough that
+# their int32 bounds (position +- side) cannot overflow for lengths below 2**29.
+UNBOUNDED = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """Which keys a query sees and how scores are capped. Query i sees key j when
+    -left <= j - (i + shift) <= right (None: unbounded), shift = Nk - Nq with `lower_right`
+    (FlashAttention's and torch's CausalVariant.LOWER_RIGHT alignment), else 0 (SDPA's top-left);
+    causal is right = 0. `softcap` c: scores s become c * tanh(s / c) before the softmax."""
+
+    left: int | None = None
+    right: int | None = None
+    lower_right: bool = False
+    softcap: float | None = None
+
+    @property
+    def windowed(self) -> bool:
+        return self.left is not None or self.right is not None
+
+    def kernel_args(self) -> tuple:
+        """(softcap, lower_right, left, right) as the kernels take them."""
+        return (self.softcap or 1.0, int(self.lower_right), UNBOUNDED if self.left is None else self.left,
+                UNBOUNDED if self.right is None else self.right)
+
+
+CAUSAL = Mask(right=0)
+FULL = Mask()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,7 +423,9 @@ def fit_descriptors(nargs: dict) -> None:
 # Which block's rows each kernel's leading (B, H, N, D) operands are tiled by, in argument order
 # (None: not a tile operand): query-side tensors by BLOCK_M, key-side ones by BLOCK_N.
 FORWARD_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M")  # q, k, v, out
-# dQ: q, k, v, out, grad_out, lse, grad_lse, delta, dq; dK/dV: q, k, v, grad_out, lse, delta, dk, dv.
+# The forward's head then takes lse, cu_seqlens_q, cu_seqlens_k (packed sequences' bounds; any
+# tensor for dense ones). dQ: q, k, v, out, grad_out, lse, grad_lse, delta, dq; dK/dV: q, k, v,
+# grad_out, lse, delta, dk, dv; each then cu_seqlens_q, cu_seqlens_k.
 DQ_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", "BLOCK_M", None, None, None, "BLOCK_M")
 DKDV_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", None, None, "BLOCK_N", "BLOCK_N")
 
@@ -466,7 +499,8 @@ class _Kernel:
         self.may_use = descriptors if descriptors is not None else (
             _on_hopper_descriptors(device) and all(_strides_allow_descriptors(t) for t in operands))
         self.layouts = tuple((list(t.shape), _descriptor_strides(t)) for t in operands)
-        self.tuning_key = (kind, self.head_dim, meta["CAUSAL"], meta.get("HAS_DLSE"), tail[-4:], device.index)
+        self.tuning_key = (kind, self.head_dim, meta["WINDOW"], meta["SOFTCAP"], meta["VARLEN"],
+                           meta.get("HAS_DLSE"), tail[-4:], device.index)
         self.launches: dict = {}
 
     def _use_descriptors(self, head) -> bool:
@@ -522,9 +556,9 @@ def _keys(n_q: int, n_k: int, batch_heads: int, dtype: torch.dtype) -> tuple[int
     return length_key(n_q), length_key(n_k), heads_key(batch_heads), dtype_key(dtype)
 
 
-def _meta(causal: bool, head_dim: int, dtype: torch.dtype) -> dict:
-    return {"CAUSAL": causal, "HEAD_DIM": head_dim, "PRECISION": _precision(dtype),
-            "HEAD_DIM_PADDED": padded_head_dim(head_dim, dtype)}
+def _meta(mask: Mask, varlen: bool, head_dim: int, dtype: torch.dtype) -> dict:
+    return {"WINDOW": mask.windowed, "SOFTCAP": mask.softcap is not None, "VARLEN": varlen, "HEAD_DIM": head_dim,
+            "PRECISION": _precision(dtype), "HEAD_DIM_PADDED": padded_head_dim(head_dim, dtype)}
 
 
 def _fit(t: torch.Tensor, fits=None) -> tuple[torch.Tensor, bool]:
@@ -534,8 +568,29 @@ def _fit(t: torch.Tensor, fits=None) -> tuple[torch.Tensor, bool]:
     return (t if ok else t.contiguous()), ok
 
 
-def _bind_forward(q, k, v, causal: bool, sm_scale: float, config=None, descriptors=None):
-    """The forward of one key: run(q, k, v) -> (out, lse)."""
+def packed(t: torch.Tensor) -> torch.Tensor:
+    """A packed (total, H, D) tensor as the kernels read it: a (1, H, total, D) view."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def _strides(t: torch.Tensor, varlen: bool) -> tuple:
+    """(B, H, N, D) strides of a kernel operand; packed operands step no batch (b is the sequence)."""
+    return (0, *t.stride()[1:]) if varlen else t.stride()
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Packed sequences: how many, and the longest query / key lengths the grids are sized for."""
+
+    sequences: int
+    max_q: int
+    max_k: int
+
+
+def _bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=None,
+                  packing: Packing | None = None):
+    """The forward of one key: run(q, k, v, cu_q, cu_k) -> (out, lse). Dense: (B, H, N, D) inputs,
+    out like q, lse (B, H, N). Packed: (total, H, D) inputs, out (total, H, D), lse (H, total)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_kernel_device(name, t)
     checks.check_same_device(q=q, k=k, v=v)
@@ -544,142 +599,249 @@ def _bind_forward(q, k, v, causal: bool, sm_scale: float, config=None, descripto
         ok, why = fp8_supported(q.device)
         if not ok:
             raise TypeError(why)
-    b, hq, n_q, d = q.shape
-    hk, n_k = k.shape[1], k.shape[2]
+    varlen = packing is not None
     dtype, device, out_dtype = q.dtype, q.device, output_dtype(q.dtype)
-    bnhd = _heads_inside_tokens(q)  # out in q's layout, as the registered fake gives it
-    out_shape = q.shape
     out_proto = torch.empty(0, dtype=out_dtype, device=device)
     fp32 = torch.empty(0, dtype=torch.float32, device=device)
+    if varlen:
+        total_q, hq, d = q.shape
+        hk = k.shape[1]
+        b, n_q, n_k = packing.sequences, packing.max_q, packing.max_k
+        lse_strides = (0, total_q)
+        totals = (total_q, k.shape[0])
 
-    def new_outputs():
-        out = _new(out_shape, bnhd, functools.partial(alloc.new_empty, out_proto))
-        return out, alloc.new_empty(fp32, (b, hq, n_q))
+        def new_outputs():
+            return alloc.new_empty(out_proto, (total_q, hq, d)), alloc.new_empty(fp32, (hq, total_q))
 
-    if q.numel() == 0:
-        return lambda q, k, v: new_outputs()
-    if n_k == 0:  # no keys: SDPA gives zeros; the log-sum-exp of nothing is -inf
-        def no_keys(q, k, v):
+        def as_kernel(t):
+            return packed(t)
+    else:
+        b, hq, n_q, d = q.shape
+        hk, n_k = k.shape[1], k.shape[2]
+        bnhd = _heads_inside_tokens(q)  # out in q's layout, as the registered fake gives it
+        out_shape = q.shape
+        lse_strides = (hq * n_q, n_q)
+        totals = (n_q, n_k)
+
+        def new_outputs():
+            out = _new(out_shape, bnhd, functools.partial(alloc.new_empty, out_proto))
+            return out, alloc.new_empty(fp32, (b, hq, n_q))
+
+        def as_kernel(t):
+            return t
+
+    if q.numel() == 0 or b == 0:
+        return lambda *args: new_outputs()
+    if k.numel() == 0:  # no keys: SDPA gives zeros; the log-sum-exp of nothing is -inf
+        def no_keys(*args):
             out, lse = new_outputs()
             return out.zero_(), lse.fill_(-math.inf)
         return no_keys
-    (q_, q_ok), (k_, k_ok), (v_, v_ok) = _fit(q), _fit(k), _fit(v)
-    out, _ = new_outputs()
-    tail = (sm_scale, n_q, n_k, hq, hq // hk, *q_.stride(), *k_.stride(), *v_.stride(), *out.stride(),
-            *_keys(n_q, n_k, b * hq, dtype))
-    kernel = _Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, FORWARD_TILES, (q_, k_, v_, out),
-                     tail, _meta(causal, d, dtype), dtype, should_autotune(dtype, b * hq, n_q, n_k),
-                     descriptors, config, device)
+    (q_, q_ok), (k_, k_ok), (v_, v_ok) = (_fit(as_kernel(t)) for t in (q, k, v))
+    out = as_kernel(new_outputs()[0])
+    if varlen:
+        descriptors = False  # TMA boxes would cross sequence bounds
+    tail = (sm_scale, *mask.kernel_args()[:1], n_q, n_k, hq, hq // hk, *mask.kernel_args()[1:], *totals,
+            *_strides(q_, varlen), *_strides(k_, varlen), *_strides(v_, varlen), *_strides(out, varlen),
+            *lse_strides, *_keys(n_q, n_k, b * hq, dtype))
+    kernel = _Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, FORWARD_TILES, (q_, k_, v_, out), tail,
+                     _meta(mask, varlen, d, dtype), dtype, should_autotune(dtype, b * hq, n_q, n_k), descriptors,
+                     config, device)
 
-    def run(q, k, v):
+    def run(q, k, v, cu_q=None, cu_k=None):
         out, lse = new_outputs()
+        q, k, v = as_kernel(q), as_kernel(k), as_kernel(v)
         kernel(q if q_ok else q.contiguous(), k if k_ok else k.contiguous(), v if v_ok else v.contiguous(),
-               out, lse)
+               as_kernel(out), lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k)
         return out, lse
 
     return run
 
 
-def forward(q, k, v, causal: bool, sm_scale: float, config: Config | None = None,
+def _widened(dtype: torch.dtype) -> bool:
+    return dtype in INTERPRETER_WIDENED and backend.is_interpreter()
+
+
+def forward(q, k, v, mask: Mask, sm_scale: float, config: Config | None = None,
             descriptors: bool | None = None):
     """(out, lse): out like q ((B, Hq, Nq, D), bf16 for fp8 inputs), lse (B, Hq, Nq) fp32 in
     natural log. `config` (with its `descriptors` flag) or `descriptors` alone override the
     table's choice (tests; not cached)."""
-    if q.dtype in INTERPRETER_WIDENED and backend.is_interpreter():
-        out, lse = forward(q.float(), k.float(), v.float(), causal, sm_scale, config, descriptors)
+    if _widened(q.dtype):
+        out, lse = forward(q.float(), k.float(), v.float(), mask, sm_scale, config, descriptors)
         return out.to(q.dtype), lse
     if config is not None or descriptors is not None:
-        return _bind_forward(q, k, v, causal, sm_scale, config, descriptors)(q, k, v)
+        return _bind_forward(q, k, v, mask, sm_scale, config, descriptors)(q, k, v)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
-           k.get_device(), v.get_device(), causal, sm_scale)
-    run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(q, k, v, causal, sm_scale))
+           k.get_device(), v.get_device(), mask, sm_scale)
+    run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(q, k, v, mask, sm_scale))
     return run(q, k, v)
 
 
-def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, causal: bool, sm_scale: float,
-                   configs=None, descriptors=None):
-    """The backward of one key: run(grad_out, grad_lse, q, k, v, out, lse) -> (dq, dk, dv)."""
+def forward_packed(q, k, v, cu_q, cu_k, packing: Packing, mask: Mask, sm_scale: float,
+                   config: Config | None = None):
+    """(out (total_q, Hq, D), lse (Hq, total_q)) of packed sequences: sequence i is rows
+    cu_q[i]:cu_q[i + 1] of q against rows cu_k[i]:cu_k[i + 1] of k and v."""
+    if _widened(q.dtype):
+        out, lse = forward_packed(q.float(), k.float(), v.float(), cu_q, cu_k, packing, mask, sm_scale, config)
+        return out.to(q.dtype), lse
+    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        checks.check_kernel_device(name, t)
+    if config is not None:
+        return _bind_forward(q, k, v, mask, sm_scale, config, None, packing)(q, k, v, cu_q, cu_k)
+    key = ("packed", packing, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), k.get_device(), v.get_device(), cu_q.get_device(), cu_k.get_device(), mask, sm_scale)
+    run = BOUND.get(key) or BOUND.get_or_build(
+        key, lambda: _bind_forward(q, k, v, mask, sm_scale, packing=packing))
+    return run(q, k, v, cu_q, cu_k)
+
+
+def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: float,
+                   configs=None, descriptors=None, packing: Packing | None = None):
+    """The backward of one key: run(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k) -> (dq, dk, dv),
+    the gradients laid out like the inputs (packed: (total, H, D))."""
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("grad_out", grad_out), ("lse", lse)):
         checks.check_kernel_device(name, t)
     checks.check_same_device(q=q, k=k, v=v, out=out, grad_out=grad_out, lse=lse, grad_lse=grad_lse)
     checks.check_same_dtype(q=q, k=k, v=v, out=out, grad_out=grad_out)
     if lse.dtype != torch.float32 or (grad_lse is not None and grad_lse.dtype != torch.float32):
         raise TypeError("lse and grad_lse must be float32")
-    b, hq, n_q, d = q.shape
-    hk, n_k = k.shape[1], k.shape[2]
+    varlen = packing is not None
     dtype, device = q.dtype, q.device
-    layouts = [(t.shape, _heads_inside_tokens(t)) for t in (q, k, v)]  # gradients like the inputs
     new_grad = functools.partial(alloc.new_empty, torch.empty(0, dtype=dtype, device=device))
     fp32 = torch.empty(0, dtype=torch.float32, device=device)
+    if varlen:
+        total_q, hq, d = q.shape
+        hk = k.shape[1]
+        b, n_q, n_k = packing.sequences, packing.max_q, packing.max_k
+        shapes = [t.shape for t in (q, k, v)]
+        lse_strides = (0, total_q)
+        totals = (total_q, k.shape[0])
 
-    def new_grads():
-        return tuple(_new(shape, bnhd, new_grad) for shape, bnhd in layouts)
+        def new_grads():
+            return tuple(new_grad(shape) for shape in shapes)
 
-    if q.numel() == 0 or k.numel() == 0:
+        def new_delta():
+            return alloc.new_empty(fp32, (hq, total_q))
+
+        def as_kernel(t):
+            return packed(t)
+
+        def lse_view(t):  # (H, total) as the kernels' (1, H, total) rows
+            return t.unsqueeze(0)
+    else:
+        b, hq, n_q, d = q.shape
+        hk, n_k = k.shape[1], k.shape[2]
+        layouts = [(t.shape, _heads_inside_tokens(t)) for t in (q, k, v)]  # gradients like the inputs
+        lse_strides = (hq * n_q, n_q)
+        totals = (n_q, n_k)
+
+        def new_grads():
+            return tuple(_new(shape, bnhd, new_grad) for shape, bnhd in layouts)
+
+        def new_delta():
+            return alloc.new_empty(fp32, (b, hq, n_q))
+
+        def as_kernel(t):
+            return t
+
+        def lse_view(t):
+            return t
+
+    if q.numel() == 0 or k.numel() == 0 or b == 0:
         return lambda *args: tuple(g.zero_() for g in new_grads())
     # An expanded gradient (`out.sum().backward()`: zero strides) is materialized: TMA cannot read
     # it, and the pointer path costs more than the copy.
     expanded = 0 in grad_out.stride()
-    fitted = [_fit(t) for t in (q, k, v, out, grad_out.contiguous() if expanded else grad_out)]
+    fitted = [_fit(as_kernel(t)) for t in (q, k, v, out, grad_out.contiguous() if expanded else grad_out)]
     (q_, k_, v_, out_, go_), oks = zip(*fitted, strict=True)
     has_dlse = grad_lse is not None
-    dlse_, dlse_ok = _fit(grad_lse, row_offsets_fit) if has_dlse else (lse, True)
-    dq, dk, dv = new_grads()
-    delta = alloc.new_empty(fp32, (b, hq, n_q))
+    dlse_, dlse_ok = _fit(lse_view(grad_lse), row_offsets_fit) if has_dlse else (lse_view(lse), True)
+    dq, dk, dv = (as_kernel(g) for g in new_grads())
+    delta = new_delta()
     dq_config, dkdv_config = configs or (None, None)
-    meta = _meta(causal, d, dtype)
+    meta = _meta(mask, varlen, d, dtype)
     keys = _keys(n_q, n_k, b * hq, dtype)
     tune = should_autotune(dtype, b * hq, n_q, n_k)
-    if configs is None and descriptors is None:
+    if varlen:
+        descriptors = False  # TMA boxes would cross sequence bounds
+    elif configs is None and descriptors is None:
         # One choice for both kernels: TMA where every operand of either allows it.
         descriptors = None if all(_strides_allow_descriptors(t) for t in (q_, k_, v_, out_, go_, dq, dk, dv)) \
             else False
+    softcap, lower_right, left, right = mask.kernel_args()
+    dlse_strides = (0, *dlse_.stride()[1:]) if varlen else dlse_.stride()
     dq_kernel = _Kernel(
         kernels.attn_bwd_dq_kernel, Kind.DQ, n_q, b * hq, DQ_TILES, (q_, k_, v_, out_, go_, lse, dlse_, delta, dq),
-        (sm_scale, n_q, n_k, hq, hq // hk, *q_.stride(), *k_.stride(), *v_.stride(), *out_.stride(),
-         *go_.stride(), *dlse_.stride(), *dq.stride(), *keys),
+        (sm_scale, softcap, n_q, n_k, hq, hq // hk, lower_right, left, right, *totals,
+         *(s for t in (q_, k_, v_, out_, go_) for s in _strides(t, varlen)), *dlse_strides,
+         *_strides(dq, varlen), *lse_strides, *keys),
         {**meta, "HAS_DLSE": has_dlse}, dtype, tune, descriptors, dq_config, device)
     dkdv_kernel = _Kernel(
         kernels.attn_bwd_dkdv_kernel, Kind.DKDV, n_k, b * hk, DKDV_TILES, (q_, k_, v_, go_, lse, delta, dk, dv),
-        (sm_scale, n_q, n_k, hk, hq // hk, *q_.stride(), *k_.stride(), *v_.stride(), *go_.stride(),
-         *dk.stride(), *dv.stride(), *keys),
+        (sm_scale, softcap, n_q, n_k, hk, hq // hk, lower_right, left, right, *totals,
+         *(s for t in (q_, k_, v_, go_, dk, dv) for s in _strides(t, varlen)), *lse_strides, *keys),
         meta, dtype, tune, descriptors, dkdv_config, device)
 
     as_given = all(oks) and not expanded
 
-    def run(grad_out, grad_lse, q, k, v, out, lse):
+    def run(grad_out, grad_lse, q, k, v, out, lse, cu_q=None, cu_k=None):
+        q, k, v, out, grad_out = (as_kernel(t) for t in (q, k, v, out, grad_out))
         if not as_given:
             q, k, v, out, grad_out = (t if ok else t.contiguous()
                                       for t, ok in zip((q, k, v, out, grad_out), oks, strict=True))
             if expanded:
                 grad_out = grad_out.contiguous()
-        dlse = (grad_lse if dlse_ok else grad_lse.contiguous()) if has_dlse else lse
-        dq, dk, dv = new_grads()
-        delta = alloc.new_empty(fp32, (b, hq, n_q))
-        dq_kernel(q, k, v, out, grad_out, lse, dlse, delta, dq)
+        dlse = lse_view(grad_lse if dlse_ok else grad_lse.contiguous()) if has_dlse else lse
+        grads = new_grads()
+        dq, dk, dv = (as_kernel(g) for g in grads)
+        delta = new_delta()
+        cu_q = lse if cu_q is None else cu_q
+        cu_k = lse if cu_k is None else cu_k
+        dq_kernel(q, k, v, out, grad_out, lse, dlse, delta, dq, cu_q, cu_k)
         # dK/dV reads the delta the dQ kernel wrote (same stream, in order).
-        dkdv_kernel(q, k, v, grad_out, lse, delta, dk, dv)
-        return dq, dk, dv
+        dkdv_kernel(q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k)
+        return grads
 
     return run
 
 
-def backward(grad_out, grad_lse, q, k, v, out, lse, causal: bool, sm_scale: float,
+def backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: float,
              configs: tuple[Config, Config] | None = None, descriptors: bool | None = None):
     """(dq, dk, dv). `grad_lse` (may be None) is the gradient reaching the log-sum-exp output.
     `configs` = (dQ config, dK/dV config) or `descriptors` alone override the table's choice
     (tests; not cached; each config's `descriptors` flag holds for its kernel)."""
-    if q.dtype in INTERPRETER_WIDENED and backend.is_interpreter():
+    if _widened(q.dtype):
         wide = [t.float() for t in (grad_out, q, k, v, out)]
-        grads = backward(wide[0], grad_lse, *wide[1:], lse, causal, sm_scale, configs, descriptors)
+        grads = backward(wide[0], grad_lse, *wide[1:], lse, mask, sm_scale, configs, descriptors)
         return tuple(g.to(q.dtype) for g in grads)
     if configs is not None or descriptors is not None:
-        return _bind_backward(grad_out, grad_lse, q, k, v, out, lse, causal, sm_scale, configs,
+        return _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, configs,
                               descriptors)(grad_out, grad_lse, q, k, v, out, lse)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(), lse.stride(),
            None if grad_lse is None else (grad_lse.stride(), grad_lse.dtype, grad_lse.get_device()),
            q.dtype, k.dtype, v.dtype, out.dtype, grad_out.dtype, lse.dtype,
-           tuple(t.get_device() for t in (q, k, v, out, grad_out, lse)), causal, sm_scale)
+           tuple(t.get_device() for t in (q, k, v, out, grad_out, lse)), mask, sm_scale)
     run = BOUND.get(key) or BOUND.get_or_build(
-        key, lambda: _bind_backward(grad_out, grad_lse, q, k, v, out, lse, causal, sm_scale))
+        key, lambda: _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale))
     return run(grad_out, grad_lse, q, k, v, out, lse)
+
+
+def backward_packed(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, packing: Packing, mask: Mask,
+                    sm_scale: float, configs: tuple[Config, Config] | None = None):
+    """(dq, dk, dv) of `forward_packed`, each (total, H, D). Deterministic (no atomics)."""
+    if _widened(q.dtype):
+        wide = [t.float() for t in (grad_out, q, k, v, out)]
+        grads = backward_packed(wide[0], grad_lse, *wide[1:], lse, cu_q, cu_k, packing, mask, sm_scale, configs)
+        return tuple(g.to(q.dtype) for g in grads)
+    if configs is not None:
+        return _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, configs, None,
+                              packing)(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k)
+    key = ("packed", packing, q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(),
+           grad_out.stride(), lse.stride(),
+           None if grad_lse is None else (grad_lse.stride(), grad_lse.dtype, grad_lse.get_device()),
+           q.dtype, k.dtype, v.dtype, out.dtype, grad_out.dtype, lse.dtype,
+           tuple(t.get_device() for t in (q, k, v, out, grad_out, lse, cu_q, cu_k)), mask, sm_scale)
+    run = BOUND.get(key) or BOUND.get_or_build(
+        key, lambda: _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, packing=packing))
+    return run(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k)

@@ -1,0 +1,291 @@
+"""Sliding windows, softcapping, lower-right causal alignment and packed (varlen) sequences,
+forward and every gradient, against float64 references with the masks built explicitly."""
+
+import math
+
+import pytest
+import torch
+from fk_runtime import testing
+from fk_runtime.launch import PlanCache
+
+from fk_attention import attention, attention_varlen
+from fk_attention import plan as table
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans(monkeypatch):
+    monkeypatch.setattr(table, "BOUND", PlanCache())
+    monkeypatch.setattr(table, "WINNERS", {})
+
+
+def visible(n_q, n_k, left=None, right=None, lower_right=False, device=None):
+    """The (Nq, Nk) mask, built explicitly: key j for query i when -left <= j - (i + shift) <= right."""
+    i = torch.arange(n_q, device=device)[:, None]
+    j = torch.arange(n_k, device=device)[None, :]
+    d = j - (i + (n_k - n_q if lower_right else 0))
+    keep = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if left is not None:
+        keep &= d >= -left
+    if right is not None:
+        keep &= d <= right
+    return keep
+
+
+def reference(q, k, v, keep, scale=None, softcap=None, lse=False):
+    """Masked softmax attention on (B, H, N, D) tensors; a row with no visible key gives 0 and a
+    log-sum-exp of -inf."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    has_key = keep.any(-1, keepdim=True)
+    # Rows with no key: softmax over zeros (finite, no NaN in the graph), then multiplied by 0.
+    safe = scores.masked_fill(~keep, -math.inf).masked_fill(~has_key, 0.0)
+    out = (torch.softmax(safe, -1) * has_key) @ v
+    if not lse:
+        return out
+    return out, torch.where(has_key[..., 0], torch.logsumexp(safe, -1), -math.inf)
+
+
+def sides(causal, window):
+    """(left, right, lower_right) of the public arguments, as a user reads the docs."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right, causal == "lower_right"
+
+
+def make(shape, dtype, requires_grad=True):
+    b, hq, hk, nq, nk, d = shape
+    return [testing.randn(s, dtype, requires_grad=requires_grad)
+            for s in ((b, hq, nq, d), (b, hk, nk, d), (b, hk, nk, d))]
+
+
+# (causal, window, softcap): every alignment, one-sided and two-sided windows, softcap alone and
+# with a window; "lower_right" with Nq > Nk leaves the first rows without keys.
+MASKS = [
+    ("lower_right", None, None),
+    (True, (5, None), None),
+    ("lower_right", (6, 0), None),
+    (False, (7, 3), None),
+    (False, (None, 4), None),
+    (False, (9, None), None),
+    (False, None, 4.0),
+    ("lower_right", (11, None), 2.5),
+]
+SHAPES = [(1, 4, 2, 37, 70, 40), (1, 2, 1, 70, 37, 16), (2, 2, 2, 1, 45, 32)]
+CASES = [(shape, torch.float32, mask) for shape in SHAPES for mask in MASKS]
+CASES += [((1, 4, 2, 37, 70, 40), dtype, mask) for dtype in (torch.float16, torch.bfloat16)
+          for mask in MASKS[:2] + MASKS[-2:]]
+if testing.on_gpu():
+    # Long and odd lengths in 16 bits, head dims 64 to 256, windows spanning many blocks.
+    CASES += [
+        ((1, 4, 1, 4097, 4097, 128), torch.bfloat16, (True, (1024, None), None)),
+        ((1, 2, 2, 3000, 5000, 64), torch.float16, ("lower_right", (700, None), None)),
+        ((1, 2, 1, 2000, 2000, 256), torch.bfloat16, (False, (300, 300), 30.0)),
+        ((1, 4, 2, 1500, 1500, 96), torch.float16, ("lower_right", None, 20.0)),
+        ((1, 2, 1, 16384, 16384, 128), torch.bfloat16, (True, (1024, None), None)),
+    ]
+
+
+@pytest.mark.parametrize("shape,dtype,mask", CASES, ids=str)
+def test_masks_match_float64_reference(shape, dtype, mask):
+    causal, window, softcap = mask
+    q, k, v = make(shape, dtype)
+    keep = visible(q.shape[2], k.shape[2], *sides(causal, window), device=q.device)
+    testing.assert_matches_reference(
+        lambda q, k, v: attention(q, k, v, causal=causal, window=window, softcap=softcap, return_lse=True),
+        lambda q, k, v: reference(q, k, v, keep, softcap=softcap, lse=True),
+        [q, k, v], dtype=dtype, names=["q", "k", "v"],
+        baseline_fn=None if dtype == torch.float32 else lambda q, k, v: reference(
+            q, k, v, keep, softcap=softcap, lse=True),
+    )
+
+
+TILINGS = [(16, 16, False), (32, 16, True), (16, 64, True), (64, 16, False)]
+
+
+@pytest.mark.parametrize("tiling", TILINGS if not testing.on_gpu() else TILINGS[:2], ids=str)
+@pytest.mark.parametrize("mask", [table.Mask(5, 0), table.Mask(13, 2, True), table.Mask(None, 0, True, 3.0),
+                                  table.Mask(0, None)], ids=str)
+def test_window_edges_on_every_tiling(tiling, mask):
+    """Windows narrower and wider than a block, on both load paths: the masked edges and the
+    unmasked middle of each walk (forward, dQ, dK/dV) meet where they should."""
+    block_m, block_n, descriptors = tiling
+    q, k, v = make((1, 4, 2, 53, 77, 40), torch.float32, requires_grad=False)
+    if descriptors and testing.on_gpu() and not table.use_descriptors(q, k, v):
+        pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
+    fwd = table.Config(block_m, block_n, 4, 1, descriptors)
+    bwd = (fwd, table.Config(block_n, block_m, 4, 1, descriptors))
+    out, lse = table.forward(q, k, v, mask, 0.3, config=fwd)
+    keep = visible(53, 77, mask.left, mask.right, mask.lower_right, device=q.device)
+    ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference(*ref_inputs, keep, 0.3, mask.softcap, lse=True)
+    testing.assert_close("out", out, ref_out, torch.float32)
+    testing.assert_close("lse", lse, ref_lse, torch.float32)
+    g_out, g_lse = testing.randn(out.shape), testing.randn(lse.shape)
+    grads = table.backward(g_out, g_lse, q, k, v, out, lse, mask, 0.3, configs=bwd)
+    g_lse_ref = torch.where(ref_lse.isfinite(), g_lse.double(), 0.0)
+    ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [g_out.double(), g_lse_ref])
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        testing.assert_close(f"grad {name}", g, r, torch.float32)
+
+
+def test_rows_without_keys_give_zero_and_minus_infinity():
+    """Lower-right causal with Nq > Nk: the first Nq - Nk rows see no key (output 0, lse -inf, no
+    NaN anywhere, gradients 0 through them)."""
+    q, k, v = make((1, 2, 1, 20, 8, 16), torch.float32)
+    out, lse = attention(q, k, v, causal="lower_right", return_lse=True)
+    assert torch.all(out[:, :, :12] == 0) and torch.all(lse[:, :, :12] == -math.inf)
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 12:]).all()
+    grads = torch.autograd.grad(out.sum(), [q, k, v])
+    assert all(torch.isfinite(g).all() for g in grads) and torch.all(grads[0][:, :, :12] == 0)
+
+
+def test_causal_upper_left_is_the_default_alignment():
+    q, k, v = make((1, 2, 2, 9, 14, 16), torch.float32, requires_grad=False)
+    torch.testing.assert_close(attention(q, k, v, causal=True), attention(q, k, v, causal="upper_left"))
+    variant = pytest.importorskip("torch.nn.attention.bias").CausalVariant
+    torch.testing.assert_close(attention(q, k, v, causal=variant.LOWER_RIGHT),
+                               attention(q, k, v, causal="lower_right"))
+    # A window wide enough to see everything is full attention; (None, 0) is causal.
+    torch.testing.assert_close(attention(q, k, v, window=(100, 100)), attention(q, k, v))
+    torch.testing.assert_close(attention(q, k, v, window=(None, 0)), attention(q, k, v, causal=True))
+    torch.testing.assert_close(attention(q, k, v, window=(-1, -1), softcap=0.0), attention(q, k, v))
+
+
+def test_bad_mask_arguments_raise_clear_errors():
+    q, k, v = make((1, 2, 2, 9, 14, 16), torch.float32, requires_grad=False)
+    with pytest.raises(ValueError, match="causal must be a bool, 'upper_left' or 'lower_right'"):
+        attention(q, k, v, causal="bottom_right")
+    with pytest.raises(TypeError, match="window must be None or a \\(left, right\\) pair"):
+        attention(q, k, v, window=4)
+    with pytest.raises(TypeError, match="window"):
+        attention(q, k, v, window=(1, 2, 3))
+    with pytest.raises(ValueError, match=r"window\[0\] must be >= 0"):
+        attention(q, k, v, window=(-2, 0))
+    with pytest.raises(TypeError, match=r"window\[1\] must be None or an int"):
+        attention(q, k, v, window=(2, 1.5))
+    for cap in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="softcap"):
+            attention(q, k, v, softcap=cap)
+
+
+# ---- packed sequences --------------------------------------------------------------------------
+
+
+def packed_inputs(lengths_q, lengths_k, hq, hk, d, dtype, requires_grad=True):
+    device = testing.device()
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = testing.randn((sum(lengths_q), hq, d), dtype, requires_grad=requires_grad)
+    k = testing.randn((sum(lengths_k), hk, d), dtype, requires_grad=requires_grad)
+    v = testing.randn((sum(lengths_k), hk, d), dtype, requires_grad=requires_grad)
+    return q, k, v, cu_q, cu_k
+
+
+def packed_reference(q, k, v, cu_q, cu_k, causal=False, window=None, softcap=None, scale=None):
+    """Each sequence through the dense reference on its own, concatenated: (out, lse (H, total))."""
+    outs, lses = [], []
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for s in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[s], cq[s + 1], ck[s], ck[s + 1]
+        qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        keep = visible(q1 - q0, k1 - k0, *sides(causal, window), device=q.device)
+        out, lse = reference(qs, ks, vs, keep, scale, softcap, lse=True)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+# Lengths with an empty sequence, a one-token one, some longer than a block, and Nq != Nk.
+PACKED = [
+    ([5, 0, 37, 1, 20], [5, 3, 37, 9, 20]),
+    ([16, 33, 7], [40, 33, 2]),
+]
+PACKED_MASKS = [(False, None, None), (True, None, None), ("lower_right", None, None),
+                ("lower_right", (6, 0), None), (False, (4, 3), 3.0)]
+
+
+@pytest.mark.parametrize("mask", PACKED_MASKS, ids=str)
+@pytest.mark.parametrize("lengths", PACKED, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_packed_sequences_match_each_sequence_alone(lengths, mask, dtype):
+    causal, window, softcap = mask
+    q, k, v, cu_q, cu_k = packed_inputs(*lengths, 4, 2, 24, dtype)
+    max_q, max_k = max(lengths[0]), max(lengths[1])
+    testing.assert_matches_reference(
+        lambda q, k, v: attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window,
+                                         softcap=softcap, return_lse=True),
+        lambda q, k, v: packed_reference(q, k, v, cu_q, cu_k, causal, window, softcap),
+        [q, k, v], dtype=dtype, names=["q", "k", "v"],
+        baseline_fn=None if dtype == torch.float32 else lambda q, k, v: packed_reference(
+            q, k, v, cu_q, cu_k, causal, window, softcap),
+    )
+
+
+def test_packed_max_seqlen_below_the_longest_still_covers_every_row():
+    """max_seqlen_* size the grid; a smaller value than the longest sequence costs parallelism
+    only: the programs walk the extra blocks."""
+    q, k, v, cu_q, cu_k = packed_inputs([70, 3], [50, 90], 2, 1, 16, torch.float32)
+    want = attention_varlen(q, k, v, cu_q, cu_k, 70, 90, causal=True)
+    got = attention_varlen(q, k, v, cu_q, cu_k, 1, 1, causal=True)
+    torch.testing.assert_close(got, want)
+    grads_want = torch.autograd.grad(want.sum(), [q, k, v])
+    grads_got = torch.autograd.grad(got.sum(), [q, k, v])
+    for a, b in zip(grads_got, grads_want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_packed_equals_dense_on_equal_lengths():
+    """Equal lengths packed give the dense batch's values and gradients bit for bit close."""
+    b, n, hq, hk, d = 3, 29, 4, 2, 32
+    q, k, v = (testing.randn((b, n, h, d), torch.float32, requires_grad=True) for h in (hq, hk, hk))
+    cu = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=testing.device())
+    packed_out = attention_varlen(*(t.flatten(0, 1) for t in (q, k, v)), cu, cu, n, n, causal=True)
+    dense_out = attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=True).transpose(1, 2)
+    torch.testing.assert_close(packed_out.view(b, n, hq, d), dense_out)
+    g = testing.randn(dense_out.shape)
+    for a, c in zip(torch.autograd.grad(packed_out, [q, k, v], g.flatten(0, 1)),
+                    torch.autograd.grad(dense_out, [q, k, v], g), strict=True):
+        torch.testing.assert_close(a, c)
+
+
+def test_packed_backward_is_deterministic():
+    q, k, v, cu_q, cu_k = packed_inputs([30, 7, 19], [30, 12, 19], 4, 1, 16, torch.float32)
+    out = attention_varlen(q, k, v, cu_q, cu_k, 30, 30, causal=True)
+    g = testing.randn(out.shape)
+    first = torch.autograd.grad(out, [q, k, v], g, retain_graph=True)
+    again = torch.autograd.grad(out, [q, k, v], g)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+@pytest.mark.parametrize("mode", testing.compile_modes())
+def test_packed_under_torch_compile(mode):
+    q, k, v, cu_q, cu_k = packed_inputs([9, 17], [9, 17], 2, 2, 16, torch.float32)
+    fn = testing.maybe_compile(
+        lambda q, k, v: attention_varlen(q, k, v, cu_q, cu_k, 17, 17, causal=True, window=(4, 0)), mode)
+    testing.assert_matches_reference(
+        fn, lambda q, k, v: packed_reference(q, k, v, cu_q, cu_k, True, (4, 0))[0], [q, k, v],
+        dtype=torch.float32, names=["q", "k", "v"])
+
+
+def test_packed_bad_inputs_raise_clear_errors():
+    q, k, v, cu_q, cu_k = packed_inputs([4, 5], [4, 5], 2, 2, 16, torch.float32, requires_grad=False)
+    with pytest.raises(TypeError, match="cu_seqlens_q must have dtype in \\(int32\\)"):
+        attention_varlen(q, k, v, cu_q.long(), cu_k, 5, 5)
+    with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_k must have one shape"):
+        attention_varlen(q, k, v, cu_q, cu_k[:2], 5, 5)
+    with pytest.raises(ValueError, match="q must have at most 3 dims"):
+        attention_varlen(q[None], k, v, cu_q, cu_k, 5, 5)
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int"):
+        attention_varlen(q, k, v, cu_q, cu_k, 5.0, 5)
+    with pytest.raises(ValueError, match="max_seqlen_k must be >= 0"):
+        attention_varlen(q, k, v, cu_q, cu_k, 5, -1)
+    # Out-of-range bounds are clamped (wrong rows, never an out-of-range access).
+    bad = torch.tensor([0, 4, 1000], dtype=torch.int32, device=q.device)
+    out = attention_varlen(q, k, v, bad, bad, 5, 5)
+    assert out.shape == q.shape and torch.isfinite(out).all()
