@@ -27,6 +27,9 @@ OPS = {p.name.removeprefix("fk-"): p for p in sorted((ROOT / "packages").glob("f
 # numpy: the Triton interpreter needs it on a CPU-only machine.
 TEST_DEPS = ["pytest>=8", "hypothesis>=6", "numpy"]
 BENCH_DEPS = ["matplotlib>=3.8", "tqdm>=4.66", "numpy"]
+# Each op's extras its tests need (optional integrations: fk_attention.hf, swap_norms on
+# transformers models), so that no test of them skips in CI.
+TEST_EXTRAS = {"attention": "transformers", "layernorm": "transformers"}
 # pyflakes, pycodestyle errors, bugbear; set here so that every package lints alike.
 RUFF_ARGS = ["--select", "E4,E7,E9,F,B,W", "--line-length", "110"]
 
@@ -78,10 +81,16 @@ def install_torch(session: nox.Session) -> None:
     session.install(*torch_install_args(os.environ, gpu_present(), pip_wheel_dirs(os.environ), tag))
 
 
-def install_packages(session: nox.Session, *paths: Path, extras: list[str] = ()) -> None:
-    """fk-runtime and the given packages from this working tree (never from an index)."""
+def install_packages(session: nox.Session, *paths: Path | str, extras: list[str] = ()) -> None:
+    """fk-runtime and the given packages from this working tree (never from an index); a path may
+    carry pip extras (`folder[extra]`), which come from the index."""
     install_torch(session)
     session.install(str(RUNTIME), *map(str, paths), *extras)
+
+
+def tested(name: str) -> str:
+    """An op's folder as a pip requirement with its test extras, e.g. `.../fk-attention[transformers]`."""
+    return f"{OPS[name]}[{TEST_EXTRAS[name]}]" if name in TEST_EXTRAS else str(OPS[name])
 
 
 def pytest(session: nox.Session, *targets: Path) -> None:
@@ -94,7 +103,7 @@ def tests(session: nox.Session) -> None:
     """Every package's tests and the cross-package tests, in one environment."""
     # The packaging tests build distributions without isolation: they need the build backend here.
     packaging = ["build>=1.2", "setuptools>=77", "setuptools-scm>=10"]
-    install_packages(session, *OPS.values(), extras=TEST_DEPS + BENCH_DEPS + packaging)
+    install_packages(session, *map(tested, OPS), extras=TEST_DEPS + BENCH_DEPS + packaging)
     pytest(session, RUNTIME / "tests", *(p / "tests" for p in OPS.values()), ROOT / "tests")
 
 
@@ -107,7 +116,7 @@ def test_runtime(session: nox.Session) -> None:
 def _op_sessions(name: str, path: Path) -> None:
     @nox.session(name=f"test-{name}")
     def test_op(session: nox.Session) -> None:
-        install_packages(session, path, extras=TEST_DEPS)
+        install_packages(session, tested(name), extras=TEST_DEPS)
         pytest(session, path / "tests")
 
     @nox.session(name=f"bench-{name}")

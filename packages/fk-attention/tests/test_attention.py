@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from fk_runtime import testing
 from fk_runtime.launch import PlanCache
 
-from fk_attention import SelfAttention, attention
+from fk_attention import SelfAttention, attention, attention_varlen
 from fk_attention import plan as table
 
 # bf16 too on the interpreter, whose bf16 tl.dot is wrong: the plan runs it in fp32 there.
@@ -272,8 +272,8 @@ def test_autotuned_launch_runs_every_candidate(monkeypatch):
     if not testing.on_gpu():
         real = table.autotuned
 
-        def with_fake_timer(kernel, kind, head_dim, descriptors):
-            tuned = real(kernel, kind, head_dim, descriptors)
+        def with_fake_timer(kernel, kind, head_dim, descriptors, varlen):
+            tuned = real(kernel, kind, head_dim, descriptors, varlen)
             tuned.__dict__["do_bench"] = lambda call, quantiles: (call(), runs.append(kind), [1.0] * 3)[2]
             return tuned
 
@@ -287,6 +287,16 @@ def test_autotuned_launch_runs_every_candidate(monkeypatch):
         tried = {kind: runs.count(kind) for kind in table.Kind}
         expected = {kind: len(table.candidates(kind, 40, True)) for kind in table.Kind}
         assert tried == expected
+    # Packed sequences tune apart (their own key and kernels).
+    q, k, v = (t.detach().transpose(1, 2).flatten(0, 1)[:130].requires_grad_() for t in inputs)
+    cu = torch.tensor([0, 60, 130], dtype=torch.int32, device=q.device)
+    testing.assert_matches_reference(
+        lambda q, k, v: attention_varlen(q, k, v, cu, cu, 70, 70, causal=True),
+        lambda q, k, v: torch.cat([reference(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), True)[0]
+                                   .transpose(0, 1) for a, b in ((0, 60), (60, 130))]),
+        [q, k, v], dtype=dtype, names=["q", "k", "v"])
+    if not testing.on_gpu():
+        assert {kind: runs.count(kind) for kind in table.Kind} == {kind: 2 * n for kind, n in expected.items()}
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -10,6 +10,7 @@ from fk_runtime.launch import PlanCache
 
 from fk_attention import attention, attention_varlen
 from fk_attention import plan as table
+from fk_attention.ops import mask_args
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -289,3 +290,41 @@ def test_packed_bad_inputs_raise_clear_errors():
     bad = torch.tensor([0, 4, 1000], dtype=torch.int32, device=q.device)
     out = attention_varlen(q, k, v, bad, bad, 5, 5)
     assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("tiling", TILINGS if not testing.on_gpu() else TILINGS[:2], ids=str)
+@pytest.mark.parametrize("causal", [False, True, "lower_right"], ids=str)
+def test_packed_on_both_load_paths_keeps_sequences_apart(tiling, causal):
+    """Every tiling, through pointers and through descriptors (whose tiles read past a sequence's
+    end into the next one's rows): each sequence matches its own reference, and one sequence's
+    q, k, v and output gradient, however large, never reach another sequence's results."""
+    block_m, block_n, descriptors = tiling
+    lengths_q, lengths_k = [21, 3, 40, 9], [21, 30, 40, 9]
+    q, k, v, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, 4, 2, 40, torch.float32, requires_grad=False)
+    if descriptors and testing.on_gpu() and not table.use_descriptors(table.packed(q), table.packed(k)):
+        pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
+    poisoned_q, poisoned_k = slice(21, 24), slice(21, 51)  # sequence 1
+    q[poisoned_q], k[poisoned_k], v[poisoned_k] = 1e4, -1e4, 1e4
+    g_out = testing.randn(q.shape)
+    g_out[poisoned_q] = 1e4
+    g_lse = testing.randn((4, q.shape[0]))
+    left, right, lower_right, _ = mask_args(causal, None, None)
+    mask = table.Mask(None if left < 0 else left, None if right < 0 else right, lower_right)
+    packing = table.Packing(4, max(lengths_q), max(lengths_k))
+    fwd = table.Config(block_m, block_n, 4, 1, descriptors)
+    bwd = (fwd, table.Config(block_n, block_m, 4, 1, descriptors))
+    out, lse = table.forward_packed(q, k, v, cu_q, cu_k, packing, mask, 0.3, config=fwd)
+    grads = table.backward_packed(g_out, g_lse, q, k, v, out, lse, cu_q, cu_k, packing, mask, 0.3, configs=bwd)
+    inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = packed_reference(*inputs, cu_q, cu_k, causal, scale=0.3)
+    clean_q = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    clean_k = torch.ones(k.shape[0], dtype=torch.bool, device=q.device)
+    clean_q[poisoned_q], clean_k[poisoned_k] = False, False
+    testing.assert_close("out", out[clean_q], ref_out[clean_q], torch.float32)
+    testing.assert_close("lse", lse[:, clean_q], ref_lse[:, clean_q], torch.float32)
+    g_lse_ref = torch.where(ref_lse.isfinite() & clean_q, g_lse.double(), 0.0)
+    g_out_ref = torch.where(clean_q[:, None, None], g_out.double(), 0.0)
+    ref_grads = torch.autograd.grad([ref_out[clean_q], ref_lse[:, clean_q]], inputs,
+                                    [g_out_ref[clean_q], g_lse_ref[:, clean_q]])
+    for name, g, r, clean in zip("qkv", grads, ref_grads, (clean_q, clean_k, clean_k), strict=True):
+        testing.assert_close(f"grad {name}", g[clean], r[clean], torch.float32)

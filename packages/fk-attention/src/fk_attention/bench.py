@@ -8,6 +8,15 @@ the forward (half when causal) and 2.5x that for the backward; peak memory is re
 N = 16384. Small sweep (interpreter): one tiny fp32 shape against SDPA's default. Host time per
 call (`host_cases`): one tiny causal bf16 input against SDPA's default backend (named "torch",
 PyTorch's own op, like the other ops' host rows).
+
+Three more tables (`feature_cases`), TFLOP/s of real work (visible scores only) for every column
+of a row, so a peer's rate is fk's work over the peer's time and `fk / peer` the speedup:
+- attention-varlen: 16384 tokens packed as documents (equal lengths, and random lengths with a
+  fixed seed), causal, against fk's dense kernel on the same documents (equal lengths: the same
+  batch; random: padded to the longest) and SDPA on the whole packed sequence with the equivalent
+  block-diagonal causal mask (its backends that take a mask).
+- attention-window: a causal sliding window at N = 16384 against fk's full causal.
+- attention-head-dims: head dims 64, 96, 128 at one shape (d96 runs padded to 128 in `tl`).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from fk_runtime import bench, testing
 
-from .ops import attention
+from .ops import attention, attention_varlen
 
 TOKENS = 16384
 MODEL_DIM = 2048
@@ -35,6 +44,21 @@ HOST_SHAPE = (1, 8, 128, 64)
 # Backward flops per forward flop: five N x N x D matmuls (scores recomputed, dP, dV, dK, dQ)
 # against the forward's two, FlashAttention's convention (fk's split backward does seven).
 BACKWARD_FLOP_FACTOR = 2.5
+# Packed documents: TOKENS tokens, H * D = MODEL_DIM, causal. Random lengths: uniform in
+# [PACKED_MIN, PACKED_MAX] (the last one cut to fit), drawn from PACKED_SEED so every run packs the
+# same documents; equal: PACKED_EQUAL tokens each.
+PACKED_HEAD_DIMS = [64, 128]
+PACKED_MIN, PACKED_MAX, PACKED_SEED = 64, 4096, 0
+PACKED_EQUAL = 2048
+# Sliding window: (B, H, N, D) causal, WINDOW keys to the left.
+WINDOW_SHAPE, WINDOW = (1, 16, 16384, 128), 1024
+# Head dims at one causal shape: (B, H, N), head dims.
+HEAD_DIM_SHAPE, HEAD_DIM_SWEEP = (8, 16, 2048), [64, 96, 128]
+# SDPA backends that take an arbitrary mask (flash takes none).
+MASKED_SDPA = {"sdpa cudnn (mask)": "CUDNN_ATTENTION", "sdpa efficient (mask)": "EFFICIENT_ATTENTION"}
+# Interpreter stand-ins: documents, window and head dims small enough for the CPU.
+SMALL_PACKED, SMALL_HEADS, SMALL_HEAD_DIM = [5, 16, 11], 2, 16
+SMALL_WINDOW_SHAPE, SMALL_WINDOW = (1, 2, 48, 16), 8
 
 
 def _sdpa(backend_name: str | None, causal: bool):
@@ -60,6 +84,18 @@ def _reference(q, k, v, causal):
         keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, -math.inf)
     return torch.softmax(scores, -1) @ v
+
+
+def _masked_sdpa(backend_name: str, mask: torch.Tensor):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v):
+        with sdpa_kernel(chosen):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return run
 
 
 def checks(full: bool):
@@ -118,7 +154,137 @@ def cases(full: bool) -> list[bench.Case]:
                 input_bytes=3 * b * h * n * d * dtype.itemsize,
                 memory=n == MEMORY_LENGTH,
             ))
+    return out + feature_cases(full)
+
+
+def causal_flops(lengths, heads: int, head_dim: int) -> float:
+    """Visible scores' flops of causal attention over documents of these lengths (FlashAttention's
+    count: half the square)."""
+    return sum(2.0 * heads * n * n * head_dim for n in lengths)
+
+
+def packed_lengths(tokens: int, low: int, high: int, seed: int) -> list[int]:
+    """Document lengths uniform in [low, high] from `seed`, the last cut to fill `tokens`."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        drawn = int(torch.randint(low, high + 1, (1,), generator=generator))
+        lengths.append(min(drawn, tokens - sum(lengths)))
+    return lengths
+
+
+def _rebuilt(build, fn, direction: str):
+    """A variant that first lays the packed inputs out another way (`build(q, k, v)` -> new leaf
+    tensors, untimed), then times `fn` on them, forward or backward."""
+    wrap = bench.forward if direction == "fwd" else bench.backward
+    return lambda inputs: wrap(fn)(build(*inputs[:3]))
+
+
+def _leaves(*tensors):
+    return [t.detach().contiguous().requires_grad_() for t in tensors]
+
+
+def _varlen_cases(lengths, heads: int, head_dim: int, dtype, label: str, full: bool) -> list[bench.Case]:
+    total, longest = sum(lengths), max(lengths)
+    device = testing.device()
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+    # Packed row t of document s sits at row t - cu[s] of batch entry s in the padded layout.
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                  torch.tensor(lengths, device=device))
+    pos = torch.arange(total, device=device) - cu[:-1].long()[doc]
+
+    def make_inputs():
+        return [testing.randn((total, heads, head_dim), dtype, requires_grad=True) for _ in range(3)]
+
+    def padded(q, k, v):
+        out = []
+        for t in (q, k, v):
+            dense = t.new_zeros(len(lengths), longest, heads, head_dim)
+            dense[doc, pos] = t.detach()
+            out.append(dense.transpose(1, 2).requires_grad_())
+        return out
+
+    def whole(q, k, v):
+        return _leaves(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)))
+
+    packed = functools.partial(attention_varlen, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                               max_seqlen_k=longest, causal=True)
+    dense = functools.partial(attention, causal=True)
+    flops = causal_flops(lengths, heads, head_dim)
+    out = []
+    for direction, work in [("fwd", flops), ("bwd", BACKWARD_FLOP_FACTOR * flops)]:
+        variants = {"fk": (bench.forward if direction == "fwd" else bench.backward)(packed),
+                    "fk dense": _rebuilt(padded, dense, direction)}
+        if full:
+            keep = (doc[:, None] == doc[None, :]) & torch.ones(total, total, dtype=torch.bool,
+                                                               device=device).tril()
+            for name, backend_name in MASKED_SDPA.items():
+                variants[name] = _rebuilt(whole, _masked_sdpa(backend_name, keep), direction)
+        out.append(bench.Case(
+            op="attention-varlen", direction=direction, shape=f"{label} H{heads} d{head_dim} causal",
+            dtype=dtype, unit=bench.TFLOPS, work=work, make_inputs=make_inputs, variants=variants,
+            input_bytes=3 * total * heads * head_dim * dtype.itemsize,
+        ))
     return out
+
+
+def _window_cases(shape, window: int, dtype) -> list[bench.Case]:
+    b, h, n, d = shape
+    # Query i sees min(i, window) + 1 keys.
+    visible = sum(min(i, window) + 1 for i in range(n))
+    flops = 4.0 * b * h * d * visible
+
+    def make_inputs():
+        return [testing.randn((b, h, n, d), dtype, requires_grad=True) for _ in range(3)]
+
+    variants = {"fk": functools.partial(attention, causal=True, window=(window, 0)),
+                "fk full causal": functools.partial(attention, causal=True)}
+    return [bench.Case(op="attention-window", direction=direction, shape=f"B{b} H{h} N{n} d{d} causal "
+                       f"window {window}", dtype=dtype, unit=bench.TFLOPS, work=factor * flops,
+                       make_inputs=make_inputs, variants={k: wrap(fn) for k, fn in variants.items()},
+                       input_bytes=3 * b * h * n * d * dtype.itemsize)
+            for direction, wrap, factor in [("fwd", bench.forward, 1.0),
+                                            ("bwd", bench.backward, BACKWARD_FLOP_FACTOR)]]
+
+
+def _head_dim_cases(shape, head_dims, dtype) -> list[bench.Case]:
+    b, h, n = shape
+    out = []
+    for d in head_dims:
+        flops = 2.0 * b * h * n * n * d
+
+        def make_inputs(d=d):
+            return [testing.randn((b, h, n, d), dtype, requires_grad=True) for _ in range(3)]
+
+        variants = {"fk": functools.partial(attention, causal=True),
+                    "sdpa cudnn": _sdpa("CUDNN_ATTENTION", True),
+                    "sdpa flash": _sdpa("FLASH_ATTENTION", True)}
+        for direction, wrap, factor in [("fwd", bench.forward, 1.0),
+                                        ("bwd", bench.backward, BACKWARD_FLOP_FACTOR)]:
+            out.append(bench.Case(op="attention-head-dims", direction=direction,
+                                  shape=f"B{b} H{h} N{n} d{d} causal", dtype=dtype, unit=bench.TFLOPS,
+                                  work=factor * flops, make_inputs=make_inputs,
+                                  variants={k: wrap(fn) for k, fn in variants.items()},
+                                  input_bytes=3 * b * h * n * d * dtype.itemsize))
+    return out
+
+
+def feature_cases(full: bool) -> list[bench.Case]:
+    """Packed documents, a sliding window and head dims (module docstring); tiny on the interpreter."""
+    if not full:
+        return (_varlen_cases(SMALL_PACKED, SMALL_HEADS, SMALL_HEAD_DIM, torch.float32, "small", full)
+                + _window_cases(SMALL_WINDOW_SHAPE, SMALL_WINDOW, torch.float32))
+    dtype = torch.bfloat16
+    out = []
+    for d in PACKED_HEAD_DIMS:
+        heads = MODEL_DIM // d
+        out += _varlen_cases([PACKED_EQUAL] * (TOKENS // PACKED_EQUAL), heads, d, dtype,
+                             f"{TOKENS // PACKED_EQUAL}x{PACKED_EQUAL} equal", full)
+        lengths = packed_lengths(TOKENS, PACKED_MIN, PACKED_MAX, PACKED_SEED)
+        out += _varlen_cases(lengths, heads, d, dtype,
+                             f"{len(lengths)} docs random {PACKED_MIN}-{PACKED_MAX}", full)
+    out += _window_cases(WINDOW_SHAPE, WINDOW, dtype)
+    return out + _head_dim_cases(HEAD_DIM_SHAPE, HEAD_DIM_SWEEP, dtype)
 
 
 def host_cases() -> list[bench.HostCase]:

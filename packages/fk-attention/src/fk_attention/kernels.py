@@ -4,8 +4,12 @@ Tensors are (B, H, N, D) with any strides; a program sees one (batch, head) as a
 read in row blocks, either through a 4-D tensor descriptor built on the host (TMA, `USE_DESC`:
 Hopper; passed as a kernel parameter, so no program builds one; zero fill past the matrix) or
 through pointers with masks. (The `*_ptr` operands of the kernels are those descriptors when
-USE_DESC is set.) Head dims are padded to HEAD_DIM_PADDED (a power of
-two) with zeros, sequence ends are masked, so no length rule applies. GQA: query head h reads
+USE_DESC is set.) USE_DESC = 2 (packed sequences): descriptors for the inputs only, over the whole
+(1, H, total, D) tensor: a tile past a sequence's end reads the next one's rows, to which the
+masked walks give zero weight (their scores are masked; zeroing the tiles instead cost 1.5x on
+the dK/dV kernel); outputs are written through pointers with masks (a TMA box would cross into
+the next sequence). Head dims are padded to HEAD_DIM_PADDED (a power of two) with zeros, sequence ends are
+masked, so no length rule applies. GQA: query head h reads
 key/value head h // group.
 
 Masks (WINDOW): query i sees key j when -left <= j - (i + shift) <= right, shift = Nk - Nq for
@@ -32,7 +36,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 def _source(t, b, h, stride_b, stride_h, first, stride_n, USE_DESC: tl.constexpr):
     """Head (b, h) of a (B, H, N, D) operand: the whole tensor's descriptor (its loads and stores
     name b and h; out-of-range rows and the head-dim padding read as zeros, writes there are
-    dropped) or a pointer to the head's first row (row `first`: where a packed sequence starts)."""
+    dropped) or a pointer to the head's first row (row `first`: where a packed sequence starts).
+    Packed descriptor loads (USE_DESC = 2) take the sequence's first row as `b` instead."""
     if USE_DESC:
         return t
     else:
@@ -44,8 +49,11 @@ def _load(src, b, h, start, n_rows, stride_n, stride_d, BLOCK: tl.constexpr, HEA
           HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, CHECK_ROWS: tl.constexpr):
     """Rows [start, start + BLOCK) of head (b, h) as a BLOCK x HEAD_DIM_PADDED tile, zeros outside
     the matrix. Pointer loads mask only what may be out of range (CHECK_ROWS, head-dim padding),
-    so full tiles stay unmasked vector loads."""
-    if USE_DESC:
+    so full tiles stay unmasked vector loads. Packed descriptors (USE_DESC = 2, b = the sequence's
+    first row) read the next sequence's rows past n_rows."""
+    if USE_DESC == 2:
+        tile = src.load([0, h, b + start, 0]).reshape(BLOCK, HEAD_DIM_PADDED)
+    elif USE_DESC:
         tile = src.load([b, h, start, 0]).reshape(BLOCK, HEAD_DIM_PADDED)
     else:
         rows = tl.arange(0, BLOCK)
@@ -70,8 +78,9 @@ def _load(src, b, h, start, n_rows, stride_n, stride_d, BLOCK: tl.constexpr, HEA
 def _store(dst, tile, b, h, start, n_rows, stride_n, stride_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
            HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr):
     """Write a BLOCK x HEAD_DIM_PADDED fp32 tile, cast to the destination's dtype, to rows
-    [start, start + BLOCK) of head (b, h), dropping what lies outside the matrix."""
-    if USE_DESC:
+    [start, start + BLOCK) of head (b, h), dropping what lies outside the matrix (packed
+    sequences, USE_DESC = 2, store through pointers)."""
+    if USE_DESC == 1:
         dst.store([b, h, start, 0], tile.to(dst.dtype).reshape(1, 1, BLOCK, HEAD_DIM_PADDED))
     else:
         rows = tl.arange(0, BLOCK)
@@ -196,32 +205,33 @@ def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift
 
 
 @triton.jit
-def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, b, h, hk, start_m, n_q, n_k, shift, left, right,
+def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, bq, bk, h, hk, start_m, n_q, n_k, shift, left, right,
                qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod,
                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
                HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows [start_m, start_m + BLOCK_M) of one (sequence, head): the output and the row
-    log-sum-exp. A row that sees no key gets 0 and -inf (the log-sum-exp of nothing)."""
+    log-sum-exp. A row that sees no key gets 0 and -inf (the log-sum-exp of nothing). bq, bk:
+    the batch index (dense) or the sequences' first rows (packed) for descriptor loads."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _load(q_src, b, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
+    q = _load(q_src, bq, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
     lo, full_lo, full_hi, hi = _key_range(start_m, n_k, shift, left, right, WINDOW, BLOCK_M, BLOCK_N)
     if WINDOW:
-        acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, full_lo, offs_m, n_k, shift, left,
-                                   right, qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True,
+        acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, lo, full_lo, offs_m, n_k, shift,
+                                   left, right, qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True,
                                    BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
-    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, full_lo, full_hi, offs_m, n_k, shift, left,
+    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, full_lo, full_hi, offs_m, n_k, shift, left,
                                right, qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, False,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
-    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, full_hi, hi, offs_m, n_k, shift, left,
+    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, full_hi, hi, offs_m, n_k, shift, left,
                                right, qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]
-    _store(o_dst, out, b, h, start_m, n_q, son, sod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
+    _store(o_dst, out, bq, h, start_m, n_q, son, sod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
     tl.store(lse_row + offs_m, lse, mask=offs_m < n_q)
 
@@ -256,7 +266,7 @@ def attn_fwd_kernel(
     q_src = _source(q_ptr, b, h, sqb, sqh, q_first, sqn, USE_DESC)
     k_src = _source(k_ptr, b, hk, skb, skh, k_first, skn, USE_DESC)
     v_src = _source(v_ptr, b, hk, svb, svh, k_first, svn, USE_DESC)
-    o_dst = _source(o_ptr, b, h, sob, soh, q_first, son, USE_DESC)
+    o_dst = _source(o_ptr, b, h, sob, soh, q_first, son, USE_DESC == 1)
     lse_row = lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + q_first
     if SOFTCAP:
         qk_scale = softcap * LOG2E
@@ -266,11 +276,11 @@ def attn_fwd_kernel(
         cap_scale = 1.0
     if VARLEN:
         for start_m in range(block * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
-            _fwd_block(q_src, k_src, v_src, o_dst, lse_row, b, h, hk, start_m, n_q_b, n_k_b, shift, left, right,
+            _fwd_block(q_src, k_src, v_src, o_dst, lse_row, q_first, k_first, h, hk, start_m, n_q_b, n_k_b, shift, left, right,
                        qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW, SOFTCAP, HEAD_DIM,
                        HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
     else:
-        _fwd_block(q_src, k_src, v_src, o_dst, lse_row, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right,
+        _fwd_block(q_src, k_src, v_src, o_dst, lse_row, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right,
                    qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW, SOFTCAP, HEAD_DIM,
                    HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
 
@@ -310,7 +320,8 @@ def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, n_k, 
 
 
 @triton.jit
-def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, delta_row, b, h, hk, start_m,
+def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, delta_row, bq, bk, h, hk,
+              start_m,
               n_q, n_k, shift, left, right, sm_scale, qk_scale, cap_scale,
               sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -319,9 +330,9 @@ def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, del
     """dQ of rows [start_m, start_m + BLOCK_M), after their row term delta (stored for dK/dV)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < n_q
-    q = _load(q_src, b, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
-    do = _load(do_src, b, h, start_m, n_q, sdon, sdod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
-    o = _load(o_src, b, h, start_m, n_q, son, sod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
+    q = _load(q_src, bq, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
+    do = _load(do_src, bq, h, start_m, n_q, sdon, sdod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
+    o = _load(o_src, bq, h, start_m, n_q, son, sod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:
         delta -= tl.load(dlse_row + offs_m * sdln, mask=row_ok, other=0.0)
@@ -330,16 +341,16 @@ def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, del
     dq = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
     lo, full_lo, full_hi, hi = _key_range(start_m, n_k, shift, left, right, WINDOW, BLOCK_M, BLOCK_N)
     if WINDOW:
-        dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, full_lo, offs_m, n_k, shift, left, right,
+        dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, bk, hk, lo, full_lo, offs_m, n_k, shift, left, right,
                        qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True, BLOCK_N, HEAD_DIM,
                        HEAD_DIM_PADDED, USE_DESC, PRECISION)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, full_lo, full_hi, offs_m, n_k, shift, left, right,
+    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, bk, hk, full_lo, full_hi, offs_m, n_k, shift, left, right,
                    qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, False, BLOCK_N, HEAD_DIM,
                    HEAD_DIM_PADDED, USE_DESC, PRECISION)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, full_hi, hi, offs_m, n_k, shift, left, right,
+    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, bk, hk, full_hi, hi, offs_m, n_k, shift, left, right,
                    qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True, BLOCK_N, HEAD_DIM,
                    HEAD_DIM_PADDED, USE_DESC, PRECISION)
-    _store(dq_dst, dq * sm_scale, b, h, start_m, n_q, sdqn, sdqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
+    _store(dq_dst, dq * sm_scale, bq, h, start_m, n_q, sdqn, sdqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
 
 @triton.jit
@@ -376,7 +387,7 @@ def attn_bwd_dq_kernel(
     do_src = _source(do_ptr, b, h, sdob, sdoh, q_first, sdon, USE_DESC)
     k_src = _source(k_ptr, b, hk, skb, skh, k_first, skn, USE_DESC)
     v_src = _source(v_ptr, b, hk, svb, svh, k_first, svn, USE_DESC)
-    dq_dst = _source(dq_ptr, b, h, sdqb, sdqh, q_first, sdqn, USE_DESC)
+    dq_dst = _source(dq_ptr, b, h, sdqb, sdqh, q_first, sdqn, USE_DESC == 1)
     stat_offset = tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + q_first
     dlse_row = dlse_ptr + tl.cast(b, tl.int64) * sdlb + tl.cast(h, tl.int64) * sdlh + q_first * sdln
     if SOFTCAP:
@@ -388,13 +399,13 @@ def attn_bwd_dq_kernel(
     if VARLEN:
         for start_m in range(block * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
             _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
-                      delta_ptr + stat_offset, b, h, hk, start_m, n_q_b, n_k_b, shift, left, right, sm_scale,
+                      delta_ptr + stat_offset, q_first, k_first, h, hk, start_m, n_q_b, n_k_b, shift, left, right, sm_scale,
                       qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
                       WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
                       BLOCK_N)
     else:
         _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
-                  delta_ptr + stat_offset, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right, sm_scale,
+                  delta_ptr + stat_offset, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right, sm_scale,
                   qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
                   WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
 
@@ -406,8 +417,9 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, lo, hi, o
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr,
                 PRECISION: tl.constexpr):
     """dV += P^T dO and dK += dS^T Q over the query blocks [lo, hi), computed transposed (keys as
-    rows) so that the key block's accumulators never move. MASKED walks check rows (past n_q they
-    read q = dO = 0 and lse = delta = 0, which contributes exactly 0) and apply the window."""
+    rows) so that the key block's accumulators never move. MASKED walks apply the window and check
+    rows: past n_q, q = dO = 0 contribute exactly 0, and packed descriptor tiles (which read the
+    next sequence's rows there) get zero weight."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -417,9 +429,15 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, lo, hi, o
         lse2 = _row_lse2(lse_row, offs_m, n_q)
         tt = _capped(tl.dot(k, tl.trans(q), input_precision=PRECISION), cap_scale, SOFTCAP)
         zt = tt * qk_scale - lse2[None, :]
-        if MASKED and WINDOW:
-            d = offs_n[:, None] - (offs_m[None, :] + shift)
-            zt = tl.where((d >= -left) & (d <= right), zt, float("-inf"))
+        if MASKED:
+            if WINDOW:
+                d = offs_n[:, None] - (offs_m[None, :] + shift)
+                keep = (d >= -left) & (d <= right)
+                if USE_DESC == 2:
+                    keep = keep & (offs_m[None, :] < n_q)
+                zt = tl.where(keep, zt, float("-inf"))
+            elif USE_DESC == 2:
+                zt = tl.where(offs_m[None, :] < n_q, zt, float("-inf"))
         pt = tl.exp2(zt)
         do = _load(do_src, b, h, start_m, n_q, sdon, sdod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
@@ -433,7 +451,8 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, lo, hi, o
 
 
 @triton.jit
-def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, hk, q_first, start_n,
+def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, bq, bk, hk, q_first,
+                start_n,
                 n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
                 sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd, slb, slh,
                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -442,13 +461,14 @@ def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr,
     """dK and dV of keys [start_n, start_n + BLOCK_N) of KV head hk, summed over its query heads.
     Per query head three walks: the window's edges (masked, rows checked) around the blocks
     that see every key (no mask); without a window the last partial block is the masked walk
-    (TMA zero-fills it, so the descriptor path folds it into the unmasked one)."""
-    k = _load(k_src, b, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
-    v = _load(v_src, b, hk, start_n, n_k, svn, svd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
+    (TMA zero-fills it, so the dense descriptor path folds it into the unmasked one). b: the batch
+    index; bq, bk: what descriptor loads take (`_fwd_block`)."""
+    k = _load(k_src, bk, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
+    v = _load(v_src, bk, hk, start_n, n_k, svn, svd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     dk = tl.zeros((BLOCK_N, HEAD_DIM_PADDED), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM_PADDED), tl.float32)
-    lo, full_lo, full_hi, hi = _query_range(start_n, n_q, shift, left, right, WINDOW, BLOCK_M, BLOCK_N, USE_DESC)
+    lo, full_lo, full_hi, hi = _query_range(start_n, n_q, shift, left, right, WINDOW, BLOCK_M, BLOCK_N, USE_DESC == 1)
     # Not pipelined itself (num_stages=1): the walks inside are.
     for g in tl.range(0, group, num_stages=1):
         h = hk * group + g
@@ -458,17 +478,17 @@ def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr,
         lse_row = lse_ptr + stat_offset
         delta_row = delta_ptr + stat_offset
         if WINDOW:
-            dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, lo, full_lo, offs_n, n_q,
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse_row, delta_row, lo, full_lo, offs_n, n_q,
                                  shift, left, right, qk_scale, cap_scale, sqn, sqd, sdon, sdod, WINDOW, SOFTCAP,
                                  True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, full_lo, full_hi, offs_n, n_q,
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse_row, delta_row, full_lo, full_hi, offs_n, n_q,
                              shift, left, right, qk_scale, cap_scale, sqn, sqd, sdon, sdod, WINDOW, SOFTCAP,
                              False, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, full_hi, hi, offs_n, n_q,
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse_row, delta_row, full_hi, hi, offs_n, n_q,
                              shift, left, right, qk_scale, cap_scale, sqn, sqd, sdon, sdod, WINDOW, SOFTCAP,
                              True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
-    _store(dk_dst, dk * sm_scale, b, hk, start_n, n_k, sdkn, sdkd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
-    _store(dv_dst, dv, b, hk, start_n, n_k, sdvn, sdvd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
+    _store(dk_dst, dk * sm_scale, bk, hk, start_n, n_k, sdkn, sdkd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
+    _store(dv_dst, dv, bk, hk, start_n, n_k, sdvn, sdvd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
 
 @triton.jit
@@ -495,8 +515,8 @@ def attn_bwd_dkdv_kernel(
     shift = lower_right * (n_k_b - n_q_b)
     k_src = _source(k_ptr, b, hk, skb, skh, k_first, skn, USE_DESC)
     v_src = _source(v_ptr, b, hk, svb, svh, k_first, svn, USE_DESC)
-    dk_dst = _source(dk_ptr, b, hk, sdkb, sdkh, k_first, sdkn, USE_DESC)
-    dv_dst = _source(dv_ptr, b, hk, sdvb, sdvh, k_first, sdvn, USE_DESC)
+    dk_dst = _source(dk_ptr, b, hk, sdkb, sdkh, k_first, sdkn, USE_DESC == 1)
+    dv_dst = _source(dv_ptr, b, hk, sdvb, sdvh, k_first, sdvn, USE_DESC == 1)
     if SOFTCAP:
         qk_scale = softcap * LOG2E
         cap_scale = sm_scale / softcap
@@ -505,13 +525,14 @@ def attn_bwd_dkdv_kernel(
         cap_scale = 1.0
     if VARLEN:
         for start_n in range(block * BLOCK_N, n_k_b, n_blocks * BLOCK_N):
-            _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, hk, q_first, start_n,
+            _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, q_first, k_first, hk,
+                        q_first, start_n,
                         n_q_b, n_k_b, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
                         sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd,
                         slb, slh, WINDOW, SOFTCAP, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
                         BLOCK_N)
     else:
-        _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, hk, q_first,
+        _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, b, b, hk, q_first,
                     block * BLOCK_N, n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
                     sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd,
                     slb, slh, WINDOW, SOFTCAP, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)

@@ -144,8 +144,11 @@ class Config:
     num_stages: int
     descriptors: bool = False
 
-    def meta(self) -> dict:
-        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "USE_DESC": self.descriptors}
+    def meta(self, varlen: bool = False) -> dict:
+        """The kernels' meta-parameters; packed sequences read inputs through descriptors and write
+        through pointers (USE_DESC = 2, kernels.py)."""
+        use_desc = (2 if varlen else 1) if self.descriptors else 0
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "USE_DESC": use_desc}
 
 
 def _configs(*rows: tuple[int, int, int, int]) -> tuple[Config, ...]:
@@ -288,16 +291,16 @@ def _prune(configs, named_args, **kwargs):
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
-def autotuned(kernel, kind: Kind, head_dim: int, descriptors: bool):
+def autotuned(kernel, kind: Kind, head_dim: int, descriptors: bool, varlen: bool):
     """`kernel` (a @triton.jit function) autotuned over this head dim's candidates. One tuner per
-    (kernel, head dim, descriptors allowed): the candidates differ. The kernel takes the
+    (kernel, head dim, descriptors allowed, packed): the candidates differ. The kernel takes the
     KEY_ARGS; BLOCK_M, BLOCK_N and USE_DESC come from the configs, and with descriptors each
     config sizes the descriptors' tiles before it runs (`fit_descriptors`)."""
     import triton
 
     configs = []
     for c in candidates(kind, head_dim, descriptors):
-        meta = c.meta()
+        meta = c.meta(varlen)
         if backend.is_hip():
             meta["waves_per_eu"] = hip_waves_per_eu(head_dim)
         configs.append(triton.Config(meta, num_warps=c.num_warps, num_stages=c.num_stages,
@@ -318,11 +321,12 @@ def autotuned(kernel, kind: Kind, head_dim: int, descriptors: bool):
 _TUNED_LAUNCH_LOCK = threading.Lock()
 
 
-def launch_tuned(kernel, kind: Kind, head_dim: int, descriptors: bool, grid, args: tuple, meta: dict):
+def launch_tuned(kernel, kind: Kind, head_dim: int, descriptors: bool, grid, args: tuple, meta: dict,
+                 varlen: bool):
     """Launch `kernel` through its autotuner (`autotuned`) over `grid` (a function of the chosen
     config's meta-parameters), one tuned launch at a time across threads; returns the Triton config
     it ran (the tuner's pick for this key), or None where this Triton does not say."""
-    tuned = autotuned(kernel, kind, head_dim, descriptors)
+    tuned = autotuned(kernel, kind, head_dim, descriptors, varlen)
     with _TUNED_LAUNCH_LOCK:
         tuned[grid](*args, **meta)
         return getattr(tuned, "best_config", None)
@@ -429,6 +433,11 @@ FORWARD_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M")  # q, k, v, out
 DQ_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", "BLOCK_M", None, None, None, "BLOCK_M")
 DKDV_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", None, None, "BLOCK_N", "BLOCK_N")
 
+
+def _inputs_only(tiles: tuple, outputs: tuple[int, ...]) -> tuple:
+    """Packed sequences' tiles: outputs go through pointers (a TMA box would cross a sequence end)."""
+    return tuple(None if i in outputs else rows for i, rows in enumerate(tiles))
+
 BOUND = PlanCache(CACHE_SIZE)
 # Autotuned configs by (kernel kind, head dim, descriptors, tuning key): once a key is tuned, its
 # calls launch the winner directly (no tuner, no lock on the hot path).
@@ -521,7 +530,7 @@ class _Kernel:
             config = config or default_config(self.kind, self.head_dim, self.dtype, use)
             block = config.meta()[self.walked]
             launch = Launch(self.kernel, (sizing.cdiv(self.n_rows, block) * self.programs,), self.tail,
-                            {**self.meta, **config.meta(), **launch_options(config, self.head_dim)},
+                            {**self.meta, **config.meta(self.meta["VARLEN"]), **launch_options(config, self.head_dim)},
                             self.device)
             entry = self.launches[use] = (launch, config)
         launch, config = entry
@@ -545,11 +554,11 @@ class _Kernel:
         walked = self.walked
         best = launch_tuned(self.kernel, self.kind, self.head_dim, use,
                             lambda m: (sizing.cdiv(self.n_rows, m[walked]) * self.programs,),
-                            (*args, *self.tail), self.meta)
+                            (*args, *self.tail), self.meta, self.meta["VARLEN"])
         if best is not None:
             kw = best.kwargs
             WINNERS[(self.tuning_key, use)] = Config(kw["BLOCK_M"], kw["BLOCK_N"], best.num_warps,
-                                                    best.num_stages, kw["USE_DESC"])
+                                                    best.num_stages, bool(kw["USE_DESC"]))
 
 
 def _keys(n_q: int, n_k: int, batch_heads: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -639,12 +648,11 @@ def _bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors
         return no_keys
     (q_, q_ok), (k_, k_ok), (v_, v_ok) = (_fit(as_kernel(t)) for t in (q, k, v))
     out = as_kernel(new_outputs()[0])
-    if varlen:
-        descriptors = False  # TMA boxes would cross sequence bounds
     tail = (sm_scale, *mask.kernel_args()[:1], n_q, n_k, hq, hq // hk, *mask.kernel_args()[1:], *totals,
             *_strides(q_, varlen), *_strides(k_, varlen), *_strides(v_, varlen), *_strides(out, varlen),
             *lse_strides, *_keys(n_q, n_k, b * hq, dtype))
-    kernel = _Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, FORWARD_TILES, (q_, k_, v_, out), tail,
+    tiles = _inputs_only(FORWARD_TILES, (3,)) if varlen else FORWARD_TILES
+    kernel = _Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, tiles, (q_, k_, v_, out), tail,
                      _meta(mask, varlen, d, dtype), dtype, should_autotune(dtype, b * hq, n_q, n_k), descriptors,
                      config, device)
 
@@ -763,22 +771,20 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
     meta = _meta(mask, varlen, d, dtype)
     keys = _keys(n_q, n_k, b * hq, dtype)
     tune = should_autotune(dtype, b * hq, n_q, n_k)
-    if varlen:
-        descriptors = False  # TMA boxes would cross sequence bounds
-    elif configs is None and descriptors is None:
+    if configs is None and descriptors is None:
         # One choice for both kernels: TMA where every operand of either allows it.
         descriptors = None if all(_strides_allow_descriptors(t) for t in (q_, k_, v_, out_, go_, dq, dk, dv)) \
             else False
     softcap, lower_right, left, right = mask.kernel_args()
     dlse_strides = (0, *dlse_.stride()[1:]) if varlen else dlse_.stride()
     dq_kernel = _Kernel(
-        kernels.attn_bwd_dq_kernel, Kind.DQ, n_q, b * hq, DQ_TILES, (q_, k_, v_, out_, go_, lse, dlse_, delta, dq),
+        kernels.attn_bwd_dq_kernel, Kind.DQ, n_q, b * hq, _inputs_only(DQ_TILES, (8,) if varlen else ()), (q_, k_, v_, out_, go_, lse, dlse_, delta, dq),
         (sm_scale, softcap, n_q, n_k, hq, hq // hk, lower_right, left, right, *totals,
          *(s for t in (q_, k_, v_, out_, go_) for s in _strides(t, varlen)), *dlse_strides,
          *_strides(dq, varlen), *lse_strides, *keys),
         {**meta, "HAS_DLSE": has_dlse}, dtype, tune, descriptors, dq_config, device)
     dkdv_kernel = _Kernel(
-        kernels.attn_bwd_dkdv_kernel, Kind.DKDV, n_k, b * hk, DKDV_TILES, (q_, k_, v_, go_, lse, delta, dk, dv),
+        kernels.attn_bwd_dkdv_kernel, Kind.DKDV, n_k, b * hk, _inputs_only(DKDV_TILES, (6, 7) if varlen else ()), (q_, k_, v_, go_, lse, delta, dk, dv),
         (sm_scale, softcap, n_q, n_k, hk, hq // hk, lower_right, left, right, *totals,
          *(s for t in (q_, k_, v_, go_, dk, dv) for s in _strides(t, varlen)), *lse_strides, *keys),
         meta, dtype, tune, descriptors, dkdv_config, device)

@@ -1,0 +1,154 @@
+"""Hugging Face transformers integration: `import fk_attention.hf` registers fk's attention as the
+attention implementation "fk".
+
+    import fk_attention.hf  # noqa: F401
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="fk")  # or set_attn_implementation("fk")
+
+The masks reach "fk" as they reach FlashAttention (transformers' `flash_attention_mask` is
+registered for it): None, or a 2-D boolean padding mask (B, Nk). Padding goes through
+`attention_varlen` (the kept tokens packed, the output scattered back with zeros at padded
+queries); packed sequences too, given as `cu_seq_lens_*` / `max_length_*` (padding-free
+collators) or as position ids that restart; otherwise the dense `attention`. Causal attention is
+aligned lower-right (a KV cache's queries are its last rows), GQA runs natively, `sliding_window`
+W keeps the keys of the last W positions (transformers' `kv_idx > q_idx - W`), `softcap` is
+Gemma 2's logit softcapping. Refused with a ValueError: dropout, attention sinks (`s_aux`),
+position biases, 4-D masks, and masks with model-specific overlays (or/and mask functions, e.g.
+bidirectional image tokens). transformers is imported by this module only.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+from .ops import attention, attention_varlen
+
+NAME = "fk"
+# Attention-function arguments some models pass that fk's kernels have no term for.
+UNSUPPORTED_KWARGS = ("s_aux", "position_bias")
+
+
+def fk_mask(*args, use_vmap: bool = False, **kwargs):
+    """FlashAttention's mask (None or the 2-D padding mask); refuses the overlays it would drop."""
+    # transformers sets use_vmap exactly when a model adds an or/and mask function to the base mask.
+    if use_vmap:
+        raise ValueError("attn_implementation 'fk' supports causal, sliding-window and padding masks only; "
+                         "this model adds its own mask function (or_mask_function / and_mask_function)")
+    return flash_attention_mask(*args, **kwargs)
+
+
+def _gather(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, D) -> (tokens, H, D) of the tokens (rows[t], cols[t])."""
+    return x[rows, :, cols]
+
+
+def _cu_seqlens(keep: torch.Tensor) -> torch.Tensor:
+    lengths = keep.sum(-1, dtype=torch.int32)
+    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _padded(query, key, value, mask, **mask_args) -> torch.Tensor:
+    """Attention of left- or right-padded rows: keys kept where the (B, Nk) mask is True, queries
+    where its last Nq columns are (every row's query when Nq = 1, as FlashAttention does)."""
+    b, _, n_q, _ = query.shape
+    n_k = mask.shape[1]
+    if key.shape[2] < n_k:
+        raise ValueError(f"attention_mask has {n_k} columns but there are only {key.shape[2]} keys")
+    # A static cache holds more key slots than the mask covers: the ones past it are unused.
+    key, value = key[:, :, :n_k], value[:, :, :n_k]
+    keep_q = mask[:, -n_q:] if n_q > 1 else mask.new_ones(b, 1)
+    rows_q, cols_q = keep_q.nonzero(as_tuple=True)
+    rows_k, cols_k = mask.nonzero(as_tuple=True)
+    out = attention_varlen(_gather(query, rows_q, cols_q), _gather(key, rows_k, cols_k),
+                           _gather(value, rows_k, cols_k), _cu_seqlens(keep_q), _cu_seqlens(mask),
+                           n_q, n_k, **mask_args)
+    return out.new_zeros(b, n_q, *out.shape[1:]).index_put((rows_q, cols_q), out)
+
+
+def _packed(query, key, value, cu_q, cu_k, max_q, max_k, **mask_args) -> torch.Tensor:
+    """Attention of sequences packed one after another along (B, N), output (B, N, Hq, D)."""
+    b, _, n_q, _ = query.shape
+    out = attention_varlen(query.transpose(1, 2).flatten(0, 1), key.transpose(1, 2).flatten(0, 1),
+                           value.transpose(1, 2).flatten(0, 1), cu_q.to(torch.int32), cu_k.to(torch.int32),
+                           int(max_q), int(max_k), **mask_args)
+    return out.view(b, n_q, *out.shape[1:])
+
+
+# The last position ids seen and their sequence bounds: every layer of one forward gets the same
+# tensor, so the device sync that reading them costs is paid once per forward, not once per layer.
+_last_positions: list = [None, -1, None]
+
+
+def _restarts(position_ids: torch.Tensor, batch: int) -> torch.Tensor | None:
+    """cu_seqlens of the sequences packed in (B, N) position ids (a new one wherever a position is
+    not its predecessor + 1, as transformers' `find_packed_sequence_indices`), None if unpacked."""
+    # Inference tensors keep no version counter: for them the same tensor means the same ids.
+    version = None if position_ids.is_inference() else position_ids._version
+    last, last_version, cu = _last_positions
+    if last is position_ids and last_version == version:
+        return cu
+    positions = position_ids.expand(batch, -1)
+    starts = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1) != 1
+    cu = None
+    if starts.any():
+        starts[:, 0] = True
+        cu = torch.nn.functional.pad(starts.flatten().nonzero().flatten().to(torch.int32), (0, 1),
+                                     value=starts.numel())
+    _last_positions[:] = [position_ids, version, cu]
+    return cu
+
+
+def fk_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query (B, Hq, Nq, D), key and value (B, Hk, Nk,
+    D); returns (output (B, Nq, Hq, D), None)."""
+    if dropout:
+        raise ValueError(f"attn_implementation 'fk' has no attention dropout, got dropout={dropout} "
+                         "(set the config's attention_dropout to 0 to train with it)")
+    for name in UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"attn_implementation 'fk' does not support {name}")
+    if attention_mask is not None and attention_mask.ndim != 2:
+        raise ValueError(f"attn_implementation 'fk' takes a 2-D padding mask (batch, keys) or None, got "
+                         f"attention_mask of shape {tuple(attention_mask.shape)}")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    mask_args = {
+        "causal": "lower_right" if causal else False,
+        "sm_scale": scaling,
+        # transformers' window W: query i sees keys j with i - j < W (and j - i < W when bidirectional).
+        "window": None if sliding_window is None else (sliding_window - 1, sliding_window - 1),
+        "softcap": softcap,
+    }
+    b, _, n_q, _ = query.shape
+    if attention_mask is not None:
+        return _padded(query, key, value, attention_mask.bool(), **mask_args), None
+    if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
+        max_q = n_q if max_length_q is None else max_length_q
+        max_k = key.shape[2] if max_length_k is None else max_length_k
+        return _packed(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_q, max_k, **mask_args), None
+    if position_ids is not None and n_q > 1 and key.shape[2] == n_q:
+        cu = _restarts(position_ids, b)
+        if cu is not None:
+            return _packed(query, key, value, cu, cu, n_q, n_q, **mask_args), None
+    return attention(query, key, value, **mask_args).transpose(1, 2), None
+
+
+AttentionInterface.register(NAME, fk_attention_forward)
+AttentionMaskInterface.register(NAME, fk_mask)

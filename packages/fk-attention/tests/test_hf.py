@@ -1,0 +1,151 @@
+"""attn_implementation="fk" (fk_attention.hf) in small transformers models with random weights,
+against the same models run by transformers' own attention ("sdpa", or "eager" for Gemma 2's
+softcap) in float64: logits with and without padding, packed sequences, cached generation."""
+
+import copy
+
+import pytest
+import torch
+from fk_runtime import testing
+
+transformers = pytest.importorskip("transformers")  # nox installs it (the "transformers" extra)
+
+from fk_attention import hf  # noqa: E402
+
+# Tiny decoders: Llama with GQA; Mistral with a sliding window shorter than the sequences; Gemma 2
+# with logit softcapping and alternating sliding / full layers (SDPA refuses softcap: eager).
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+MODELS = {
+    "llama": (lambda: transformers.LlamaConfig(**COMMON), "sdpa"),
+    "mistral": (lambda: transformers.MistralConfig(**COMMON, sliding_window=8), "sdpa"),
+    "gemma2": (lambda: transformers.Gemma2Config(**COMMON, sliding_window=8, attn_logit_softcapping=2.0,
+                                                 query_pre_attn_scalar=16), "eager"),
+}
+DTYPES = [torch.bfloat16, torch.float32] if testing.on_gpu() else [torch.float32]
+SEQ = 24
+
+
+def models(name, dtype):
+    """(fk model in dtype, reference in dtype, reference in float64), one random init."""
+    config, reference = MODELS[name]
+    base = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation=reference)
+    for p in base.parameters():  # random norm weights too (they start at 1 or 0)
+        p.data.normal_(0.0, 0.3 if p.dim() == 1 else 0.1)
+    base = base.to(testing.device()).eval()
+    fk = copy.deepcopy(base).to(dtype)
+    fk.set_attn_implementation("fk")
+    return fk, copy.deepcopy(base).to(dtype), base.to(torch.float64)
+
+
+def padding_mask(batch=3):
+    """Row 0 unpadded, row 1 left-padded, row 2 right-padded."""
+    mask = torch.ones(batch, SEQ, dtype=torch.long, device=testing.device())
+    mask[1, :5] = 0
+    mask[2, SEQ - 7:] = 0
+    return mask
+
+
+def test_registered():
+    assert transformers.AttentionInterface._global_mapping["fk"] is hf.fk_attention_forward
+    assert transformers.masking_utils.AttentionMaskInterface._global_mapping["fk"] is hf.fk_mask
+    model = transformers.AutoModelForCausalLM.from_config(MODELS["llama"][0](), attn_implementation="fk")
+    assert model.config._attn_implementation == "fk"
+
+
+def unpadded(model, ids, mask):
+    """Each row's logits, the row run alone without its padding: what padding must not change
+    (rotary embeddings see relative positions only). Also what the reference gets, as eager Gemma 2
+    in float64 turns padded batches into NaN (its fully masked rows)."""
+    return [model(row[keep][None]).logits[0] for row, keep in zip(ids, mask.bool(), strict=True)]
+
+
+def check(name, out, ref, base, dtype):
+    # A non-finite reference or baseline would make the bound infinite, and the check vacuous.
+    assert torch.isfinite(ref).all() and torch.isfinite(base).all()
+    testing.assert_close(name, out, ref, dtype, baseline=base)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits(name, padded, dtype):
+    fk, baseline, reference = models(name, dtype)
+    ids = torch.randint(0, 128, (3, SEQ), device=testing.device())
+    with torch.no_grad():
+        if padded:
+            mask = padding_mask()
+            # Padded queries have no meaning (fk writes zeros there): the kept rows only.
+            out = fk(ids, attention_mask=mask).logits[mask.bool()]
+            ref, base = (torch.cat(unpadded(m, ids, mask)) for m in (reference, baseline))
+        else:
+            out, ref, base = (m(ids).logits for m in (fk, reference, baseline))
+    check(f"{name} logits", out, ref, base, dtype)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_packed_sequences(name):
+    """Sequences packed in one row, told apart by restarting position ids (as padding-free
+    collators pass them), or by cu_seq_lens: each attends to itself only, windows per sequence."""
+    dtype = DTYPES[0]
+    fk, baseline, reference = models(name, dtype)
+    lengths = [7, 11, 6]
+    ids = torch.randint(0, 128, (1, sum(lengths)), device=testing.device())
+    positions = torch.cat([torch.arange(n, device=testing.device()) for n in lengths])[None]
+    with torch.inference_mode():  # position ids without a version counter
+        # Each sequence run alone is what packing must give (no cache: it would end packing in transformers).
+        ref = torch.cat([reference(part).logits for part in ids.split(lengths, dim=1)], dim=1)
+        base = baseline(ids, position_ids=positions, use_cache=False).logits
+        out = fk(ids, position_ids=positions, use_cache=False).logits
+        cu = torch.tensor([0, 7, 18, 24], device=testing.device())
+        by_cu = fk(ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                   max_length_q=11, max_length_k=11).logits
+    check(f"{name} packed by positions", out, ref, base, dtype)
+    check(f"{name} packed by cu_seq_lens", by_cu, ref, base, dtype)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_cached_generation(name):
+    """Greedy decoding with a KV cache from left-padded prompts past the sliding window: fk's
+    scores at every step against one forward of each whole generated row."""
+    dtype = DTYPES[0]
+    fk, baseline, reference = models(name, dtype)
+    prompt_len, new = 10, 8
+    ids = torch.randint(1, 128, (2, prompt_len), device=testing.device())
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        # No min_new_tokens: its processor writes -inf into the returned logits (an end token may
+        # stop rows early; their later tokens are still attended to, alike in both runs).
+        gen = fk.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True)
+        full_mask = torch.cat([mask, torch.ones_like(gen.sequences[:, prompt_len:])], dim=1)
+        # The logits that chose each generated token, from one forward of each whole row.
+        steps = gen.sequences.shape[1] - prompt_len
+        ref, base = (torch.stack([x[-steps - 1:-1] for x in unpadded(m, gen.sequences, full_mask)])
+                     for m in (reference, baseline))
+    out = torch.stack(gen.logits, dim=1)
+    assert torch.isfinite(out).all()
+    check(f"{name} generation", out, ref, base, dtype)
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+def test_refusals():
+    q = testing.randn((1, 4, 8, 16))
+    k = testing.randn((1, 2, 8, 16))
+    with pytest.raises(ValueError, match="dropout"):
+        hf.fk_attention_forward(_Layer(), q, k, k, None, dropout=0.1)
+    with pytest.raises(ValueError, match="s_aux"):
+        hf.fk_attention_forward(_Layer(), q, k, k, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        hf.fk_attention_forward(_Layer(), q, k, k, torch.zeros(1, 1, 8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask function"):
+        hf.fk_mask(batch_size=1, q_length=8, kv_length=8, use_vmap=True)
+    # A model trained with attention dropout meets the refusal at its first training forward.
+    config = transformers.LlamaConfig(**COMMON, attention_dropout=0.1)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="fk").to(testing.device())
+    with pytest.raises(ValueError, match="dropout"):
+        model.train()(torch.randint(0, 128, (1, 8), device=testing.device()))
