@@ -144,8 +144,38 @@ def test_refusals():
         hf.fk_attention_forward(_Layer(), q, k, k, torch.zeros(1, 1, 8, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="mask function"):
         hf.fk_mask(batch_size=1, q_length=8, kv_length=8, use_vmap=True)
+    # A bidirectional block laid over the causal mask without use_vmap (block_sequence_ids: image
+    # tokens 1-3 see each other), as transformers builds it for such models.
+    from transformers.masking_utils import causal_mask_function, or_masks
+
+    def image_block(batch_idx, head_idx, q_idx, kv_idx):
+        return (q_idx >= 1) & (q_idx <= 3) & (kv_idx >= 1) & (kv_idx <= 3)
+
+    with pytest.raises(ValueError, match="see later ones"):
+        hf.fk_mask(batch_size=2, q_length=6, kv_length=6, q_offset=0, kv_offset=0, allow_is_causal_skip=False,
+                   mask_function=or_masks(causal_mask_function, image_block))
+    assert hf.fk_mask(batch_size=2, q_length=6, kv_length=6, q_offset=0, kv_offset=0, allow_is_causal_skip=True,
+                      mask_function=causal_mask_function) is None
+    with pytest.raises(ValueError, match="fewer than the 8 queries"):
+        hf.fk_attention_forward(_Layer(), q, k, k, torch.ones(1, 6, dtype=torch.bool))
     # A model trained with attention dropout meets the refusal at its first training forward.
     config = transformers.LlamaConfig(**COMMON, attention_dropout=0.1)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="fk").to(testing.device())
     with pytest.raises(ValueError, match="dropout"):
         model.train()(torch.randint(0, 128, (1, 8), device=testing.device()))
+
+
+def test_packed_bounds_follow_the_batch_and_in_place_updates():
+    """The bounds read from position ids are reused only for the same ids at the same batch size:
+    a (1, N) tensor broadcast to a new batch, or updated in place (inference tensors included),
+    is read again."""
+    ids = torch.tensor([[0, 1, 2, 0, 1, 0]], device=testing.device())
+    assert hf._restarts(ids, 1).tolist() == [0, 3, 5, 6]
+    assert hf._restarts(ids, 2).tolist() == [0, 3, 5, 6, 9, 11, 12]
+    ids[0, 3:] = torch.tensor([3, 4, 5])
+    assert hf._restarts(ids, 2) is None
+    with torch.inference_mode():
+        ids = torch.tensor([[0, 1, 2, 0, 1, 0]], device=testing.device())
+        assert hf._restarts(ids, 1).tolist() == [0, 3, 5, 6]
+        ids[0, 3:] = torch.tensor([3, 4, 5])
+        assert hf._restarts(ids, 1) is None

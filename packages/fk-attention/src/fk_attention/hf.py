@@ -29,12 +29,32 @@ NAME = "fk"
 UNSUPPORTED_KWARGS = ("s_aux", "position_bias")
 
 
+def _sees_next_key(mask_function, batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+                   kv_offset: int = 0, device=None, **_) -> bool:
+    """Whether a causal mask lets some query see the key right after it: a bidirectional block laid
+    over the causal mask (image tokens, `block_sequence_ids`), which fk has no term for."""
+    q = torch.arange(q_offset, q_offset + q_length, device=device)
+    q = q[(q + 1 >= kv_offset) & (q + 1 < kv_offset + kv_length)]
+    if q.numel() == 0:
+        return False
+    batch = torch.arange(batch_size, device=device)[:, None]
+    head = torch.zeros((), dtype=torch.long, device=device)
+    return bool(mask_function(batch, head, q[None, :], q[None, :] + 1).any())
+
+
 def fk_mask(*args, use_vmap: bool = False, **kwargs):
     """FlashAttention's mask (None or the 2-D padding mask); refuses the overlays it would drop."""
     # transformers sets use_vmap exactly when a model adds an or/and mask function to the base mask.
     if use_vmap:
         raise ValueError("attn_implementation 'fk' supports causal, sliding-window and padding masks only; "
                          "this model adds its own mask function (or_mask_function / and_mask_function)")
+    # Causal masks (their builders pass allow_is_causal_skip) may carry a blockwise overlay without
+    # use_vmap: probe them.
+    if not args and "allow_is_causal_skip" in kwargs and "mask_function" in kwargs and "q_length" in kwargs:
+        if _sees_next_key(**kwargs):
+            raise ValueError("attn_implementation 'fk' supports causal, sliding-window and padding masks only; "
+                             "this model's causal mask lets tokens see later ones (a bidirectional block, "
+                             "e.g. image tokens)")
     return flash_attention_mask(*args, **kwargs)
 
 
@@ -53,6 +73,9 @@ def _padded(query, key, value, mask, **mask_args) -> torch.Tensor:
     where its last Nq columns are (every row's query when Nq = 1, as FlashAttention does)."""
     b, _, n_q, _ = query.shape
     n_k = mask.shape[1]
+    if n_q > n_k:
+        raise ValueError(f"attention_mask has {n_k} columns, fewer than the {n_q} queries (a padding mask "
+                         "covers the keys, the queries being its last columns)")
     if key.shape[2] < n_k:
         raise ValueError(f"attention_mask has {n_k} columns but there are only {key.shape[2]} keys")
     # A static cache holds more key slots than the mask covers: the ones past it are unused.
@@ -77,17 +100,17 @@ def _packed(query, key, value, cu_q, cu_k, max_q, max_k, **mask_args) -> torch.T
 
 # The last position ids seen and their sequence bounds: every layer of one forward gets the same
 # tensor, so the device sync that reading them costs is paid once per forward, not once per layer.
-_last_positions: list = [None, -1, None]
+# Keyed by identity, storage, version, shape and batch; inference tensors (no version) are not kept.
+_last_positions: list = [None, None]
 
 
 def _restarts(position_ids: torch.Tensor, batch: int) -> torch.Tensor | None:
     """cu_seqlens of the sequences packed in (B, N) position ids (a new one wherever a position is
     not its predecessor + 1, as transformers' `find_packed_sequence_indices`), None if unpacked."""
-    # Inference tensors keep no version counter: for them the same tensor means the same ids.
-    version = None if position_ids.is_inference() else position_ids._version
-    last, last_version, cu = _last_positions
-    if last is position_ids and last_version == version:
-        return cu
+    key = None if position_ids.is_inference() else (
+        id(position_ids), position_ids.data_ptr(), position_ids._version, tuple(position_ids.shape), batch)
+    if key is not None and _last_positions[0] == key:
+        return _last_positions[1]
     positions = position_ids.expand(batch, -1)
     starts = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1) != 1
     cu = None
@@ -95,7 +118,7 @@ def _restarts(position_ids: torch.Tensor, batch: int) -> torch.Tensor | None:
         starts[:, 0] = True
         cu = torch.nn.functional.pad(starts.flatten().nonzero().flatten().to(torch.int32), (0, 1),
                                      value=starts.numel())
-    _last_positions[:] = [position_ids, version, cu]
+    _last_positions[:] = [key, cu]
     return cu
 
 

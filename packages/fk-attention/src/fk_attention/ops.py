@@ -250,8 +250,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     are read on the GPU without a sync: out-of-range or decreasing ones are clamped to [0, total]
     (wrong rows, never an out-of-range access). Gradients for q, k, v; the backward is
     deterministic. On Hopper the inputs are read in TMA tiles that may cross a sequence's end;
-    what they read of the next sequence gets zero weight, so finite values never cross (an inf or
-    NaN in one sequence can turn its neighbours' edge rows NaN too, 0 * inf).
+    what they read there (the next sequence, or rows past cu_seqlens[-1] in a padded buffer) gets
+    zero weight, so finite values never cross; an inf or NaN there can turn the neighbouring
+    sequence's edge rows NaN (0 * inf): keep spare rows finite (e.g. a buffer from torch.zeros).
 
     Returns out (total_q, Hq, D), and with `return_lse=True` also lse (Hq, total_q) fp32."""
     for name, t in (("q", q), ("k", k), ("v", v)):
