@@ -56,6 +56,9 @@ def test_numpy_scalars_pass_and_bools_infinities_do_not():
         checks.check_size("dim", 2.5)
     with pytest.raises(ValueError, match="dim must be positive, got 0"):
         checks.check_size("dim", 0)
+    assert checks.check_size("length", 0, minimum=0) == 0
+    with pytest.raises(ValueError, match="length must be >= 0, got -1"):
+        checks.check_size("length", -1, minimum=0)
 
 
 def test_poisoned_outputs_are_nan_only_inside_the_context():

@@ -92,12 +92,14 @@ def check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
-def check_size(name: str, value) -> int:
-    """A positive integer (Python or NumPy; not a bool), e.g. a module's feature count."""
+def check_size(name: str, value, minimum: int = 1) -> int:
+    """An integer (Python or NumPy; not a bool) of at least `minimum`, e.g. a module's feature count
+    (positive) or a length (minimum 0)."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
+    if value < minimum:
+        raise ValueError(f"{name} must be positive, got {value}" if minimum == 1 else
+                         f"{name} must be >= {minimum}, got {value}")
     return int(value)
 
 

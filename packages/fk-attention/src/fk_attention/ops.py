@@ -228,14 +228,6 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor) -> None:
         raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
 
 
-def _check_length(name: str, value) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
-
-
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal=False,
                      sm_scale: float | None = None, window=None, softcap: float | None = None,
                      return_lse: bool = False):
@@ -263,8 +255,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one shape (sequences + 1), got "
                          f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
-    max_q = _check_length("max_seqlen_q", max_seqlen_q)
-    max_k = _check_length("max_seqlen_k", max_seqlen_k)
+    max_q = checks.check_size("max_seqlen_q", max_seqlen_q, minimum=0)
+    max_k = checks.check_size("max_seqlen_k", max_seqlen_k, minimum=0)
     mask = mask_args(causal, window, softcap)
     return_lse = checks.check_flag("return_lse", return_lse)
     out, lse = ATTENTION_VARLEN.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,

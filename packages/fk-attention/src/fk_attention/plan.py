@@ -9,10 +9,10 @@ GQA group in steps of BLOCK_M).
 - The interpreter runs one fixed small config (programs run one by one on the CPU; small blocks
   keep the tests quick and still take several loop steps on tiny shapes).
 - On a GPU, problems of at least AUTOTUNE_MIN_SCORES scores in fp16/bf16 are autotuned over a few
-  candidates per head dim (`triton.autotune`, key: length buckets, heads bucket, window,
-  softcap, packed, head dim, dtype), the result kept for the process so a shape tunes once (on disk too where no
-  config carries a pre-hook: Triton cannot store those, and the descriptor configs need one to
-  size their tiles). Smaller problems, fp32 and fp8 launch the default config of their head dim
+  candidates per head dim (`triton.autotune`, key: length buckets, heads bucket, window, softcap,
+  packed, head dim, dtype), the result kept for the process so a shape tunes once (on disk too
+  where no config carries a pre-hook: Triton cannot store those, and the descriptor configs need
+  one to size their tiles). Smaller problems, fp32 and fp8 launch the default config of their head dim
   (a handful of compiles instead of a sweep).
 - Tensor descriptors (TMA loads and stores) are built on the host, one 4-D descriptor per
   (B, H, N, D) operand passed as a kernel parameter (`tensor_descriptor`), and allowed on CUDA
@@ -438,6 +438,7 @@ def _inputs_only(tiles: tuple, outputs: tuple[int, ...]) -> tuple:
     """Packed sequences' tiles: outputs go through pointers (a TMA box would cross a sequence end)."""
     return tuple(None if i in outputs else rows for i, rows in enumerate(tiles))
 
+
 BOUND = PlanCache(CACHE_SIZE)
 # Autotuned configs by (kernel kind, head dim, descriptors, tuning key): once a key is tuned, its
 # calls launch the winner directly (no tuner, no lock on the hot path).
@@ -530,7 +531,8 @@ class _Kernel:
             config = config or default_config(self.kind, self.head_dim, self.dtype, use)
             block = config.meta()[self.walked]
             launch = Launch(self.kernel, (sizing.cdiv(self.n_rows, block) * self.programs,), self.tail,
-                            {**self.meta, **config.meta(self.meta["VARLEN"]), **launch_options(config, self.head_dim)},
+                            {**self.meta, **config.meta(self.meta["VARLEN"]),
+                             **launch_options(config, self.head_dim)},
                             self.device)
             entry = self.launches[use] = (launch, config)
         launch, config = entry
@@ -566,8 +568,9 @@ def _keys(n_q: int, n_k: int, batch_heads: int, dtype: torch.dtype) -> tuple[int
 
 
 def _meta(mask: Mask, varlen: bool, head_dim: int, dtype: torch.dtype) -> dict:
-    return {"WINDOW": mask.windowed, "SOFTCAP": mask.softcap is not None, "VARLEN": varlen, "HEAD_DIM": head_dim,
-            "PRECISION": _precision(dtype), "HEAD_DIM_PADDED": padded_head_dim(head_dim, dtype)}
+    return {"WINDOW": mask.windowed, "SOFTCAP": mask.softcap is not None, "VARLEN": varlen,
+            "HEAD_DIM": head_dim, "PRECISION": _precision(dtype),
+            "HEAD_DIM_PADDED": padded_head_dim(head_dim, dtype)}
 
 
 def _fit(t: torch.Tensor, fits=None) -> tuple[torch.Tensor, bool]:
@@ -651,7 +654,7 @@ def _bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors
     tail = (sm_scale, *mask.kernel_args()[:1], n_q, n_k, hq, hq // hk, *mask.kernel_args()[1:], *totals,
             *_strides(q_, varlen), *_strides(k_, varlen), *_strides(v_, varlen), *_strides(out, varlen),
             *lse_strides, *_keys(n_q, n_k, b * hq, dtype))
-    tiles = _inputs_only(FORWARD_TILES, (3,)) if varlen else FORWARD_TILES
+    tiles = _inputs_only(FORWARD_TILES, (3,) if varlen else ())
     kernel = _Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, tiles, (q_, k_, v_, out), tail,
                      _meta(mask, varlen, d, dtype), dtype, should_autotune(dtype, b * hq, n_q, n_k), descriptors,
                      config, device)
@@ -778,13 +781,15 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
     softcap, lower_right, left, right = mask.kernel_args()
     dlse_strides = (0, *dlse_.stride()[1:]) if varlen else dlse_.stride()
     dq_kernel = _Kernel(
-        kernels.attn_bwd_dq_kernel, Kind.DQ, n_q, b * hq, _inputs_only(DQ_TILES, (8,) if varlen else ()), (q_, k_, v_, out_, go_, lse, dlse_, delta, dq),
+        kernels.attn_bwd_dq_kernel, Kind.DQ, n_q, b * hq, _inputs_only(DQ_TILES, (8,) if varlen else ()),
+        (q_, k_, v_, out_, go_, lse, dlse_, delta, dq),
         (sm_scale, softcap, n_q, n_k, hq, hq // hk, lower_right, left, right, *totals,
          *(s for t in (q_, k_, v_, out_, go_) for s in _strides(t, varlen)), *dlse_strides,
          *_strides(dq, varlen), *lse_strides, *keys),
         {**meta, "HAS_DLSE": has_dlse}, dtype, tune, descriptors, dq_config, device)
     dkdv_kernel = _Kernel(
-        kernels.attn_bwd_dkdv_kernel, Kind.DKDV, n_k, b * hk, _inputs_only(DKDV_TILES, (6, 7) if varlen else ()), (q_, k_, v_, go_, lse, delta, dk, dv),
+        kernels.attn_bwd_dkdv_kernel, Kind.DKDV, n_k, b * hk, _inputs_only(DKDV_TILES, (6, 7) if varlen else ()),
+        (q_, k_, v_, go_, lse, delta, dk, dv),
         (sm_scale, softcap, n_q, n_k, hk, hq // hk, lower_right, left, right, *totals,
          *(s for t in (q_, k_, v_, go_, dk, dv) for s in _strides(t, varlen)), *lse_strides, *keys),
         meta, dtype, tune, descriptors, dkdv_config, device)
