@@ -17,6 +17,9 @@ def test_every_package_is_discovered():
 
 def test_main_job_checks_and_benchmarks_every_op(tmp_path):
     out = tmp_path / "benchmarks"
+    out.mkdir()
+    stale = out / "attention-decode.md"  # as a `--tables attention-decode` run leaves it
+    stale.write_text("## attention-decode\n")
     run = subprocess.run([sys.executable, "-m", "fk_runtime", "--small", "--out", str(out)],
                          capture_output=True, text=True, cwd=tmp_path)
     # A failed check prints FAIL (its line, and each failing comparison) among many lines.
@@ -33,6 +36,7 @@ def test_main_job_checks_and_benchmarks_every_op(tmp_path):
     assert {r["mode"] for r in fk_host} == {"fwd", "fwd+bwd"}
     assert len(fk_host) >= 2 * len(cli.discover_ops()) and all(r["us"] > 0 for r in fk_host)
     assert all(r["us"] > 0 for r in host["results"] if r["variant"] == "torch")
+    assert not stale.exists(), "the whole op's run must replace a --tables section of its table"
     text = (tmp_path / "BENCHMARKS.md").read_text()
     assert "## Host time per call" in text and "## " in text.replace("## Host time per call", "")
 
@@ -47,3 +51,20 @@ def test_interpreter_run_leaves_the_committed_numbers_alone(tmp_path):
         assert "measure nothing" in run.stdout
     else:
         assert cli.resolve_out(None) == Path(cli.DEFAULT_OUT)
+
+
+def test_tables_run_writes_their_own_sections(tmp_path):
+    """`--tables` runs only those tables, each a section of its own (a later run of the whole op
+    removes it: see above); unknown tables and tables named like their op are refused."""
+    out = tmp_path / "benchmarks"
+    base = [sys.executable, "-m", "fk_runtime", "--ops", "attention", "--no-check", "--no-host", "--small",
+            "--out", str(out)]
+    run = subprocess.run([*base, "--tables", "attention-decode"], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    payload = json.loads((out / "attention-decode.json").read_text())
+    assert {r["op"] for r in payload["results"]} == {"attention-decode"}
+    assert not (out / "attention.json").exists()
+    assert "## attention-decode" in (tmp_path / "BENCHMARKS.md").read_text()
+    for bad in ("nope", "attention"):
+        refused = subprocess.run([*base, "--tables", bad], capture_output=True, text=True, cwd=tmp_path)
+        assert refused.returncode == 2 and bad in refused.stderr

@@ -1,6 +1,6 @@
 """The main job: check and benchmark every installed fk op on the default device.
 
-    python -m fk_runtime [--ops OP ...] [--out benchmarks] [--no-bench] [--host-only]
+    python -m fk_runtime [--ops OP ...] [--tables TABLE ...] [--out benchmarks] [--no-bench] [--host-only]
 
 On a GPU it runs each op's full sweep; without one it runs the Triton interpreter at small sizes
 (the numbers then only show that everything runs). Each op's results land in
@@ -142,23 +142,48 @@ def rebuild_benchmarks_md(out: Path) -> Path:
     return target
 
 
-def run_sweeps(modules: dict, out: Path, meta: dict, full: bool) -> None:
-    """Each op's sweep: `<out>/<op>.{json,md,png}`."""
+def run_sweeps(modules: dict, out: Path, meta: dict, full: bool, tables: list[str] | None = None) -> None:
+    """Each op's sweep: `<out>/<op>.{json,md,png}`. With `tables`, only the cases of those tables
+    (a case's `op`), each written as a section of its own, `<out>/<table>.{json,md,png}`; a later
+    run of the whole op removes such sections of its tables (its own section holds them)."""
     from . import bench
 
     ceilings = bench.measure_ceilings()
     print(f"\nceilings: copy {ceilings.copy_gbps:.0f} GB/s, matmul {ceilings.matmul_tflops:.1f} "
           "TFLOP/s")
     for op, module in modules.items():
-        results = bench.run_cases(module.cases(full), ceilings)
-        bench.write_json(results, ceilings, meta, out / f"{op}.json")
+        cases = module.cases(full)
+        if tables is not None:
+            cases = [c for c in cases if c.op in tables]
+        results = bench.run_cases(cases, ceilings)
         names = list(dict.fromkeys(r.op for r in results))
-        plots = [bench.plot(results, name, ceilings, out / f"{name}.png") for name in names]
-        (out / f"{op}.md").write_text(
-            section(op, results, ceilings, meta, [p.name for p in plots if p])
-        )
+        plots = {name: bench.plot(results, name, ceilings, out / f"{name}.png") for name in names}
+        if tables is None:
+            bench.write_json(results, ceilings, meta, out / f"{op}.json")
+            (out / f"{op}.md").write_text(
+                section(op, results, ceilings, meta, [p.name for p in plots.values() if p]))
+            for name in (n for n in names if n != op):  # stale sections of a `--tables` run
+                for suffix in (".md", ".json"):
+                    (out / f"{name}{suffix}").unlink(missing_ok=True)
         for name in names:
+            if tables is not None:
+                mine = [r for r in results if r.op == name]
+                bench.write_json(mine, ceilings, meta, out / f"{name}.json")
+                (out / f"{name}.md").write_text(
+                    section(name, mine, ceilings, meta, [plots[name].name] if plots[name] else []))
             print(f"\n{name}\n" + bench.markdown_table(results, name))
+
+
+def check_tables(modules: dict, tables: list[str], full: bool) -> str | None:
+    """Why `--tables` cannot run (an unknown table, or one named like an op), or None."""
+    known = {c.op for module in modules.values() for c in module.cases(full)}
+    unknown = [t for t in tables if t not in known]
+    if unknown:
+        return f"unknown tables {unknown}; these ops have {sorted(known)}"
+    clash = [t for t in tables if t in modules]
+    if clash:
+        return f"tables {clash} are named like their op: run the whole op (--ops) instead"
+    return None
 
 
 def run_host(modules: dict, out: Path, meta: dict) -> None:
@@ -187,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-host", action="store_true", help="skip the host time per call")
     parser.add_argument("--host-only", action="store_true",
                         help="of the benchmarks, only the host time per call (no sweeps)")
+    parser.add_argument("--tables", nargs="+", default=None,
+                        help="of the sweeps, only these tables (a case's op name), each its own section")
     args = parser.parse_args(argv)
 
     backend.use_interpreter_without_gpu()  # before any op module defines its kernels
@@ -201,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{'full' if full else 'small'} sizes")
 
     modules = {op: importlib.import_module(f"{OP_PREFIX}{op}.bench") for op in ops}
+    if args.tables is not None:
+        why = check_tables(modules, args.tables, full)
+        if why is not None:
+            print(why, file=sys.stderr)
+            return 2
     all_ok = True
     if not args.no_check:
         for op, module in modules.items():
@@ -213,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = bench.environment()
     meta["command"] = "python -m fk_runtime " + shlex.join(argv if argv is not None else sys.argv[1:])
     if not args.host_only:
-        run_sweeps(modules, out, meta, full)
+        run_sweeps(modules, out, meta, full, args.tables)
     # After the sweeps: the host section's profiler pass must not run before any timed launch.
     if not args.no_host:
         run_host(modules, out, meta)

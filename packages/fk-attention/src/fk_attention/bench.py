@@ -26,9 +26,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from fk_runtime import bench, testing
+from fk_runtime import bench, sizing, testing
 
-from .ops import attention, attention_varlen
+from .ops import attention, attention_varlen, attention_with_kvcache
 
 TOKENS = 16384
 MODEL_DIM = 2048
@@ -56,6 +56,17 @@ WINDOW_SHAPE, WINDOW = (1, 16, 16384, 128), 1024
 HEAD_DIM_SHAPE, HEAD_DIM_SWEEP = (8, 16, 2048), [64, 96, 128]
 # SDPA backends that take an arbitrary mask (flash takes none).
 MASKED_SDPA = {"sdpa cudnn (mask)": "CUDNN_ATTENTION", "sdpa efficient (mask)": "EFFICIENT_ATTENTION"}
+# One-token decode (`decode_cases`), bf16: batches x cache lengths x (Hq, Hk) x head dims, the
+# cache full to its length; rows whose K and V exceed DECODE_MAX_KV_BYTES are left out (each
+# row holds a dense and a paged copy). Paged copies in pages of DECODE_PAGE rows, shuffled, laid
+# out (pages, Hk, page, D).
+DECODE_BATCHES = [1, 16, 64]
+DECODE_LENGTHS = [1024, 8192, 32768, 131072]
+DECODE_HEADS = [(32, 8), (32, 32)]
+DECODE_HEAD_DIMS = [64, 128]
+DECODE_PAGE = 64
+DECODE_MAX_KV_BYTES = 16 << 30
+SMALL_DECODE = (2, 4, 2, 48, 16)  # (B, Hq, Hk, length, D)
 # Interpreter stand-ins: documents, window and head dims small enough for the CPU.
 SMALL_PACKED, SMALL_HEADS, SMALL_HEAD_DIM = [5, 16, 11], 2, 16
 SMALL_WINDOW_SHAPE, SMALL_WINDOW = (1, 2, 48, 16), 8
@@ -273,7 +284,7 @@ def feature_cases(full: bool) -> list[bench.Case]:
     """Packed documents, a sliding window and head dims (module docstring); tiny on the interpreter."""
     if not full:
         return (_varlen_cases(SMALL_PACKED, SMALL_HEADS, SMALL_HEAD_DIM, torch.float32, "small", full)
-                + _window_cases(SMALL_WINDOW_SHAPE, SMALL_WINDOW, torch.float32))
+                + _window_cases(SMALL_WINDOW_SHAPE, SMALL_WINDOW, torch.float32) + decode_cases(full))
     dtype = torch.bfloat16
     out = []
     for d in PACKED_HEAD_DIMS:
@@ -284,7 +295,54 @@ def feature_cases(full: bool) -> list[bench.Case]:
         out += _varlen_cases(lengths, heads, d, dtype,
                              f"{len(lengths)} docs random {PACKED_MIN}-{PACKED_MAX}", full)
     out += _window_cases(WINDOW_SHAPE, WINDOW, dtype)
-    return out + _head_dim_cases(HEAD_DIM_SHAPE, HEAD_DIM_SWEEP, dtype)
+    return out + _head_dim_cases(HEAD_DIM_SHAPE, HEAD_DIM_SWEEP, dtype) + decode_cases(full)
+
+
+def _decode_case(b: int, hq: int, hk: int, n: int, d: int, dtype, full: bool) -> bench.Case:
+    """One decode step (one query row per head) against a full cache of n rows: fk on a dense and
+    on a paged cache, SDPA's backends on the dense K/V (GQA without copies: enable_gqa)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def make_inputs():
+        q = testing.randn((b, hq, 1, d), dtype)
+        k, v = testing.randn((b, hk, n, d), dtype), testing.randn((b, hk, n, d), dtype)
+        seqlens = torch.full((b,), n, dtype=torch.int32, device=q.device)
+        per_seq = sizing.cdiv(n, DECODE_PAGE)
+        order = torch.randperm(b * per_seq, device=q.device).to(torch.int32).view(b, per_seq)
+        paged = []
+        for t in (k, v):  # (pages, Hk, page, D): sequence b's page i at order[b, i]
+            pages = t.new_zeros(b * per_seq, hk, DECODE_PAGE, d)
+            whole = F.pad(t, (0, 0, 0, per_seq * DECODE_PAGE - n))
+            pages[order.flatten().long()] = whole.unflatten(2, (per_seq, DECODE_PAGE)).transpose(1, 2).flatten(0, 1)
+            paged.append(pages)
+        return [q, k, v, seqlens, *paged, order]
+
+    def sdpa(name):
+        def run(q, k, v, *rest):
+            with sdpa_kernel(getattr(SDPBackend, name)):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return run
+
+    variants = {"fk": lambda q, k, v, n, kp, vp, t: attention_with_kvcache(q, k, v, n, causal=True),
+                "fk paged": lambda q, k, v, n, kp, vp, t: attention_with_kvcache(q, kp, vp, n, block_table=t,
+                                                                                causal=True)}
+    if full:
+        variants.update({"sdpa cudnn": sdpa("CUDNN_ATTENTION"), "sdpa flash": sdpa("FLASH_ATTENTION")})
+    kv_bytes = 2 * b * hk * n * d * dtype.itemsize
+    return bench.Case(op="attention-decode", direction="fwd", shape=f"B{b} KV{n} H{hq}:{hk} d{d}", dtype=dtype,
+                      unit=bench.GBPS, work=kv_bytes, make_inputs=make_inputs,
+                      variants={k: bench.forward(fn) for k, fn in variants.items()}, input_bytes=kv_bytes)
+
+
+def decode_cases(full: bool) -> list[bench.Case]:
+    """One-token decode against SDPA's cuDNN and flash backends (module constants)."""
+    if not full:
+        b, hq, hk, n, d = SMALL_DECODE
+        return [_decode_case(b, hq, hk, n, d, torch.float32, full)]
+    dtype = torch.bfloat16
+    return [_decode_case(b, hq, hk, n, d, dtype, full)
+            for (hq, hk) in DECODE_HEADS for d in DECODE_HEAD_DIMS for b in DECODE_BATCHES for n in DECODE_LENGTHS
+            if 2 * b * hk * n * d * dtype.itemsize <= DECODE_MAX_KV_BYTES]
 
 
 def host_cases() -> list[bench.HostCase]:

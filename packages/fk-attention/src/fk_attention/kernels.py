@@ -27,6 +27,7 @@ fastest so that neighbouring programs share one head's K/V (or Q/dO) in L2.
 
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -60,17 +61,25 @@ def _load(src, b, h, start, n_rows, stride_n, stride_d, BLOCK: tl.constexpr, HEA
         cols = tl.arange(0, HEAD_DIM_PADDED)
         # The block's offset in 64 bits (long sequences of wide rows), the tile's in 32.
         ptrs = src + tl.cast(start, tl.int64) * stride_n + rows[:, None] * stride_n + cols[None, :] * stride_d
-        if CHECK_ROWS:
-            if HEAD_DIM == HEAD_DIM_PADDED:
-                tile = tl.load(ptrs, mask=(start + rows)[:, None] < n_rows, other=0.0)
-            else:
-                tile = tl.load(ptrs, mask=((start + rows)[:, None] < n_rows) & (cols[None, :] < HEAD_DIM),
-                               other=0.0)
+        tile = _tile_load(ptrs, start + rows, n_rows, cols, HEAD_DIM, HEAD_DIM_PADDED, CHECK_ROWS)
+    return tile
+
+
+@triton.jit
+def _tile_load(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):
+    """A pointer tile, zeros in rows at or past n_rows (CHECK_ROWS) and in the head-dim padding;
+    masks only where needed, so full tiles stay unmasked vector loads."""
+    if CHECK_ROWS:
+        if HEAD_DIM == HEAD_DIM_PADDED:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
         else:
-            if HEAD_DIM == HEAD_DIM_PADDED:
-                tile = tl.load(ptrs)
-            else:
-                tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if HEAD_DIM == HEAD_DIM_PADDED:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
     return tile
 
 
@@ -117,6 +126,15 @@ def _capped(s, cap_scale, SOFTCAP: tl.constexpr):
     if SOFTCAP:
         return _tanh(s * cap_scale)
     return s
+
+
+@triton.jit
+def _scales(sm_scale, softcap, SOFTCAP: tl.constexpr):
+    """(qk_scale, cap_scale): the base-2 factor applied to the (capped) scores, and what the raw
+    scores are multiplied by inside tanh (`_capped`)."""
+    if SOFTCAP:
+        return softcap * LOG2E, sm_scale / softcap
+    return sm_scale * LOG2E, 1.0
 
 
 @triton.jit
@@ -173,6 +191,27 @@ def _visible(offs_m, cols, n_k, shift, left, right, WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(s, m_i, offs_m, start_n, n_k, shift, left, right, qk_scale, WINDOW: tl.constexpr,
+                  MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One online-softmax step over the scores s of keys [start_n, start_n + BLOCK_N) for query
+    rows at positions offs_m: (p in base 2, the rescale alpha of what came before, the new max)."""
+    if MASKED:
+        valid = _visible(offs_m, start_n + tl.arange(0, BLOCK_N), n_k, shift, left, right, WINDOW)
+        s = tl.where(valid, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+    else:
+        # Unmasked: scale inside the max (qk_scale > 0), then one FMA per score.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+    return p, alpha, m_new
+
+
+@triton.jit
 def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift, left, right,
                qk_scale, cap_scale, skn, skd, svn, svd,
                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -183,19 +222,8 @@ def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load(k_src, b, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         s = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
-        if MASKED:
-            valid = _visible(offs_m, start_n + tl.arange(0, BLOCK_N), n_k, shift, left, right, WINDOW)
-            s = tl.where(valid, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row with no visible key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_shift[:, None])
-            alpha = tl.exp2(m_i - m_shift)
-        else:
-            # Unmasked: scale inside the max (qk_scale > 0), then one FMA per score.
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
+        p, alpha, m_new = _softmax_step(s, m_i, offs_m, start_n, n_k, shift, left, right, qk_scale, WINDOW,
+                                        MASKED, BLOCK_N)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load(v_src, b, hk, start_n, n_k, svn, svd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         acc = acc * alpha[:, None]
@@ -268,12 +296,7 @@ def attn_fwd_kernel(
     v_src = _source(v_ptr, b, hk, svb, svh, k_first, svn, USE_DESC)
     o_dst = _source(o_ptr, b, h, sob, soh, q_first, son, USE_DESC == 1)
     lse_row = lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + q_first
-    if SOFTCAP:
-        qk_scale = softcap * LOG2E
-        cap_scale = sm_scale / softcap
-    else:
-        qk_scale = sm_scale * LOG2E
-        cap_scale = 1.0
+    qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
     if VARLEN:
         for start_m in range(block * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
             _fwd_block(q_src, k_src, v_src, o_dst, lse_row, q_first, k_first, h, hk, start_m, n_q_b, n_k_b, shift, left, right,
@@ -390,12 +413,7 @@ def attn_bwd_dq_kernel(
     dq_dst = _source(dq_ptr, b, h, sdqb, sdqh, q_first, sdqn, USE_DESC == 1)
     stat_offset = tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + q_first
     dlse_row = dlse_ptr + tl.cast(b, tl.int64) * sdlb + tl.cast(h, tl.int64) * sdlh + q_first * sdln
-    if SOFTCAP:
-        qk_scale = softcap * LOG2E
-        cap_scale = sm_scale / softcap
-    else:
-        qk_scale = sm_scale * LOG2E
-        cap_scale = 1.0
+    qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
     if VARLEN:
         for start_m in range(block * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
             _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
@@ -517,12 +535,7 @@ def attn_bwd_dkdv_kernel(
     v_src = _source(v_ptr, b, hk, svb, svh, k_first, svn, USE_DESC)
     dk_dst = _source(dk_ptr, b, hk, sdkb, sdkh, k_first, sdkn, USE_DESC == 1)
     dv_dst = _source(dv_ptr, b, hk, sdvb, sdvh, k_first, sdvn, USE_DESC == 1)
-    if SOFTCAP:
-        qk_scale = softcap * LOG2E
-        cap_scale = sm_scale / softcap
-    else:
-        qk_scale = sm_scale * LOG2E
-        cap_scale = 1.0
+    qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
     if VARLEN:
         for start_n in range(block * BLOCK_N, n_k_b, n_blocks * BLOCK_N):
             _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, q_first, k_first, hk,
@@ -536,3 +549,264 @@ def attn_bwd_dkdv_kernel(
                     block * BLOCK_N, n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
                     sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd,
                     slb, slh, WINDOW, SOFTCAP, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+
+
+# ---- decode: few query rows against many keys (split-KV, "flash decoding"), KV caches -------------
+#
+# A program takes one (batch, KV head), every query row of that head's GQA group (row r is query
+# head hk * group + r // Nq, position r % Nq; the group reads its K/V once) in blocks of BLOCK_M,
+# and one of `n_splits` slices of the keys the block sees: the slices of a sequence's own length
+# (read on the GPU for a cache), so every program has real keys. With one slice it writes the
+# output; with several, fp32 partial outputs and log-sum-exps that `attn_decode_merge_kernel`
+# combines. K/V come from a dense (B, Hk, N, D) tensor or a paged cache (PAGED): pages of
+# PAGE_SIZE rows, (pages, Hk, PAGE_SIZE, D), sequence b's key j in page table[b, j // PAGE_SIZE].
+
+
+@triton.jit
+def _pages(table_row, slice_pages, first_page, start_n, n_k, last_page, BLOCK_N: tl.constexpr,
+           PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr):
+    """The cache pages of keys [start_n, start_n + BLOCK_N), clamped to the cache: one page when
+    the block lies in one (PAGE_SIZE a multiple of BLOCK_N), picked from the slice's pages held in
+    registers (SLICE_PAGES: a page-table load inside the walk would stall its pipeline), else one
+    per row; 0 unpaged."""
+    if PAGED:
+        if SLICE_PAGES:
+            slot = start_n // PAGE_SIZE - first_page
+            page = tl.sum(tl.where(tl.arange(0, SLICE_PAGES) == slot, slice_pages, 0), 0)
+        elif PAGE_SIZE % BLOCK_N == 0:
+            page = tl.minimum(tl.maximum(tl.load(table_row + start_n // PAGE_SIZE), 0), last_page)
+        else:
+            rows = start_n + tl.arange(0, BLOCK_N)
+            page = tl.load(table_row + rows // PAGE_SIZE, mask=rows < n_k, other=0)
+            page = tl.minimum(tl.maximum(page, 0), last_page)
+    else:
+        page = 0
+    return page
+
+
+@triton.jit
+def _kv_tile(src, page, start_n, n_k, stride_n, stride_d, stride_page, BLOCK_N: tl.constexpr,
+             HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+             MASKED: tl.constexpr):
+    """Keys (or values) [start_n, start_n + BLOCK_N) of one (sequence, KV head), zeros past n_k.
+    `src` points at the head's row 0 (dense) or the cache's row 0 of the head (paged: `page` from
+    `_pages`)."""
+    rows = start_n + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, HEAD_DIM_PADDED)
+    if PAGED and PAGE_SIZE % BLOCK_N == 0:  # one page: a dense tile
+        ptrs = src + tl.cast(page, tl.int64) * stride_page + tl.cast(start_n % PAGE_SIZE, tl.int64) * stride_n \
+            + (tl.arange(0, BLOCK_N) * stride_n)[:, None] + cols[None, :] * stride_d
+    elif PAGED:
+        offsets = tl.cast(page, tl.int64) * stride_page + (rows % PAGE_SIZE) * stride_n
+        ptrs = src + offsets[:, None] + cols[None, :] * stride_d
+    else:
+        ptrs = src + tl.cast(start_n, tl.int64) * stride_n + (tl.arange(0, BLOCK_N) * stride_n)[:, None] \
+            + cols[None, :] * stride_d
+    return _tile_load(ptrs, rows, n_k, cols, HEAD_DIM, HEAD_DIM_PADDED, MASKED)
+
+
+@triton.jit
+def _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, lo, hi, pos, n_k, shift,
+                  left, right, qk_scale, cap_scale, skn, skd, skp, svn, svd, svp, last_page,
+                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, PRECISION: tl.constexpr):
+    """`_fwd_steps` over dense or paged K/V; `pos` holds each row's query position."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        page = _pages(table_row, slice_pages, first_page, start_n, n_k, last_page, BLOCK_N, PAGED, PAGE_SIZE,
+                      SLICE_PAGES)
+        k = _kv_tile(k_src, page, start_n, n_k, skn, skd, skp, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED, PAGE_SIZE,
+                     MASKED)
+        s = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
+        p, alpha, m_new = _softmax_step(s, m_i, pos, start_n, n_k, shift, left, right, qk_scale, WINDOW,
+                                        MASKED, BLOCK_N)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _kv_tile(v_src, page, start_n, n_k, svn, svd, svp, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED, PAGE_SIZE,
+                     MASKED)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_decode_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, part_lse_ptr, seqlens_ptr, table_ptr, sm_scale, softcap,
+    n_q, n_k, n_new, n_heads_k, group, lower_right, left, right, n_splits, last_page,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, slb, slh, sln, stb,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One slice of the keys seen by a block of a GQA group's query rows: with one slice the
+    output and lse; with several (SLICED) the slice's fp32 partial output and log-sum-exp, to
+    part / part_lse ((B, Hq, Nq, slices, D) and (B, Hq, Nq, slices), contiguous), which
+    `attn_decode_merge_kernel` merges (PDL: launched as this grid's programmatic dependent, so its
+    launch overlaps this grid's tail). SEQLENS: sequence b has
+    min(seqlens[b] + n_new, n_k) keys (a cache: n_k its capacity), else n_k. Paged K/V strides:
+    skb / svb step pages, stb the page table's rows."""
+    if PDL:
+        tl_cuda.gdc_launch_dependents()
+    m_blocks = tl.cdiv(group * n_q, BLOCK_M)
+    pid = tl.program_id(0)
+    # Row blocks fastest, then slices: programs reading the same keys run side by side (L2).
+    block = pid % m_blocks
+    split = (pid // m_blocks) % n_splits
+    bhk = pid // (m_blocks * n_splits)
+    b = bhk // n_heads_k
+    hk = bhk % n_heads_k
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < group * n_q
+    pos = rows % n_q
+    h = hk * group + rows // n_q
+    if SEQLENS:
+        n_k_b = tl.minimum(tl.maximum(tl.load(seqlens_ptr + b), 0) + n_new, n_k)
+    else:
+        n_k_b = n_k
+    shift = lower_right * (n_k_b - n_q)
+    cols = tl.arange(0, HEAD_DIM_PADDED)
+    q_rows = tl.cast(b, tl.int64) * sqb + tl.cast(h, tl.int64) * sqh + tl.cast(pos, tl.int64) * sqn
+    q = tl.load(q_ptr + q_rows[:, None] + cols[None, :] * sqd, mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM),
+                other=0.0)
+    if PAGED:
+        k_src = k_ptr + tl.cast(hk, tl.int64) * skh
+        v_src = v_ptr + tl.cast(hk, tl.int64) * svh
+    else:
+        k_src = k_ptr + tl.cast(b, tl.int64) * skb + tl.cast(hk, tl.int64) * skh
+        v_src = v_ptr + tl.cast(b, tl.int64) * svb + tl.cast(hk, tl.int64) * svh
+    table_row = table_ptr + tl.cast(b, tl.int64) * stb
+    qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
+    # Keys some row of the block sees, [lo, hi), and those every row sees, [full_lo, full_hi).
+    first = tl.min(tl.where(row_ok, pos, n_q), 0)
+    last = tl.max(tl.where(row_ok, pos, 0), 0)
+    if WINDOW:
+        lo = tl.maximum(first + shift - left, 0)
+        hi = tl.maximum(tl.minimum(n_k_b, last + shift + right + 1), lo)
+        full_lo = tl.cdiv(tl.maximum(last + shift - left, 0), BLOCK_N) * BLOCK_N
+        full_hi = (tl.maximum(first + shift + right + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+        hi = n_k_b
+        full_lo = 0
+        full_hi = n_k_b
+    full_hi = tl.minimum(full_hi, (n_k_b // BLOCK_N) * BLOCK_N)
+    # This program's slice of [lo, hi), whole key blocks each.
+    lo = (lo // BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(hi - lo, n_splits), BLOCK_N) * BLOCK_N
+    s_lo = tl.minimum(lo + split * chunk, hi)
+    s_hi = tl.minimum(s_lo + chunk, hi)
+    mid_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
+    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), s_hi)
+    if SLICE_PAGES:
+        first_page = s_lo // PAGE_SIZE
+        ids = first_page + tl.arange(0, SLICE_PAGES)
+        slice_pages = tl.load(table_row + ids, mask=ids * PAGE_SIZE < s_hi, other=0)
+        slice_pages = tl.minimum(tl.maximum(slice_pages, 0), last_page)
+    else:
+        first_page = 0
+        slice_pages = 0
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
+    acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, s_lo, mid_lo, pos, n_k_b, shift, left,
+                                  right, qk_scale, cap_scale, skn, skd, skb, svn, svd, svb, last_page, WINDOW,
+                                  SOFTCAP, True, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION)
+    acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, mid_lo, mid_hi, pos, n_k_b, shift, left,
+                                  right, qk_scale, cap_scale, skn, skd, skb, svn, svd, svb, last_page, WINDOW,
+                                  SOFTCAP, False, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION)
+    acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, mid_hi, s_hi, pos, n_k_b, shift, left,
+                                  right, qk_scale, cap_scale, skn, skd, skb, svn, svd, svb, last_page, WINDOW,
+                                  SOFTCAP, True, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc * (1.0 / l_safe)[:, None]
+    lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    cols_ok = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
+    if SLICED:
+        slice0 = ((tl.cast(b, tl.int64) * n_heads_k * group + h) * n_q + pos) * n_splits
+        tl.store(part_ptr + (slice0 + split)[:, None] * HEAD_DIM + cols[None, :], out, mask=cols_ok)
+        tl.store(part_lse_ptr + slice0 + split, lse, mask=row_ok)
+    else:
+        _store_rows(o_ptr, lse_ptr, out, lse, b, h, pos, row_ok, cols, sob, soh, son, sod, slb, slh, sln, HEAD_DIM)
+
+
+@triton.jit
+def _store_rows(o_ptr, lse_ptr, out, lse, b, h, pos, row_ok, cols, sob, soh, son, sod, slb, slh, sln,
+                HEAD_DIM: tl.constexpr):
+    """Decode rows' outputs (cast to the output's dtype) and log-sum-exps."""
+    o_rows = tl.cast(b, tl.int64) * sob + tl.cast(h, tl.int64) * soh + tl.cast(pos, tl.int64) * son
+    tl.store(o_ptr + o_rows[:, None] + cols[None, :] * sod, out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM))
+    tl.store(lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + tl.cast(pos, tl.int64) * sln, lse,
+             mask=row_ok)
+
+
+@triton.jit
+def attn_decode_merge_kernel(
+    part_ptr, part_lse_ptr, o_ptr, lse_ptr, n_heads, n_q, n_splits,
+    sob, soh, son, sod, slb, slh, sln,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+):
+    """One query row's output from its slices' partial outputs (contiguous (rows, slices, D) fp32)
+    and log-sum-exps: out = sum_s exp(lse_s - lse) out_s, lse = log sum_s exp(lse_s). A row that
+    saw no key (every lse_s = -inf) gets 0 and -inf. PDL: launched early, it waits for the
+    partials here."""
+    if PDL:
+        tl_cuda.gdc_wait()
+    row = tl.program_id(0)
+    i = row % n_q
+    h = (row // n_q) % n_heads
+    b = row // (n_q * n_heads)
+    s = tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, HEAD_DIM_PADDED)
+    base = tl.cast(row, tl.int64) * n_splits
+    part_lse = tl.load(part_lse_ptr + base + s, mask=s < n_splits, other=float("-inf"))
+    m = tl.max(part_lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2((part_lse - m_safe) * LOG2E)
+    total = tl.sum(w, 0)
+    parts = tl.load(part_ptr + (base + s)[:, None] * HEAD_DIM + cols[None, :],
+                    mask=(s[:, None] < n_splits) & (cols[None, :] < HEAD_DIM), other=0.0)
+    total_safe = tl.where(total > 0.0, total, 1.0)
+    out = tl.sum(parts * w[:, None], 0) / total_safe
+    o_row = tl.cast(b, tl.int64) * sob + tl.cast(h, tl.int64) * soh + tl.cast(i, tl.int64) * son
+    tl.store(o_ptr + o_row + cols * sod, out.to(o_ptr.dtype.element_ty), mask=cols < HEAD_DIM)
+    lse = tl.where(total > 0.0, m_safe + tl.log2(total_safe) * LN2, float("-inf"))
+    tl.store(lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + tl.cast(i, tl.int64) * sln, lse)
+
+
+@triton.jit
+def kv_append_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, seqlens_ptr, table_ptr, n_new, n_heads_k, capacity, last_page,
+    skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scn, scd, swb, swh, swn, swd, stb,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Rows [0, n_new) of new keys and values of one (sequence, KV head) written into the cache at
+    rows seqlens[b] + r; rows at or past the capacity are dropped (never an out-of-range write)."""
+    r_blocks = tl.cdiv(n_new, BLOCK_R)
+    pid = tl.program_id(0)
+    block = pid % r_blocks
+    bhk = pid // r_blocks
+    b = bhk // n_heads_k
+    hk = bhk % n_heads_k
+    r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, HEAD_DIM_PADDED)
+    pos = tl.maximum(tl.load(seqlens_ptr + b), 0) + r
+    ok = (r < n_new) & (pos < capacity)
+    mask = ok[:, None] & (cols[None, :] < HEAD_DIM)
+    if PAGED:
+        page = tl.load(table_ptr + tl.cast(b, tl.int64) * stb + pos // PAGE_SIZE, mask=ok, other=0)
+        page = tl.cast(tl.minimum(tl.maximum(page, 0), last_page), tl.int64)
+        k_dst = page * scb + tl.cast(pos % PAGE_SIZE, tl.int64) * scn
+        v_dst = page * swb + tl.cast(pos % PAGE_SIZE, tl.int64) * swn
+    else:
+        k_dst = tl.cast(b, tl.int64) * scb + tl.cast(pos, tl.int64) * scn
+        v_dst = tl.cast(b, tl.int64) * swb + tl.cast(pos, tl.int64) * swn
+    k_src = tl.cast(b, tl.int64) * skb + tl.cast(hk, tl.int64) * skh + tl.cast(r, tl.int64) * skn
+    v_src = tl.cast(b, tl.int64) * svb + tl.cast(hk, tl.int64) * svh + tl.cast(r, tl.int64) * svn
+    k = tl.load(k_ptr + k_src[:, None] + cols[None, :] * skd, mask=mask)
+    v = tl.load(v_ptr + v_src[:, None] + cols[None, :] * svd, mask=mask)
+    tl.store(kc_ptr + (k_dst + tl.cast(hk, tl.int64) * sch)[:, None] + cols[None, :] * scd, k, mask=mask)
+    tl.store(vc_ptr + (v_dst + tl.cast(hk, tl.int64) * swh)[:, None] + cols[None, :] * swd, v, mask=mask)

@@ -20,6 +20,7 @@ import torch
 from fk_runtime import checks
 from fk_runtime import ops as fk_ops
 
+from . import decode
 from . import plan as table
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *table.FP8_DTYPES)
@@ -35,7 +36,10 @@ def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, left: int, right: int,
     lower_right: bool, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return table.forward(q, k, v, _mask(left, right, lower_right, softcap), sm_scale)
+    mask = _mask(left, right, lower_right, softcap)
+    if decode.takes(q):  # few query rows: keys sliced across programs (split-KV)
+        return decode.forward(q, k, v, mask, sm_scale)
+    return table.forward(q, k, v, mask, sm_scale)
 
 
 def _forward_fake(q, k, v, sm_scale, left, right, lower_right, softcap):
@@ -261,4 +265,99 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     return_lse = checks.check_flag("return_lse", return_lse)
     out, lse = ATTENTION_VARLEN.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
                                       _scale(sm_scale, q.shape[-1]), *mask)
+    return (out, lse) if return_lse else out
+
+
+def _forward_kvcache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+    k: torch.Tensor | None, v: torch.Tensor | None, block_table: torch.Tensor | None, sm_scale: float, left: int,
+    right: int, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return decode.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                                  _mask(left, right, True, softcap), sm_scale)
+
+
+# Forward only (an inference call); writes the new rows into the caches in place.
+ATTENTION_KVCACHE = torch.library.custom_op("fk::attention_with_kvcache", _forward_kvcache,
+                                            mutates_args=("k_cache", "v_cache"))
+
+
+@ATTENTION_KVCACHE.register_fake
+def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *args):
+    return table.fake_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+KVCACHE_DTYPES = decode.DECODE_DTYPES
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, causal=False,
+                           sm_scale: float | None = None, window=None, softcap: float | None = None,
+                           return_lse: bool = False):
+    """Attention of new queries against a KV cache, as FlashAttention's `flash_attn_with_kvcache`:
+    first `k` / `v` (new rows, may be None) are written into the caches in place at each sequence's
+    length, then q attends to the cache's first cache_seqlens[b] + Nnew rows, lower-right aligned
+    (query i of Nq sits at key position i + len - Nq: `causal=True` lets it see the keys up to
+    itself, `window=(left, right)` counts from there). Forward only (inference); no host sync, so
+    a decode loop can be captured in a CUDA graph, and `torch.compile` traces it without breaks.
+    Few query rows (decode) take the split-KV path: each sequence's keys cut across programs,
+    the query heads of a GQA group reading their K/V once.
+
+    Layouts, fk's (B, H, N, D) order with any strides (FlashAttention's (B, N, H, D) tensors
+    passed as `.transpose(1, 2)` views):
+    - q (B, Hq, Nq, D); k, v (B, Hk, Nnew, D) or None; Hq a multiple of Hk.
+    - Dense cache: k_cache, v_cache (B, Hk, capacity, D).
+    - Paged cache (`block_table` given): k_cache, v_cache (pages, Hk, page_size, D) and
+      block_table int32 (B, pages per sequence): key j of sequence b lives in page
+      block_table[b, j // page_size], row j % page_size (FlashAttention's and vLLM's
+      (pages, page_size, Hk, D) as `.transpose(1, 2)`). Any page size.
+    - cache_seqlens int32 (B,): rows each sequence holds before this call (not updated here).
+    Lengths and page indices are read on the GPU and clamped: rows that would land at or past
+    the capacity are dropped and keys past it not read, page indices clamped to the cache (wrong
+    rows, never an out-of-range access). fp16, bf16, fp32.
+
+    Returns out like q, and with `return_lse=True` also lse (B, Hq, Nq) fp32 (natural log)."""
+    checks.check_tensor("q", q, dtypes=KVCACHE_DTYPES, min_dim=4, max_dim=4)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.check_tensor(name, t, dtypes=KVCACHE_DTYPES, min_dim=4, max_dim=4)
+    checks.check_tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), min_dim=1, max_dim=1)
+    b = q.shape[0]
+    if cache_seqlens.shape[0] != b:
+        raise ValueError(f"cache_seqlens must hold one length per batch row ({b}), got shape "
+                         f"{tuple(cache_seqlens.shape)}")
+    _check_heads(q, k_cache, v_cache, 1)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new rows for both caches) or both be None")
+    hk, d = k_cache.shape[1], q.shape[-1]
+    if block_table is not None:
+        checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), min_dim=2, max_dim=2)
+        if block_table.shape[0] != b:
+            raise ValueError(f"block_table must hold one row of pages per batch row ({b}), got shape "
+                             f"{tuple(block_table.shape)}")
+        if k_cache.shape[0] == 0 or k_cache.shape[2] == 0:
+            raise ValueError(f"a paged k_cache (pages, Hk, page_size, D) needs pages and rows, got shape "
+                             f"{tuple(k_cache.shape)}")
+    elif k_cache.shape[0] != b:
+        raise ValueError(f"k_cache must be (B, Hk, capacity, D) with B = q's batch ({b}), got shape "
+                         f"{tuple(k_cache.shape)} (a paged cache needs block_table)")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            checks.check_tensor(name, t, dtypes=KVCACHE_DTYPES, min_dim=4, max_dim=4)
+            if t.shape[0] != b or t.shape[1] != hk or t.shape[3] != d:
+                raise ValueError(f"{name} must be (B, Hk, Nnew, D) = ({b}, {hk}, Nnew, {d}), got shape "
+                                 f"{tuple(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    checks.check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+    checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k=k, v=v,
+                             block_table=block_table)
+    if any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
+        raise ValueError("attention_with_kvcache is forward-only (inference): its inputs must not require grad")
+    left, right, _, cap = mask_args(causal, window, softcap)
+    variant = causal.name if type(causal).__name__ == "CausalVariant" else causal
+    if isinstance(variant, str) and variant.lower() == "upper_left":
+        raise ValueError("attention_with_kvcache aligns causal masks lower-right (the cache's end): "
+                         "pass causal=True or 'lower_right'")
+    return_lse = checks.check_flag("return_lse", return_lse)
+    out, lse = ATTENTION_KVCACHE(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                                 _scale(sm_scale, d), left, right, cap)
     return (out, lse) if return_lse else out

@@ -1,0 +1,258 @@
+"""fk-attention's decode plan: few query rows against many keys (split-KV, "flash decoding"), and
+the KV-cache call, top to bottom: when it is taken, tiles, how many key slices, the launches bound
+once per (shapes, strides, dtype, device, mask).
+
+A decode launch gives each (batch, KV head) program every query row of the head's GQA group (the
+group reads its K/V once) and one slice of the keys; with several slices a small second launch
+merges the partial outputs by their log-sum-exps (`kernels.attn_decode_kernel`,
+`attn_decode_merge_kernel`). The slices cut each sequence's own length (read on the GPU), so a
+cache longer than what it holds costs nothing, and no host sync is needed (CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from fk_runtime import alloc, backend, checks, sizing
+from fk_runtime.launch import Launch
+
+from . import kernels
+from . import plan as table
+
+# `attention` takes the decode path up to this many query rows (a decode step, speculative or
+# chunked decoding); longer queries fill the GPU with query blocks alone.
+DECODE_MAX_QUERIES = 64
+DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Query rows per program: a GQA group's rows x queries, padded to a tl.dot's smallest M (16).
+MIN_BLOCK_M = 16
+MAX_BLOCK_M = 64
+# Key tiles by padded head dim, (max head dim, (BLOCK_N, warps, stages)), 2- and 4-byte inputs;
+# a grid of at least SHALLOW_PIPELINE_GRID programs per multiprocessor takes one stage less
+# (more of them fit an SM, and together they keep enough loads in flight) (TUNING.md: decode).
+TILES_16BIT = ((64, (64, 4, 3)), (128, (64, 4, 3)), (256, (32, 4, 3)))
+TILES_32BIT = ((64, (32, 4, 2)), (128, (32, 4, 2)), (256, (16, 4, 2)))
+SHALLOW_PIPELINE_GRID = 2
+# Key slices: about SLICED_PROGRAMS_D128 programs per multiprocessor at head dim 128 (twice as
+# many at 64: each reads half the bytes per step), as a power of two, of at least
+# MIN_SLICE_KEYS keys each and at most MAX_SLICES (the merge reads them in one tile).
+SLICED_PROGRAMS_D128 = 1
+MIN_SLICE_KEYS = 64
+MAX_SLICES = 64
+# The interpreter: small tiles and slices, so that tiny tests still slice and merge.
+INTERPRETER_BLOCK_N = 16
+INTERPRETER_SLICE_KEYS = 16
+MERGE_WARPS = 4
+# Paged caches whose pages hold whole key blocks: each slice's page indices are read into
+# registers first (at most SLICE_PAGES, so a slice spans at most SLICE_PAGES - 1 pages).
+SLICE_PAGES = 128
+# Programmatic dependent launch of the merge (its launch overlaps the slices' tail): Hopper on.
+PDL_MIN_CAPABILITY = (9, 0)
+# New cache rows written per append program.
+APPEND_ROWS = 16
+
+
+def takes(q: torch.Tensor) -> bool:
+    """Whether `attention` runs these queries through the decode path."""
+    return q.shape[2] <= DECODE_MAX_QUERIES and q.dtype in DECODE_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_index: int) -> Tiles:
+    """The tiles of a decode launch with `rows` query rows per KV head over `programs` programs."""
+    block_m = min(max(sizing.next_power_of_2(rows), MIN_BLOCK_M), MAX_BLOCK_M)
+    if backend.is_interpreter():
+        return Tiles(block_m, INTERPRETER_BLOCK_N, sizing.MIN_WARPS, 1)
+    padded = table.padded_head_dim(head_dim)
+    rows_by_dim = TILES_32BIT if dtype.itemsize > 2 else TILES_16BIT
+    block_n, warps, stages = next(entry for limit, entry in rows_by_dim if padded <= limit)
+    if programs >= SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index):
+        stages = max(stages - 1, 1)
+    return Tiles(block_m, block_n, warps, stages)
+
+
+def key_slices(programs: int, n_k: int, head_dim: int, device_index: int) -> int:
+    """How many slices to cut each sequence's keys into, for `programs` (batch, KV head, row
+    block) programs over up to n_k keys: the power of two nearest the wanted programs over these."""
+    min_keys = INTERPRETER_SLICE_KEYS if backend.is_interpreter() else MIN_SLICE_KEYS
+    wanted = backend.multiprocessor_count(device_index) * SLICED_PROGRAMS_D128 * 128 / table.padded_head_dim(head_dim)
+    most = min(MAX_SLICES, max(1, n_k // min_keys))
+    ratio = wanted / programs
+    if ratio < 1.5:
+        return 1
+    nearest = 1 << round(math.log2(ratio))
+    return max(1, min(nearest, most))
+
+
+@dataclasses.dataclass(frozen=True)
+class Cache:
+    """A KV cache's launch-time facts: `n_new` rows appended per sequence before attending (0:
+    none), `page_size` rows per page for a paged cache (0: dense)."""
+
+    n_new: int = 0
+    page_size: int = 0
+
+
+def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slices: int | None,
+          block_table=None):
+    """run(q, k, v, seqlens, block_table) -> (out, lse): out laid out like q, lse (B, Hq, Nq)
+    fp32. Dense attention (cache None): k, v (B, Hk, Nk, D). A cache: k, v the cache tensors,
+    dense (B, Hk, capacity, D) or paged (pages, Hk, page_size, D) with the (B, pages per
+    sequence) int32 page table; sequence b holds seqlens[b] + cache.n_new keys."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_kernel_device(name, t)
+    checks.check_same_device(q=q, k=k, v=v)
+    checks.check_same_dtype(q=q, k=k, v=v)  # the registered op can be called unchecked
+    b, hq, n_q, d = q.shape
+    hk = k.shape[1]
+    group = hq // hk
+    paged = cache is not None and cache.page_size > 0
+    if cache is None:
+        n_k = k.shape[2]
+    elif paged:
+        n_k = block_table.shape[1] * cache.page_size
+    else:
+        n_k = k.shape[2]
+    last_page = k.shape[0] - 1 if paged else 0
+    device, dtype = q.device, q.dtype
+    out_proto = torch.empty(0, dtype=dtype, device=device)
+    fp32 = torch.empty(0, dtype=torch.float32, device=device)
+    bnhd = table._heads_inside_tokens(q)
+
+    def new_outputs():
+        out = table._new(q.shape, bnhd, functools.partial(alloc.new_empty, out_proto))
+        return out, alloc.new_empty(fp32, (b, hq, n_q))
+
+    if q.numel() == 0:
+        return lambda *args: new_outputs()
+    index = device.index or 0
+    m_blocks = sizing.cdiv(group * n_q, tiles(group * n_q, d, dtype, 0, index).block_m)
+    programs = b * hk * m_blocks
+    if slices is None:
+        slices = key_slices(programs, n_k, d, index)
+    tile = tiles(group * n_q, d, dtype, programs * slices, index)
+    slice_pages = SLICE_PAGES if paged and cache.page_size % tile.block_n == 0 else 0
+    if slice_pages:
+        needed = sizing.cdiv(n_k, (slice_pages - 1) * cache.page_size)
+        slices, slice_pages = (max(slices, needed), slice_pages) if needed <= MAX_SLICES else (slices, 0)
+    padded = table.padded_head_dim(d)
+    meta = {"WINDOW": mask.windowed, "SOFTCAP": mask.softcap is not None, "SEQLENS": cache is not None,
+            "PAGED": paged, "PAGE_SIZE": max(cache.page_size if paged else 1, 1), "SLICE_PAGES": slice_pages,
+            "HEAD_DIM": d,
+            "HEAD_DIM_PADDED": padded, "PRECISION": table._precision(dtype), "BLOCK_M": tile.block_m,
+            "BLOCK_N": tile.block_n, "num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    softcap, lower_right, left, right = mask.kernel_args()
+    (k_, k_ok), (v_, v_ok) = table._fit(k), table._fit(v)
+    out_example = new_outputs()[0]
+    pdl = slices > 1 and not backend.is_interpreter() and backend.backend() is backend.Backend.CUDA \
+        and torch.cuda.get_device_capability(device) >= PDL_MIN_CAPABILITY
+    meta.update(SLICED=slices > 1, PDL=pdl)
+    part_shape, part_lse_shape = (b, hq, n_q, slices, d), (b, hq, n_q, slices)
+    table_stride = block_table.stride(0) if paged else 0
+    attend = Launch(kernels.attn_decode_kernel, (programs * slices,),
+                    (sm_scale, softcap, n_q, n_k, cache.n_new if cache else 0, hk, group, lower_right, left,
+                     right, slices, last_page, *q.stride(), *k_.stride(), *v_.stride(), *out_example.stride(),
+                     hq * n_q, n_q, 1, table_stride),
+                    meta, device)
+    merge = None
+    if slices > 1:
+        merge = Launch(kernels.attn_decode_merge_kernel, (b * hq * n_q,),
+                       (hq, n_q, slices, *out_example.stride(), hq * n_q, n_q, 1),
+                       {"HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_S": sizing.next_power_of_2(slices),
+                        "PDL": pdl, "num_warps": MERGE_WARPS, **({"launch_pdl": True} if pdl else {})}, device)
+
+    def run(q, k, v, seqlens=None, block_table=None):
+        out, lse = new_outputs()
+        seqlens = lse if seqlens is None else seqlens
+        block_table = lse if block_table is None else block_table
+        k = k if k_ok else k.contiguous()
+        v = v if v_ok else v.contiguous()
+        if merge is None:
+            attend(q, k, v, out, lse, lse, lse, seqlens, block_table)
+            return out, lse
+        part = alloc.new_empty(fp32, part_shape)
+        part_lse = alloc.new_empty(fp32, part_lse_shape)
+        attend(q, k, v, out, lse, part, part_lse, seqlens, block_table)
+        merge(part, part_lse, out, lse)
+        return out, lse
+
+    return run
+
+
+def forward(q, k, v, mask: table.Mask, sm_scale: float, slices: int | None = None):
+    """(out, lse) of dense attention through the decode path; `slices` overrides the plan's
+    (tests; not cached)."""
+    if table._widened(q.dtype):
+        out, lse = forward(q.float(), k.float(), v.float(), mask, sm_scale, slices)
+        return out.to(q.dtype), lse
+    if slices is not None:
+        return _bind(q, k, v, mask, sm_scale, None, slices)(q, k, v)
+    key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), k.get_device(), v.get_device(), mask, sm_scale)
+    run = table.BOUND.get(key) or table.BOUND.get_or_build(key, lambda: _bind(q, k, v, mask, sm_scale, None, None))
+    return run(q, k, v)
+
+
+def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float,
+                    slices: int | None = None):
+    """(out, lse) of q against a KV cache after writing k_new / v_new (may be None) into it at
+    each sequence's length (checks done by the caller, `ops.attention_with_kvcache`)."""
+    cache = Cache(0 if k_new is None else k_new.shape[2], 0 if block_table is None else k_cache.shape[2])
+    if k_new is not None:
+        key = ("kv_append", cache, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), k_new.shape,
+               k_new.stride(), v_new.stride(), None if block_table is None else block_table.stride(),
+               k_cache.dtype, k_cache.get_device())
+        append = table.BOUND.get(key) or table.BOUND.get_or_build(
+            key, lambda: _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache))
+        append(k_cache, v_cache, seqlens, k_new, v_new, block_table)
+    return _attend_cache(q, k_cache, v_cache, seqlens, block_table, cache, mask, sm_scale, slices)
+
+
+def _attend_cache(q, k_cache, v_cache, seqlens, block_table, cache: Cache, mask: table.Mask, sm_scale: float,
+                  slices: int | None):
+    if table._widened(q.dtype):
+        out, lse = _attend_cache(q.float(), k_cache.float(), v_cache.float(), seqlens, block_table, cache, mask,
+                                 sm_scale, slices)
+        return out.to(q.dtype), lse
+    if slices is not None:
+        return _bind(q, k_cache, v_cache, mask, sm_scale, cache, slices, block_table)(
+            q, k_cache, v_cache, seqlens, block_table)
+    key = ("kvcache", cache, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
+           None if block_table is None else (block_table.shape, block_table.stride()),
+           q.dtype, k_cache.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(), mask, sm_scale)
+    run = table.BOUND.get(key) or table.BOUND.get_or_build(
+        key, lambda: _bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table))
+    return run(q, k_cache, v_cache, seqlens, block_table)
+
+
+def _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache: Cache):
+    """run(k_cache, v_cache, seqlens, k_new, v_new, block_table): new rows written into the
+    cache in place at rows seqlens[b] + r (dropped at or past the capacity)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k_new), ("v", v_new)):
+        checks.check_kernel_device(name, t)
+    b, hk, n_new, d = k_new.shape
+    paged = cache.page_size > 0
+    capacity = block_table.shape[1] * cache.page_size if paged else k_cache.shape[2]
+    if k_new.numel() == 0:
+        return lambda *args: None
+    launch = Launch(kernels.kv_append_kernel, (b * hk * sizing.cdiv(n_new, APPEND_ROWS),),
+                    (n_new, hk, capacity, k_cache.shape[0] - 1 if paged else 0, *k_new.stride(), *v_new.stride(),
+                     *k_cache.stride(), *v_cache.stride(), block_table.stride(0) if paged else 0),
+                    {"PAGED": paged, "PAGE_SIZE": max(cache.page_size, 1), "HEAD_DIM": d,
+                     "HEAD_DIM_PADDED": table.padded_head_dim(d), "BLOCK_R": APPEND_ROWS,
+                     "num_warps": sizing.MIN_WARPS}, k_cache.device)
+
+    def run(k_cache, v_cache, seqlens, k_new, v_new, block_table=None):
+        launch(k_new, v_new, k_cache, v_cache, seqlens, seqlens if block_table is None else block_table)
+
+    return run

@@ -1,0 +1,305 @@
+"""Decode: few query rows through the split-KV path (`attention` with Nq <= 64) and
+`attention_with_kvcache` (append, dense and paged caches, ragged lengths), against float64
+references that build each row's visible keys explicitly."""
+
+import math
+
+import pytest
+import torch
+from fk_runtime import backend, testing
+from fk_runtime.launch import PlanCache
+
+from fk_attention import attention, attention_with_kvcache, decode
+from fk_attention import plan as table
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans(monkeypatch):
+    monkeypatch.setattr(table, "BOUND", PlanCache())
+
+
+def seen(n_q, n_k, causal, window, lower_right):
+    """Which of n_k keys each of n_q queries sees: key j for query i when
+    -left <= j - (i + shift) <= right, shift = n_k - n_q under lower-right alignment."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    offset = torch.arange(n_k)[None, :] - torch.arange(n_q)[:, None] - (n_k - n_q if lower_right else 0)
+    keep = torch.ones(n_q, n_k, dtype=torch.bool)
+    if left is not None:
+        keep &= offset >= -left
+    if right is not None:
+        keep &= offset <= right
+    return keep
+
+
+def attend(q, k, v, keep, scale, softcap):
+    """float64 attention of q (Hq, Nq, D) on k, v (Hk, Nk, D) where `keep`; rows seeing no key
+    give 0 and -inf."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    keep = keep.to(q.device)
+    scores = scores.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(scores, -1)
+    weights = torch.where(keep, torch.exp(scores - lse.clamp_min(-1e300)[..., None]), 0.0)
+    return weights @ v, lse
+
+
+def cached_reference(q, k_rows, v_rows, lengths, causal, window, softcap, scale):
+    """Per batch row: q against the first lengths[b] rows of k_rows[b] / v_rows[b] (Hk, cap, D),
+    lower-right aligned."""
+    outs, lses = [], []
+    for b, n_k in enumerate(lengths):
+        keep = seen(q.shape[2], n_k, causal, window, True)
+        out, lse = attend(q[b], k_rows[b][:, :n_k], v_rows[b][:, :n_k], keep, scale, softcap)
+        outs.append(out)
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def check(name, actual, expected, dtype):
+    testing.assert_close(name, actual.double(), expected, dtype)
+
+
+# (causal, window, softcap)
+MASKS = [(False, None, None), (True, None, None), ("lower_right", (13, None), None), (False, (5, 9), None),
+         (True, None, 3.0), ("upper_left", (None, 2), None)]
+SHAPES = [(2, 4, 2, 1, 70, 32), (1, 6, 2, 3, 45, 40), (3, 2, 2, 7, 33, 16)]  # (B, Hq, Hk, Nq, Nk, D)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mask", MASKS)
+def test_few_queries_take_the_decode_path_forward_and_backward(shape, mask, monkeypatch):
+    """`attention` with Nq <= 64 runs the split-KV kernels; values, lse and every gradient (the
+    backward reads the decode path's lse) against float64."""
+    b, hq, hk, n_q, n_k, d = shape
+    causal, window, softcap = mask
+    dtype = DTYPES[hash((shape, str(mask))) % 3]
+    calls = []
+    real = decode.forward
+    monkeypatch.setattr(decode, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = (testing.randn(s, dtype, requires_grad=True) for s in ((b, hq, n_q, d), (b, hk, n_k, d), (b, hk, n_k, d)))
+    keep = seen(n_q, n_k, bool(causal), window, causal == "lower_right")
+    scale = 1 / math.sqrt(d)
+
+    def reference(q, k, v):
+        outs = [attend(q[i], k[i], v[i], keep, scale, softcap) for i in range(b)]
+        return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
+
+    fn = lambda q, k, v: attention(q, k, v, causal=causal, window=window, softcap=softcap,  # noqa: E731
+                                   return_lse=True)
+    results = testing.check_against_reference(fn, reference, [q, k, v], dtype=dtype, names=["q", "k", "v"])
+    assert calls, "the decode path was not taken"
+    assert all(r.ok for r in results), "\n".join(map(str, results)) + f" [seed {testing.seed()}]"
+
+
+@pytest.mark.parametrize("slices", [1, 2, 5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_any_number_of_key_slices_merges_to_the_same_result(slices, dtype):
+    """The partial outputs of 1, 2 or 5 slices (some empty: 40 keys in 16-key blocks) merge by
+    log-sum-exp to the reference; rows that see no key (window past the start) give 0 and -inf."""
+    q = testing.randn((2, 8, 2, 16), dtype)
+    k, v = testing.randn((2, 2, 40, 16), dtype), testing.randn((2, 2, 40, 16), dtype)
+    mask = table.Mask(left=3, right=-39)  # row 0 sees nothing, row 1 key 0 only
+    out, lse = decode.forward(q, k, v, mask, 0.3, slices)
+    keep = seen(2, 40, False, (3, -39), False)
+    for i in range(2):
+        ref_out, ref_lse = attend(q[i], k[i], v[i], keep, 0.3, None)
+        check("out", out[i], ref_out, dtype)
+        assert torch.equal(lse[i, :, 0].cpu(), torch.full((8,), -math.inf))
+        check("lse", lse[i, :, 1], ref_lse[:, 1], dtype)
+
+
+def test_key_slices_fill_the_device_and_respect_bounds():
+    sms = backend.multiprocessor_count()
+    assert decode.key_slices(sms, 1 << 20, 128, 0) == 1  # a full grid is not sliced
+    few = decode.key_slices(1, 1 << 20, 128, 0)
+    assert 1 < few <= decode.MAX_SLICES and few & (few - 1) == 0
+    assert decode.key_slices(1, 1 << 20, 64, 0) >= few  # narrower rows: more programs
+    assert decode.key_slices(1, 1, 128, 0) == 1  # too few keys to slice
+    min_keys = decode.INTERPRETER_SLICE_KEYS if not testing.on_gpu() else decode.MIN_SLICE_KEYS
+    assert decode.key_slices(1, 3 * min_keys, 128, 0) <= 3
+
+
+def make_cache(b, hk, capacity, d, dtype, page_size):
+    """A cache holding random rows: dense (B, Hk, capacity, D), or paged (pages, Hk, page_size, D)
+    with each sequence's pages shuffled over the pool (one spare page); and its logical view
+    (B, Hk, capacity, D) as a function of the cache."""
+    if not page_size:
+        k, v = testing.randn((b, hk, capacity, d), dtype), testing.randn((b, hk, capacity, d), dtype)
+        return k, v, None, lambda cache: cache
+    per_seq = capacity // page_size
+    pages = b * per_seq + 1
+    k, v = testing.randn((pages, hk, page_size, d), dtype), testing.randn((pages, hk, page_size, d), dtype)
+    order = torch.randperm(pages)[: b * per_seq]
+    block_table = order.view(b, per_seq).to(torch.int32).to(k.device)
+
+    def logical(cache):
+        return cache[block_table.long()].transpose(1, 2).reshape(b, hk, capacity, d)
+
+    return k, v, block_table, logical
+
+
+CACHES = [  # (B, Hq, Hk, D, capacity, page size (0: dense), new rows)
+    (3, 4, 2, 32, 48, 0, 1),
+    (2, 4, 1, 16, 64, 16, 4),
+    (3, 2, 2, 24, 45, 5, 3),
+    (2, 8, 2, 16, 32, 8, 0),
+]
+
+
+@pytest.mark.parametrize("case", CACHES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kvcache_appends_then_attends(case, dtype):
+    """New rows land at each sequence's length (the rest of the cache untouched), then q sees the
+    first length + Nnew rows, lower-right causal; ragged lengths incl. an empty sequence."""
+    b, hq, hk, d, capacity, page_size, n_new = case
+    k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, dtype, page_size)
+    lengths = [0, capacity - n_new, 7][:b]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=k_cache.device)
+    n_q = max(n_new, 2)
+    q = testing.randn((b, hq, n_q, d), dtype)
+    new = [testing.randn((b, hk, n_new, d), dtype) for _ in range(2)] if n_new else [None, None]
+    before = [logical(c).clone() for c in (k_cache, v_cache)]
+    out, lse = attention_with_kvcache(q, k_cache, v_cache, seqlens, *new, block_table=block_table, causal=True,
+                                      return_lse=True)
+    after = [logical(c) for c in (k_cache, v_cache)]
+    expected = [x.clone() for x in before]
+    if n_new:
+        for i, n in enumerate(lengths):
+            for e, rows in zip(expected, new, strict=True):
+                e[i, :, n:n + n_new] = rows[i]
+    for a, e in zip(after, expected, strict=True):
+        assert torch.equal(a, e), "the cache does not hold exactly the old rows plus the new ones"
+    ref_out, ref_lse = cached_reference(q, *expected, [n + n_new for n in lengths], True, None, None,
+                                        1 / math.sqrt(d))
+    check("out", out, ref_out, dtype)
+    check("lse", lse.where(lse.isfinite(), 0.0), ref_lse.where(ref_lse.isfinite(), 0.0), dtype)
+    assert torch.equal(lse.isfinite().cpu(), ref_lse.isfinite().cpu())
+
+
+@pytest.mark.parametrize("mask", [(False, None, None), (True, (4, None), None), (False, (6, 2), 2.0)])
+@pytest.mark.parametrize("page_size", [0, 8])
+def test_kvcache_windows_softcap_and_scale(mask, page_size):
+    causal, window, softcap = mask
+    b, hq, hk, d, capacity = 2, 4, 2, 16, 40
+    k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, torch.float32, page_size)
+    lengths = [29, 11]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=k_cache.device)
+    q = testing.randn((b, hq, 3, d), torch.float32)
+    out = attention_with_kvcache(q, k_cache, v_cache, seqlens, block_table=block_table, causal=causal,
+                                 window=window, softcap=softcap, sm_scale=0.2)
+    ref_out, _ = cached_reference(q, logical(k_cache), logical(v_cache), lengths, causal, window, softcap, 0.2)
+    check("out", out, ref_out, torch.float32)
+
+
+def test_kvcache_lengths_past_the_capacity_are_clamped():
+    """Lengths past the capacity (a bug upstream) attend to the whole cache; rows that would land
+    past it are dropped: no out-of-range access, the rest of the cache intact."""
+    b, hk, capacity, d = 2, 2, 24, 16
+    k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, torch.float32, 8)
+    before = [logical(c).clone() for c in (k_cache, v_cache)]
+    seqlens = torch.tensor([capacity + 5, capacity - 1], dtype=torch.int32, device=k_cache.device)
+    q = testing.randn((b, 4, 2, d), torch.float32)
+    new = [testing.randn((b, hk, 2, d), torch.float32) for _ in range(2)]
+    out = attention_with_kvcache(q, k_cache, v_cache, seqlens, *new, block_table=block_table, causal=True)
+    after = [logical(c) for c in (k_cache, v_cache)]
+    for a, e, n in zip(after, before, new, strict=True):
+        assert torch.equal(a[0], e[0])
+        assert torch.equal(a[1, :, :-1], e[1, :, :-1]) and torch.equal(a[1, :, -1], n[1, :, 0])
+    ref_out, _ = cached_reference(q, *after, [capacity, capacity], True, None, None, 0.25)
+    check("out", out, ref_out, torch.float32)
+
+
+@pytest.mark.parametrize("mode", testing.compile_modes())
+def test_kvcache_decode_loop_compiles_without_breaks(mode):
+    """Three decode steps, each appending one row: eager and torch.compile(fullgraph) agree with
+    the reference, and the compiled call writes the caller's cache."""
+    b, hq, hk, d, capacity = 2, 4, 2, 16, 32
+    k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, torch.float32, 8)
+    lengths = [5, 17]
+    step = testing.maybe_compile(
+        lambda q, kc, vc, n, k, v, t: attention_with_kvcache(q, kc, vc, n, k, v, block_table=t, causal=True), mode)
+    for i in range(3):
+        seqlens = torch.tensor([n + i for n in lengths], dtype=torch.int32, device=k_cache.device)
+        q = testing.randn((b, hq, 1, d), torch.float32)
+        k, v = testing.randn((b, hk, 1, d), torch.float32), testing.randn((b, hk, 1, d), torch.float32)
+        out = step(q, k_cache, v_cache, seqlens, k, v, block_table)
+        ref_out, _ = cached_reference(q, logical(k_cache), logical(v_cache), [n + i + 1 for n in lengths], True,
+                                      None, None, 0.25)
+        check("out", out, ref_out, torch.float32)
+        assert torch.equal(logical(k_cache)[:, :, lengths[0] + i][0], k[0, :, 0])
+
+
+@pytest.mark.skipif(not testing.on_gpu(), reason="CUDA graphs need a GPU")
+def test_kvcache_decode_step_replays_in_a_cuda_graph():
+    b, hq, hk, d, capacity = 4, 32, 8, 128, 4096
+    k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, torch.bfloat16, 64)
+    seqlens = torch.tensor([100, 4000, 0, 2047], dtype=torch.int32, device="cuda")
+    q = testing.randn((b, hq, 1, d), torch.bfloat16)
+    k, v = testing.randn((b, hk, 1, d), torch.bfloat16), testing.randn((b, hk, 1, d), torch.bfloat16)
+    attention_with_kvcache(q, k_cache, v_cache, seqlens, k, v, block_table=block_table, causal=True)  # warm up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention_with_kvcache(q, k_cache, v_cache, seqlens, k, v, block_table=block_table, causal=True)
+    seqlens += 1
+    q.copy_(testing.randn(q.shape, q.dtype))
+    k.copy_(testing.randn(k.shape, k.dtype))
+    graph.replay()
+    ref_out, _ = cached_reference(q, logical(k_cache), logical(v_cache), (seqlens + 1).tolist(), True, None, None,
+                                  1 / math.sqrt(d))
+    check("out", out, ref_out, torch.bfloat16)
+
+
+@pytest.mark.skipif(not testing.on_gpu(), reason="long caches are for the GPU (the interpreter runs programs one by one)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [(3, 32, 8, 128, 131072, 0, 1), (2, 32, 32, 64, 65536, 256, 4),
+                                  (2, 16, 2, 128, 16384, 16, 64)])
+def test_kvcache_long_ragged_caches(case, dtype):
+    """KV lengths from 1 to 131072 in one batch, dense and paged, Nq 1-64."""
+    b, hq, hk, d, capacity, page_size, n_q = case
+    k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, dtype, page_size)
+    lengths = [capacity - n_q, 1, capacity // 3][:b]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    q = testing.randn((b, hq, n_q, d), dtype)
+    new = [testing.randn((b, hk, n_q, d), dtype) for _ in range(2)]
+    out = attention_with_kvcache(q, k_cache, v_cache, seqlens, *new, block_table=block_table, causal=True)
+    ref_out, _ = cached_reference(q, logical(k_cache), logical(v_cache), [n + n_q for n in lengths], True, None,
+                                  None, 1 / math.sqrt(d))
+    check("out", out, ref_out, dtype)
+
+
+def test_kvcache_refuses_bad_inputs_clearly():
+    dev = testing.device()
+    q = torch.zeros(2, 4, 1, 16, device=dev)
+    cache = torch.zeros(2, 2, 8, 16, device=dev)
+    lens = torch.zeros(2, dtype=torch.int32, device=dev)
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        attention_with_kvcache(q, cache, cache, lens.long())
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        attention_with_kvcache(q, cache, cache, lens[:1])
+    with pytest.raises(ValueError, match="k and v"):
+        attention_with_kvcache(q, cache, cache, lens, k=torch.zeros(2, 2, 1, 16, device=dev))
+    with pytest.raises(ValueError, match="k must be"):
+        attention_with_kvcache(q, cache, cache, lens, torch.zeros(2, 3, 1, 16, device=dev),
+                               torch.zeros(2, 3, 1, 16, device=dev))
+    with pytest.raises(ValueError, match="k_cache must be"):
+        attention_with_kvcache(q, cache[:1], cache[:1], lens)
+    with pytest.raises(TypeError, match="block_table"):
+        attention_with_kvcache(q, cache, cache, lens, block_table=torch.zeros(2, 1, device=dev))
+    with pytest.raises(ValueError, match="block_table"):
+        attention_with_kvcache(q, cache, cache, lens, block_table=torch.zeros(3, 1, dtype=torch.int32, device=dev))
+    with pytest.raises(ValueError, match="lower-right"):
+        attention_with_kvcache(q, cache, cache, lens, causal="upper_left")
+    with pytest.raises(ValueError, match="forward-only"):
+        attention_with_kvcache(q.requires_grad_(), cache, cache, lens)
+    with pytest.raises(TypeError, match="return_lse"):
+        attention_with_kvcache(q.detach(), cache, cache, lens, return_lse=1)
+    with pytest.raises(ValueError, match="multiple"):
+        attention_with_kvcache(torch.zeros(2, 3, 1, 16, device=dev), cache, cache, lens)

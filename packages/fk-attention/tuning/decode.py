@@ -1,0 +1,94 @@
+"""The decode path's sweeps behind `fk_attention.decode`'s tiles, slicing and paged reads (TUNING.md).
+
+    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|paged]
+
+Times are `do_bench` medians of CUDA-graph replays (microseconds), bf16, one query row per head,
+the cache full; SDPA's cuDNN backend beside them on the dense cache.
+"""
+
+import functools
+import sys
+
+import torch
+import torch.nn.functional as F
+from fk_runtime import bench, testing
+from fk_runtime.launch import PlanCache
+
+testing.setup()
+
+from fk_attention import attention_with_kvcache, decode  # noqa: E402
+from fk_attention import bench as attention_bench  # noqa: E402
+from fk_attention import plan as table  # noqa: E402
+
+SLICE_SHAPES = [(1, 32, 8, 131072, 128), (16, 32, 8, 8192, 128), (1, 32, 32, 131072, 64), (1, 32, 8, 1024, 128),
+                (16, 32, 8, 1024, 64), (64, 32, 8, 1024, 128), (64, 32, 32, 8192, 128), (1, 32, 8, 8192, 128),
+                (1, 32, 32, 32768, 128)]  # (B, Hq, Hk, KV, D)
+SLICE_TILES = [(64, 3), (32, 3), (64, 2), (128, 2)]  # (BLOCK_N, stages), 4 warps
+SLICES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 48, 64]
+PAGED_SHAPES = [(1, 32, 8, 131072, 128), (16, 32, 8, 32768, 128), (16, 32, 32, 8192, 64), (1, 32, 8, 8192, 128),
+                (16, 32, 8, 1024, 128), (64, 32, 8, 8192, 128)]
+
+
+def graph_us(fn) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        us = bench.time_ms(bench.graphed([fn], stream)) * 1e3
+    torch.cuda.synchronize()
+    return round(us, 1)
+
+
+def cudnn(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def fixed_tiles(block_n, stages, *args):
+    return decode.Tiles(16, block_n, 4, stages)
+
+
+def slices_sweep():
+    mask = table.Mask(right=0, lower_right=True)
+    default_tiles = decode.tiles
+    for b, hq, hk, n, d in SLICE_SHAPES:
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
+        row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v)), "plan's slices": decode.key_slices(b * hk, n, d, 0)}
+        for block_n, stages in SLICE_TILES:
+            decode.tiles = functools.partial(fixed_tiles, block_n, stages)
+            for s in SLICES:
+                if n // s >= block_n:
+                    run = decode._bind(q, k, v, mask, d ** -0.5, decode.Cache(), s)
+                    row[f"{block_n},{stages},{s}"] = graph_us(functools.partial(run, q, k, v, lengths))
+        decode.tiles = default_tiles
+        print(f"B{b} KV{n} {hq}:{hk} d{d}", row, flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def paged_sweep():
+    for shape in PAGED_SHAPES:
+        row = {}
+        for page in [64, 256]:
+            attention_bench.DECODE_PAGE = page
+            q, k, v, lengths, kp, vp, pages = attention_bench._decode_case(*shape, torch.bfloat16, False).make_inputs()
+            row.setdefault("dense", graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True)))
+            for preload in [0, 128]:
+                decode.SLICE_PAGES = preload
+                table.BOUND = PlanCache()
+                row[f"page {page} preload {preload}"] = graph_us(functools.partial(
+                    attention_with_kvcache, q, kp, vp, lengths, block_table=pages, causal=True))
+            del q, k, v, kp, vp
+            torch.cuda.empty_cache()
+        print(shape, row, flush=True)
+
+
+if __name__ == "__main__":
+    which = sys.argv[1:] or ["slices", "paged"]
+    if "slices" in which:
+        slices_sweep()
+    if "paged" in which:
+        paged_sweep()
