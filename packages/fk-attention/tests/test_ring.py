@@ -1,0 +1,188 @@
+"""Ring attention over gloo: 2 and 4 CPU processes (the Triton interpreter), its output,
+log-sum-exp and gradients gathered from every rank against single-process fk attention on the full
+sequence and against a float64 reference with an explicit mask; bad inputs."""
+
+import functools
+import math
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from fk_runtime import testing
+
+from fk_attention import attention
+from fk_attention import ring, ring_bench
+from fk_attention.ring import gather_sequence, ring_attention, shard_sequence
+
+# id: (ranks, batch, q heads, kv heads, full length, head dim, dtype, causal, layout, lse in the loss)
+CASES = {
+    "w2-causal-gqa-fp32": (2, 1, 2, 1, 64, 16, torch.float32, True, "zigzag", False),
+    "w2-causal-fp16-lse": (2, 1, 2, 2, 64, 16, torch.float16, True, "zigzag", True),
+    "w2-full-fp32-lse": (2, 2, 2, 2, 32, 32, torch.float32, False, "contiguous", True),
+    "w4-causal-gqa-fp32-lse": (4, 1, 4, 2, 64, 16, torch.float32, True, "zigzag", True),
+    "w4-causal-contiguous": (4, 1, 2, 2, 64, 16, torch.float32, True, "contiguous", False),
+    "w4-full-gqa-fp32": (4, 1, 2, 1, 64, 16, torch.float32, False, "zigzag", False),
+}
+WORLD = 4
+# The 2-rank cases run on a subgroup of global ranks 1 and 3: not adjacent, and without rank 0.
+PAIR = (1, 3)
+# A rank waiting this long on another has met a deadlock: fail instead of hanging the suite.
+HANG = timedelta(minutes=2)
+GRADS = ("dq", "dk", "dv")
+
+
+def forward_backward(fn, q, k, v, grad_out, grad_lse, with_lse: bool) -> dict:
+    """out, lse and the gradients of q, k, v for the upstream gradients (grad_lse only with_lse)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = fn(q, k, v)
+    torch.autograd.backward((out, lse) if with_lse else out, (grad_out, grad_lse) if with_lse else grad_out)
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def reference(q, k, v, causal: bool):
+    """Float64 attention with the mask written out: (out, lse)."""
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+def new_inputs(case: str) -> list[torch.Tensor]:
+    """Fresh full-sequence q, k, v and upstream gradients of out and lse, on the CPU (for the ranks)."""
+    _, b, hq, hk, n, d, dtype, *_ = CASES[case]
+    shapes = [(b, hq, n, d), (b, hk, n, d), (b, hk, n, d), (b, hq, n, d)]
+    return [torch.randn(s).to(dtype) for s in shapes] + [torch.randn(b, hq, n)]
+
+
+def rank_main(rank: int, store: str, inputs: dict, result: str) -> None:
+    """One of WORLD ranks: each case on its shards, over every rank or over PAIR; rank 1, which is in
+    both, saves what it gathered."""
+    torch.set_num_threads(1)  # the ranks share the machine's cores: more threads only contend
+    dist.init_process_group("gloo", init_method=f"file://{store}", timeout=HANG, rank=rank, world_size=WORLD)
+    pair = dist.new_group(PAIR)  # every rank takes part in making it
+    gathered = {}
+    for case, full in inputs.items():
+        ranks, *_, causal, layout, with_lse = CASES[case]
+        group = None if ranks == WORLD else pair
+        if group is not None and rank not in PAIR:
+            with pytest.raises(ValueError, match="group does not hold this rank"):
+                ring_attention(*full[:3], group=pair)
+            continue
+        shards = [shard_sequence(t, 2, group, layout) for t in full]
+        attend = functools.partial(ring_attention, group=group, causal=causal, layout=layout, return_lse=True)
+        local = forward_backward(attend, *shards, with_lse)
+        gathered[case] = {name: gather_sequence(t, 2, group, layout) for name, t in local.items()}
+    with pytest.raises(ValueError, match="must divide into 8 chunks"):
+        shard_sequence(torch.zeros(1, 1, 6, 16))
+    if rank == 1:
+        torch.save(gathered, result)
+    dist.destroy_process_group()
+
+
+def expected(case: str, full: list[torch.Tensor]) -> tuple[dict, dict]:
+    """Single-process fk attention and the float64 reference on the full sequence."""
+    *_, causal, _, with_lse = CASES[case]
+    full = [t.to(testing.device()) for t in full]
+    fk = forward_backward(functools.partial(attention, causal=causal, return_lse=True), *full, with_lse)
+    exact = forward_backward(functools.partial(reference, causal=causal), *(t.double() for t in full),
+                             with_lse)
+    return fk, exact
+
+
+@pytest.fixture(scope="module")
+def ring_runs(tmp_path_factory):
+    """{case: (what the ranks gathered, fk attention's results, float64 results)} from one spawn of
+    WORLD ranks, the references computed here meanwhile."""
+    inputs = {case: new_inputs(case) for case in CASES}
+    folder = tmp_path_factory.mktemp("ring")
+    with pytest.MonkeyPatch.context() as patch:
+        # The ranks import this module afresh: the interpreter on the CPU, this module's root on sys.path.
+        patch.setenv("TRITON_INTERPRET", "1")
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        patch.syspath_prepend(str(Path(__file__).parents[__name__.count(".")]))
+        ranks = mp.start_processes(rank_main, args=(str(folder / "store"), inputs, str(folder / "result.pt")),
+                                   nprocs=WORLD, join=False, start_method="spawn")
+    try:
+        references = {case: expected(case, full) for case, full in inputs.items()}
+    finally:
+        while not ranks.join():
+            pass
+    gathered = torch.load(folder / "result.pt")
+    return {case: (gathered[case], *references[case]) for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ring_matches_full_sequence(case, ring_runs):
+    gathered, fk, exact = ring_runs[case]
+    dtype = CASES[case][6]
+    for name in ("out", "lse", *GRADS):
+        got = gathered[name].to(testing.device())
+        testing.assert_close(f"{name} vs float64", got, exact[name], dtype)
+        testing.assert_close(f"{name} vs fk attention", got, fk[name], dtype)
+
+
+def test_merge_of_rows_without_keys():
+    """A row that no block has reached stays zero with a -inf log-sum-exp (no NaN from -inf - -inf);
+    the first block to reach a row sets it."""
+    out, lse = torch.zeros(1, 1, 2, 16), torch.full((1, 1, 2), -math.inf)
+    block_out, block_lse = torch.randn(1, 1, 2, 16), torch.tensor([[[-math.inf, 0.5]]])
+    block_out[:, :, 0] = 0  # what attention returns for a row that sees no key
+    ring._merge(out, lse, block_out, block_lse)
+    assert torch.equal(out[:, :, 0], torch.zeros(1, 1, 16)) and lse[0, 0, 0] == -math.inf
+    torch.testing.assert_close(out[:, :, 1], block_out[:, :, 1])
+    assert lse[0, 0, 1] == 0.5
+
+
+def test_bad_inputs():
+    q, k = torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 8, 16)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        ring_attention(q.tolist(), k, k)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        ring_attention(q.int(), k, k)
+    with pytest.raises(ValueError, match="k must have at least 4 dims"):
+        ring_attention(q, k[0], k[0])
+    with pytest.raises(TypeError, match="one dtype"):
+        ring_attention(q, k, k.half())
+    with pytest.raises(ValueError, match="k and v must have one shape"):
+        ring_attention(q, k, k[:, :1])
+    with pytest.raises(ValueError, match="multiple of k's and v's heads"):
+        ring_attention(q[:, :3], k, k)
+    with pytest.raises(ValueError, match="share batch size and head dim"):
+        ring_attention(q, k[..., :8], k[..., :8])
+    with pytest.raises(ValueError, match="head dim must be a multiple of 8"):
+        ring_attention(q[..., :12], k[..., :12], k[..., :12])
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        ring_attention(q, k, k, causal="yes")
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        ring_attention(q, k, k, return_lse=1)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        ring_attention(q, k, k, layout="ring")
+    with pytest.raises(ValueError, match="sm_scale must be a positive"):
+        ring_attention(q, k, k, sm_scale=-1.0)
+    with pytest.raises(ValueError, match="one length"):
+        ring_attention(q, k[:, :, :4], k[:, :, :4], causal=True)
+    with pytest.raises(ValueError, match="must be even"):
+        ring_attention(q[:, :, :7], k[:, :, :7], k[:, :, :7], causal=True)
+    with pytest.raises(TypeError, match="group must be None or a torch.distributed.ProcessGroup"):
+        ring_attention(q, k, k, group="world")
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            ring_attention(q, k, k)
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            shard_sequence(q)
+    with pytest.raises(ValueError, match="dim=4 is out of range"):
+        shard_sequence(q, dim=4)
+
+
+def test_bench_arguments():
+    args = ring_bench.parse_args([])
+    assert (args.seqlen, args.heads, args.kv_heads, args.head_dim, args.dtype, args.causal) == (
+        131072, 16, 16, 128, "bfloat16", True)
+    assert ring_bench.parse_args(["--kv-heads", "4", "--no-causal"]).kv_heads == 4
+    with pytest.raises(SystemExit):
+        ring_bench.parse_args(["--heads", "16", "--kv-heads", "3"])
