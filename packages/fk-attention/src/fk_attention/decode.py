@@ -158,6 +158,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
         and torch.cuda.get_device_capability(device) >= PDL_MIN_CAPABILITY
     meta.update(SLICED=slices > 1, PDL=pdl)
     part_shape, part_lse_shape = (b, hq, n_q, slices, d), (b, hq, n_q, slices)
+    part_numel, part_lse_numel = math.prod(part_shape), math.prod(part_lse_shape)
     table_stride = block_table.stride(0) if paged else 0
     attend = Launch(kernels.attn_decode_kernel, (programs * slices,),
                     (sm_scale, softcap, n_q, n_k, cache.n_new if cache else 0, hk, group, lower_right, left,
@@ -180,8 +181,9 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
         if merge is None:
             attend(q, k, v, out, lse, lse, lse, seqlens, block_table)
             return out, lse
-        part = alloc.new_empty(fp32, part_shape)
-        part_lse = alloc.new_empty(fp32, part_lse_shape)
+        # One allocation for both partials (host time per call).
+        parts = alloc.new_empty(fp32, (part_numel + part_lse_numel,))
+        part, part_lse = parts[:part_numel].view(part_shape), parts[part_numel:].view(part_lse_shape)
         attend(q, k, v, out, lse, part, part_lse, seqlens, block_table)
         merge(part, part_lse, out, lse)
         return out, lse

@@ -358,6 +358,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
         raise ValueError("attention_with_kvcache aligns causal masks lower-right (the cache's end): "
                          "pass causal=True or 'lower_right'")
     return_lse = checks.check_flag("return_lse", return_lse)
-    out, lse = ATTENTION_KVCACHE(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                                 _scale(sm_scale, d), left, right, cap)
+    args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, _scale(sm_scale, d), left, right, cap)
+    # Plain eager calls skip the registered op's dispatch (tens of microseconds); tracers and
+    # torch.func transforms take the op.
+    if fk_ops.transforms_active() or fk_ops.traced((q, k_cache, v_cache, cache_seqlens)):
+        out, lse = ATTENTION_KVCACHE(*args)
+    else:
+        out, lse = _forward_kvcache(*args)
     return (out, lse) if return_lse else out
