@@ -118,7 +118,7 @@ def test_any_number_of_key_slices_merges_to_the_same_result(slices, dtype):
 
 def test_key_slices_fill_the_device_and_respect_bounds():
     sms = backend.multiprocessor_count()
-    assert decode.key_slices(sms, 1 << 20, 128, 0) == 1  # a full grid is not sliced
+    assert decode.key_slices(64 * sms, 1 << 20, 128, 0) == 1  # a full grid is not sliced
     few = decode.key_slices(1, 1 << 20, 128, 0)
     assert 1 < few <= decode.MAX_SLICES and few & (few - 1) == 0
     assert decode.key_slices(1, 1 << 20, 64, 0) >= few  # narrower rows: more programs

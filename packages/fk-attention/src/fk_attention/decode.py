@@ -42,9 +42,11 @@ SHALLOW_PIPELINE_GRID = 2
 SLICED_PROGRAMS_D128 = 1
 MIN_SLICE_KEYS = 64
 MAX_SLICES = 64
-# The interpreter: small tiles and slices, so that tiny tests still slice and merge.
+# The interpreter: small tiles and slices, and a few programs' worth of slices (it runs programs
+# one by one: slicing costs it time), so that tiny tests of one or two heads still slice and merge.
 INTERPRETER_BLOCK_N = 16
 INTERPRETER_SLICE_KEYS = 16
+INTERPRETER_SLICED_PROGRAMS = 8
 MERGE_WARPS = 4
 # Paged caches whose pages hold whole key blocks: each slice's page indices are read into
 # registers first (at most SLICE_PAGES, so a slice spans at most SLICE_PAGES - 1 pages).
@@ -84,8 +86,11 @@ def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_in
 def key_slices(programs: int, n_k: int, head_dim: int, device_index: int) -> int:
     """How many slices to cut each sequence's keys into, for `programs` (batch, KV head, row
     block) programs over up to n_k keys: the power of two nearest the wanted programs over these."""
-    min_keys = INTERPRETER_SLICE_KEYS if backend.is_interpreter() else MIN_SLICE_KEYS
-    wanted = backend.multiprocessor_count(device_index) * SLICED_PROGRAMS_D128 * 128 / table.padded_head_dim(head_dim)
+    if backend.is_interpreter():
+        min_keys, wanted = INTERPRETER_SLICE_KEYS, INTERPRETER_SLICED_PROGRAMS
+    else:
+        min_keys = MIN_SLICE_KEYS
+        wanted = backend.multiprocessor_count(device_index) * SLICED_PROGRAMS_D128 * 128 / table.padded_head_dim(head_dim)
     most = min(MAX_SLICES, max(1, n_k // min_keys))
     ratio = wanted / programs
     if ratio < 1.5:
