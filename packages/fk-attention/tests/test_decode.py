@@ -303,3 +303,36 @@ def test_kvcache_refuses_bad_inputs_clearly():
         attention_with_kvcache(q.detach(), cache, cache, lens, return_lse=1)
     with pytest.raises(ValueError, match="multiple"):
         attention_with_kvcache(torch.zeros(2, 3, 1, 16, device=dev), cache, cache, lens)
+
+
+def test_kvcache_takes_strided_lengths_and_page_tables_and_huge_lengths():
+    """Review finds: a strided cache_seqlens or page table is read through its strides; a page
+    table narrowed to fewer pages after a wider one binds its own capacity; a length near
+    INT32_MAX is clamped before adding rows (no wrap, no write before the cache)."""
+    b, hk, d = 2, 1, 16
+    k_cache, v_cache, block_table, logical = make_cache(b, hk, 32, d, torch.float32, 8)
+    q = testing.randn((b, 2, 1, d), torch.float32)
+    lengths = torch.tensor([[3, 99], [20, 99]], dtype=torch.int32, device=k_cache.device)[:, 0]
+    table_t = block_table.t().contiguous().t()  # strides (1, B)
+    out = attention_with_kvcache(q, k_cache, v_cache, lengths, block_table=table_t, causal=True)
+    ref, _ = cached_reference(q, logical(k_cache), logical(v_cache), [3, 20], True, None, None, 0.25)
+    check("out", out, ref, torch.float32)
+    new = [testing.randn((b, hk, 1, d), torch.float32) for _ in range(2)]
+    narrow = block_table[:, :2]  # capacity 16, then the whole table (32): same strides
+    attention_with_kvcache(q, k_cache, v_cache, torch.tensor([16, 0], dtype=torch.int32, device=q.device), *new,
+                           block_table=narrow, causal=True)
+    attention_with_kvcache(q, k_cache, v_cache, torch.tensor([16, 0], dtype=torch.int32, device=q.device), *new,
+                           block_table=block_table, causal=True)
+    assert torch.equal(logical(k_cache)[0, :, 16], new[0][0, :, 0])
+    dense_k, dense_v = torch.zeros(1, 1, 32, d, device=q.device), torch.zeros(1, 1, 32, d, device=q.device)
+    huge = torch.tensor([2**31 - 1], dtype=torch.int32, device=q.device)
+    attention_with_kvcache(q[:1], dense_k, dense_v, huge, new[0][:1], new[1][:1], causal=True)
+    assert not dense_k.any(), "rows past the capacity must be dropped"
+
+
+def test_huge_window_sides_are_unbounded():
+    q = testing.randn((1, 2, 2, 16), torch.float32)
+    k, v = testing.randn((1, 2, 40, 16), torch.float32), testing.randn((1, 2, 40, 16), torch.float32)
+    full = attention(q, k, v)
+    for side in (2**31 - 1, 2**62):
+        torch.testing.assert_close(attention(q, k, v, window=(side, side)), full)

@@ -217,7 +217,8 @@ def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mas
     cache = Cache(0 if k_new is None else k_new.shape[2], 0 if block_table is None else k_cache.shape[2])
     if k_new is not None:
         key = ("kv_append", cache, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), k_new.shape,
-               k_new.stride(), v_new.stride(), None if block_table is None else block_table.stride(),
+               k_new.stride(), v_new.stride(),
+               None if block_table is None else (block_table.shape, block_table.stride()),
                k_cache.dtype, k_cache.get_device())
         append = table.BOUND.get(key) or table.BOUND.get_or_build(
             key, lambda: _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache))

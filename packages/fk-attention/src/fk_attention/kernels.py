@@ -662,7 +662,7 @@ def attn_decode_kernel(
     pos = rows % n_q
     h = hk * group + rows // n_q
     if SEQLENS:
-        n_k_b = tl.minimum(tl.maximum(tl.load(seqlens_ptr + b), 0) + n_new, n_k)
+        n_k_b = tl.minimum(tl.minimum(tl.maximum(tl.load(seqlens_ptr + b), 0), n_k) + n_new, n_k)
     else:
         n_k_b = n_k
     shift = lower_right * (n_k_b - n_q)
@@ -793,7 +793,7 @@ def kv_append_kernel(
     hk = bhk % n_heads_k
     r = block * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, HEAD_DIM_PADDED)
-    pos = tl.maximum(tl.load(seqlens_ptr + b), 0) + r
+    pos = tl.minimum(tl.maximum(tl.load(seqlens_ptr + b), 0), capacity) + r  # clamped first: no int32 wrap
     ok = (r < n_new) & (pos < capacity)
     mask = ok[:, None] & (cols[None, :] < HEAD_DIM)
     if PAGED:

@@ -155,7 +155,8 @@ def _window_side(name: str, value) -> int:
         raise TypeError(f"{name} must be None or an int, got {type(value).__name__}")
     if value < -1:
         raise ValueError(f"{name} must be >= 0 (or None / -1: unbounded), got {value}")
-    return int(value)
+    # A side past any length is unbounded (kernels' int32 bounds must not overflow).
+    return -1 if value >= table.UNBOUNDED else int(value)
 
 
 def mask_args(causal, window, softcap) -> tuple[int, int, bool, float]:
@@ -358,6 +359,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
         raise ValueError("attention_with_kvcache aligns causal masks lower-right (the cache's end): "
                          "pass causal=True or 'lower_right'")
     return_lse = checks.check_flag("return_lse", return_lse)
+    # The kernels read lengths and page ids with unit strides.
+    if cache_seqlens.stride(0) != 1:
+        cache_seqlens = cache_seqlens.contiguous()
+    if block_table is not None and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
     args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, _scale(sm_scale, d), left, right, cap)
     # Plain eager calls skip the registered op's dispatch (tens of microseconds); tracers and
     # torch.func transforms take the op.
@@ -365,4 +371,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
         out, lse = ATTENTION_KVCACHE(*args)
     else:
         out, lse = _forward_kvcache(*args)
+        if k is not None:  # as the registered op would: autograd sees the caches written
+            torch.autograd.graph.increment_version(k_cache)
+            torch.autograd.graph.increment_version(v_cache)
     return (out, lse) if return_lse else out
