@@ -141,6 +141,36 @@ def test_side_stream_and_cuda_graph_match_eager(name):
         torch.testing.assert_close(c, a, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_first_call_in_a_fresh_thread(name):
+    """A thread whose first CUDA work is an fk launch (autograd's backward thread, a server's
+    worker), its memory from the allocator's cache: no CUDA context is current there until the
+    launch binds one (Triton fills TMA descriptors before its launcher would)."""
+    import threading
+
+    fn, _, make = CASES[name]
+    dtype = torch.bfloat16 if testing.on_gpu() else torch.float32
+    inputs = make(dtype, "contiguous")
+    if name == "attention":  # past the decode path's rows: the kernels that read through TMA
+        inputs = [testing.randn((1, 2, 80, 16), dtype, requires_grad=True) for _ in range(3)]
+    want = fn(*inputs).detach().clone()
+    fn(*inputs)  # freed at once: a block of the output's size waits in the cache
+    got, errors = [], []
+
+    def work():
+        try:
+            got.append(fn(*inputs).detach())
+        except Exception as exc:  # noqa: BLE001 (re-raised in the main thread)
+            errors.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    torch.testing.assert_close(got[0], want, rtol=0, atol=0)
+
+
 @pytest.mark.skipif(not (testing.on_gpu() and torch.cuda.device_count() > 1), reason="needs two GPUs")
 @pytest.mark.parametrize("name", CASES)
 def test_second_device(name):

@@ -21,7 +21,7 @@ PUBLIC = {
                 "use_interpreter_without_gpu", "warp_size"),
     "checks": ("FLOAT_DTYPES", "check_flag", "check_kernel_device", "check_positive", "check_same_device",
                "check_same_dtype", "check_shape", "check_size", "check_tensor", "normalize_dim"),
-    "launch": ("Descriptor", "Launch", "PLAN_CACHE_SIZE", "PlanCache"),
+    "launch": ("Descriptor", "Launch", "PLAN_CACHE_SIZE", "PlanCache", "bind_context"),
     "ops": ("Op", "define", "traced", "transforms_active"),
     "partials": ("bind_sum_rows", "sum_rows"),
     "siblings": ("PROGRAM_WARPS", "RowPath", "await_row", "chunk_columns", "claim_abandoned", "lane", "max_siblings", "partials",

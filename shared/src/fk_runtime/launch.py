@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import torch
 
@@ -59,6 +60,31 @@ class Descriptor:
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 _current_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
                    or (lambda index: torch.cuda.current_stream(index).cuda_stream))
+
+
+# Threads whose CUDA context this module has made current (see `bind_context`).
+_THREAD = threading.local()
+
+
+def bind_context(device: int | None = None) -> None:
+    """Make `device`'s (default: the current one's) primary CUDA context current in this thread
+    where none is, once per thread. A fresh thread (autograd's backward thread, a server's worker)
+    has none until some CUDA runtime call binds one, and Triton's launcher fills TMA descriptors
+    before its launch would: "invalid device context". Driver calls only (legal under capture)."""
+    if getattr(_THREAD, "bound", False) or backend.backend() is not backend.Backend.CUDA:
+        return
+    import ctypes
+
+    if device is None:
+        device = _current_device()
+    driver = ctypes.CDLL("libcuda.so.1")
+    context = ctypes.c_void_p()
+    if driver.cuCtxGetCurrent(ctypes.byref(context)) == 0 and not context.value:
+        handle = ctypes.c_int()
+        if driver.cuDeviceGet(ctypes.byref(handle), device) == 0 and \
+                driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle) == 0:
+            driver.cuCtxSetCurrent(context)
+    _THREAD.bound = True
 
 
 def _interpreted(kernel) -> bool:
@@ -163,11 +189,12 @@ class Launch:
     def _device_ready(self) -> bool:
         knobs = self._knobs
         return (_current_device() == self.device and _idle(knobs.launch_enter_hook)
-                and _idle(knobs.launch_exit_hook))
+                and _idle(knobs.launch_exit_hook) and getattr(_THREAD, "bound", False))
 
     def _slow(self, head) -> None:
         real = tuple(a.real() if isinstance(a, Descriptor) else a for a in head)
         with self._on_device():
+            bind_context(self.device)
             compiled = self.kernel[self.grid](*real, *self.tail, **self.meta)  # compiles on first use
         if backend.is_interpreter() or not _compiled_launcher(compiled):
             return

@@ -6,8 +6,8 @@ Hopper; passed as a kernel parameter, so no program builds one; zero fill past t
 through pointers with masks. (The `*_ptr` operands of the kernels are those descriptors when
 USE_DESC is set.) USE_DESC = 2 (packed sequences): descriptors for the inputs only, over the whole
 (1, H, total, D) tensor: a tile past a sequence's end reads the next one's rows, to which the
-masked walks give zero weight (their scores are masked; zeroing the tiles instead cost 1.5x on
-the dK/dV kernel); outputs are written through pointers with masks (a TMA box would cross into
+masked walks give zero weight (their scores are masked, or in dK/dV meet padded scratch rows;
+zeroing the tiles instead cost 1.5x on the dK/dV kernel); outputs are written through pointers with masks (a TMA box would cross into
 the next sequence). Head dims are padded to HEAD_DIM_PADDED (a power of two) with zeros, sequence ends are
 masked, so no length rule applies. GQA: query head h reads
 key/value head h // group.
@@ -31,6 +31,9 @@ from triton.language.extra import cuda as tl_cuda
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+# Packed backward scratch rows: each sequence's rows start on a multiple of this and are padded
+# to one (`_stats_first`): at least the dK/dV kernel's BLOCK_M (its reads of them are unmasked).
+STATS_ALIGN = tl.constexpr(64)
 
 
 @triton.jit
@@ -317,6 +320,17 @@ def _row_lse2(lse_row, offs_m, n_q):
 
 
 @triton.jit
+def _stats_first(b, q_first, VARLEN: tl.constexpr):
+    """Where sequence b's rows start in the backward's scratch rows (delta, base-2 lse): packed,
+    its first row rounded up to STATS_ALIGN plus STATS_ALIGN per sequence before it, so that every
+    sequence's rows, padded to a multiple of STATS_ALIGN, start aligned and stay clear of the next
+    sequence's; dense, row 0."""
+    if VARLEN:
+        return (tl.cdiv(q_first, STATS_ALIGN) + b) * STATS_ALIGN
+    return 0
+
+
+@triton.jit
 def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift, left, right,
               qk_scale, cap_scale, skn, skd, svn, svd,
               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -343,14 +357,15 @@ def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, n_k, 
 
 
 @triton.jit
-def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, delta_row, bq, bk, h, hk,
+def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, delta_row, lse2_row, bq, bk, h, hk,
               start_m,
               n_q, n_k, shift, left, right, sm_scale, qk_scale, cap_scale,
               sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr,
               HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dQ of rows [start_m, start_m + BLOCK_M), after their row term delta (stored for dK/dV)."""
+    """dQ of rows [start_m, start_m + BLOCK_M), after their row term delta and base-2 lse (stored
+    for dK/dV)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < n_q
     q = _load(q_src, bq, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
@@ -361,6 +376,7 @@ def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, del
         delta -= tl.load(dlse_row + offs_m * sdln, mask=row_ok, other=0.0)
     tl.store(delta_row + offs_m, delta, mask=row_ok)
     lse2 = _row_lse2(lse_row, offs_m, n_q)
+    tl.store(lse2_row + offs_m, lse2, mask=row_ok)
     dq = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
     lo, full_lo, full_hi, hi = _key_range(start_m, n_k, shift, left, right, WINDOW, BLOCK_M, BLOCK_N)
     if WINDOW:
@@ -378,21 +394,22 @@ def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, del
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
     sm_scale, softcap, n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-    sdob, sdoh, sdon, sdod, sdlb, sdlh, sdln, sdqb, sdqh, sdqn, sdqd, slb, slh,
+    sdob, sdoh, sdon, sdod, sdlb, sdlh, sdln, sdqb, sdqh, sdqn, sdqd, slb, slh, ssb, ssh,
     n_q_key, n_k_key, bh_key, dtype_key,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REST: tl.constexpr,
 ):
     """dQ of one query block, walking the keys it saw (no atomics: one writer per element).
 
     It first computes the softmax backward's row term delta = rowsum(dO * O) (minus the
     log-sum-exp's own gradient when the caller used it: d lse / d s = P, so that gradient enters
-    dS = P (dP - delta) exactly like delta) and stores it for the dK/dV kernel, which runs next:
-    no separate pass over O and dO. Blocks and sequences as in the forward."""
+    dS = P (dP - delta) exactly like delta) and stores it, with the row's base-2 log-sum-exp, in
+    aligned scratch rows for the dK/dV kernel, which runs next: no separate pass over O and dO. Blocks and sequences as in the forward, except that a packed
+    sequence's blocks past the grid go to a second launch (REST), as in `attn_bwd_dkdv_kernel`."""
     n_blocks = tl.cdiv(n_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // n_blocks
@@ -413,53 +430,70 @@ def attn_bwd_dq_kernel(
     dq_dst = _source(dq_ptr, b, h, sdqb, sdqh, q_first, sdqn, USE_DESC == 1)
     stat_offset = tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + q_first
     dlse_row = dlse_ptr + tl.cast(b, tl.int64) * sdlb + tl.cast(h, tl.int64) * sdlh + q_first * sdln
+    scratch = tl.cast(b, tl.int64) * ssb + tl.cast(h, tl.int64) * ssh + _stats_first(b, q_first, VARLEN)
     qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
-    if VARLEN:
-        for start_m in range(block * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
+    if REST:
+        for start_m in range((block + n_blocks) * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
             _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
-                      delta_ptr + stat_offset, q_first, k_first, h, hk, start_m, n_q_b, n_k_b, shift, left, right, sm_scale,
+                      delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, start_m, n_q_b, n_k_b, shift, left, right, sm_scale,
                       qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
                       WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
                       BLOCK_N)
+    elif VARLEN:
+        if block == 0:
+            # Scratch rows past the sequence's end, to the next STATS_ALIGN: delta 0 and lse2 +inf,
+            # so that dK/dV reads them unmasked and gives them zero weight.
+            pad = n_q_b + tl.arange(0, STATS_ALIGN)
+            pad_ok = pad < tl.cdiv(n_q_b, STATS_ALIGN) * STATS_ALIGN
+            tl.store(delta_ptr + scratch + pad, tl.zeros((STATS_ALIGN,), tl.float32), mask=pad_ok)
+            tl.store(lse2_ptr + scratch + pad, tl.full((STATS_ALIGN,), float("inf"), tl.float32), mask=pad_ok)
+        if block * BLOCK_M < n_q_b:
+            _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
+                      delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, block * BLOCK_M, n_q_b, n_k_b, shift, left,
+                      right, sm_scale, qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln,
+                      sdqn, sdqd, WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
+                      BLOCK_M, BLOCK_N)
     else:
         _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
-                  delta_ptr + stat_offset, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right, sm_scale,
+                  delta_ptr + scratch, lse2_ptr + scratch, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right, sm_scale,
                   qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
                   WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, lo, hi, offs_n, n_q, shift, left, right,
+def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, offs_n, n_q, shift, left, right,
                 qk_scale, cap_scale, sqn, sqd, sdon, sdod,
-                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr,
-                PRECISION: tl.constexpr):
+                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr,
+                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+                USE_DESC: tl.constexpr, PRECISION: tl.constexpr):
     """dV += P^T dO and dK += dS^T Q over the query blocks [lo, hi), computed transposed (keys as
     rows) so that the key block's accumulators never move. MASKED walks apply the window and check
-    rows: past n_q, q = dO = 0 contribute exactly 0, and packed descriptor tiles (which read the
-    next sequence's rows there) get zero weight."""
+    rows: past n_q, q = dO = 0 contribute exactly 0; packed rows past n_q (descriptor tiles read the
+    next sequence's there) meet the scratch's padding, lse2 = +inf: zero weight, no row mask."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load(q_src, b, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
-        # lse and delta are always masked (a few bytes): the descriptor path walks the last
-        # partial block unmasked.
-        lse2 = _row_lse2(lse_row, offs_m, n_q)
+        # Dense lse2 and delta are always masked (the descriptor path walks the last partial block
+        # unmasked); packed ones are padded (a mask on the loaded length costs registers).
+        if VARLEN:
+            lse2 = tl.load(lse2_row + offs_m)
+        else:
+            lse2 = tl.load(lse2_row + offs_m, mask=offs_m < n_q, other=0.0)
         tt = _capped(tl.dot(k, tl.trans(q), input_precision=PRECISION), cap_scale, SOFTCAP)
         zt = tt * qk_scale - lse2[None, :]
         if MASKED:
             if WINDOW:
                 d = offs_n[:, None] - (offs_m[None, :] + shift)
                 keep = (d >= -left) & (d <= right)
-                if USE_DESC == 2:
-                    keep = keep & (offs_m[None, :] < n_q)
                 zt = tl.where(keep, zt, float("-inf"))
-            elif USE_DESC == 2:
-                zt = tl.where(offs_m[None, :] < n_q, zt, float("-inf"))
         pt = tl.exp2(zt)
         do = _load(do_src, b, h, start_m, n_q, sdon, sdod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
-        delta = tl.load(delta_row + offs_m, mask=offs_m < n_q, other=0.0)
+        if VARLEN:
+            delta = tl.load(delta_row + offs_m)
+        else:
+            delta = tl.load(delta_row + offs_m, mask=offs_m < n_q, other=0.0)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = pt * (dpt - delta[None, :])
         if SOFTCAP:
@@ -469,11 +503,11 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse_row, delta_row, lo, hi, o
 
 
 @triton.jit
-def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, bq, bk, hk, q_first,
+def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, bq, bk, hk, q_first,
                 start_n,
                 n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
-                sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd, slb, slh,
-                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd, ssb, ssh,
+                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
                 HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK and dV of keys [start_n, start_n + BLOCK_N) of KV head hk, summed over its query heads.
@@ -492,36 +526,40 @@ def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr,
         h = hk * group + g
         q_src = _source(q_ptr, b, h, sqb, sqh, q_first, sqn, USE_DESC)
         do_src = _source(do_ptr, b, h, sdob, sdoh, q_first, sdon, USE_DESC)
-        stat_offset = tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + q_first
-        lse_row = lse_ptr + stat_offset
-        delta_row = delta_ptr + stat_offset
+        scratch = tl.cast(b, tl.int64) * ssb + tl.cast(h, tl.int64) * ssh + _stats_first(b, q_first, VARLEN)
+        lse2_row = lse2_ptr + scratch
+        delta_row = delta_ptr + scratch
         if WINDOW:
-            dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse_row, delta_row, lo, full_lo, offs_n, n_q,
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, lo, full_lo, offs_n, n_q,
                                  shift, left, right, qk_scale, cap_scale, sqn, sqd, sdon, sdod, WINDOW, SOFTCAP,
-                                 True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse_row, delta_row, full_lo, full_hi, offs_n, n_q,
+                                 VARLEN, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, full_lo, full_hi, offs_n, n_q,
                              shift, left, right, qk_scale, cap_scale, sqn, sqd, sdon, sdod, WINDOW, SOFTCAP,
-                             False, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse_row, delta_row, full_hi, hi, offs_n, n_q,
+                             VARLEN, False, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, full_hi, hi, offs_n, n_q,
                              shift, left, right, qk_scale, cap_scale, sqn, sqd, sdon, sdod, WINDOW, SOFTCAP,
-                             True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+                             VARLEN, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
     _store(dk_dst, dk * sm_scale, bk, hk, start_n, n_k, sdkn, sdkd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
     _store(dv_dst, dv, bk, hk, start_n, n_k, sdvn, sdvd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
     sm_scale, softcap, n_q, n_k, n_heads_k, group, lower_right, left, right, total_q, total_k,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
-    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, slb, slh,
+    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, ssb, ssh,
     n_q_key, n_k_key, bh_key, dtype_key,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, REST: tl.constexpr,
 ):
     """dK and dV of one key block of one KV head, summed over every query head of its GQA group
-    inside this program: no atomics, the same bits every run. Sequences as in the forward."""
+    inside this program: no atomics, the same bits every run. Sequences as in the forward, except
+    that a packed sequence longer than the grid's n_k has its further blocks walked by a second
+    launch (REST): a loop around the block here would cost every call (TUNING.md)."""
+    if VARLEN:
+        tl.static_assert(BLOCK_M <= STATS_ALIGN, "packed dK/dV reads BLOCK_M scratch rows past a sequence")
     n_blocks = tl.cdiv(n_k, BLOCK_N)
     pid = tl.program_id(0)
     bhk = pid // n_blocks
@@ -536,19 +574,28 @@ def attn_bwd_dkdv_kernel(
     dk_dst = _source(dk_ptr, b, hk, sdkb, sdkh, k_first, sdkn, USE_DESC == 1)
     dv_dst = _source(dv_ptr, b, hk, sdvb, sdvh, k_first, sdvn, USE_DESC == 1)
     qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
-    if VARLEN:
-        for start_n in range(block * BLOCK_N, n_k_b, n_blocks * BLOCK_N):
-            _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, q_first, k_first, hk,
+    if REST:
+        for start_n in range((block + n_blocks) * BLOCK_N, n_k_b, n_blocks * BLOCK_N):
+            _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, q_first, k_first, hk,
                         q_first, start_n,
                         n_q_b, n_k_b, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
                         sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd,
-                        slb, slh, WINDOW, SOFTCAP, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
-                        BLOCK_N)
+                        ssb, ssh, WINDOW, SOFTCAP, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
+                        BLOCK_M, BLOCK_N)
+    elif VARLEN:
+        if block * BLOCK_N < n_k_b:
+            _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, q_first, k_first, hk,
+                        q_first, block * BLOCK_N,
+                        n_q_b, n_k_b, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
+                        sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd,
+                        ssb, ssh, WINDOW, SOFTCAP, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
+                        BLOCK_M, BLOCK_N)
     else:
-        _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse_ptr, delta_ptr, b, b, b, hk, q_first,
+        _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, b, b, hk, q_first,
                     block * BLOCK_N, n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
                     sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd,
-                    slb, slh, WINDOW, SOFTCAP, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+                    ssb, ssh, WINDOW, SOFTCAP, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
+                    BLOCK_N)
 
 
 # ---- decode: few query rows against many keys (split-KV, "flash decoding"), KV caches -------------

@@ -44,7 +44,7 @@ import threading
 import torch
 
 from fk_runtime import alloc, backend, bench, checks, sizing
-from fk_runtime.launch import Descriptor, Launch, PlanCache
+from fk_runtime.launch import Descriptor, Launch, PlanCache, bind_context
 
 from . import kernels
 
@@ -94,6 +94,7 @@ KEY_ARGS = ["n_q_key", "n_k_key", "bh_key", "dtype_key", "WINDOW", "SOFTCAP", "V
 HIP_WAVES_PER_EU = ((64, 3), (None, 2))
 HIP_NUM_STAGES = 1
 CACHE_SIZE = 256
+STATS_ALIGN = int(kernels.STATS_ALIGN)
 
 
 class Kind(str, enum.Enum):
@@ -122,6 +123,11 @@ class Mask:
     @property
     def windowed(self) -> bool:
         return self.left is not None or self.right is not None
+
+    @property
+    def span(self) -> int | None:
+        """Keys a query sees at most under a two-sided window; None where a side is unbounded."""
+        return None if self.left is None or self.right is None else self.left + self.right + 1
 
     def kernel_args(self) -> tuple:
         """(softcap, lower_right, left, right) as the kernels take them."""
@@ -181,12 +187,12 @@ CANDIDATES = (
     (64, {
         Kind.FORWARD: _configs((64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3)),
         Kind.DQ: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)),
-        Kind.DKDV: _configs((64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 4, 4)),
+        Kind.DKDV: _configs((64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 4, 4), (64, 64, 4, 2)),
     }),
     (128, {
         Kind.FORWARD: _configs((128, 64, 4, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)),
         Kind.DQ: _configs((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)),
-        Kind.DKDV: _configs((64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3)),
+        Kind.DKDV: _configs((64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)),
     }),
     (256, {
         Kind.FORWARD: _configs((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)),
@@ -327,6 +333,7 @@ def launch_tuned(kernel, kind: Kind, head_dim: int, descriptors: bool, grid, arg
     config's meta-parameters), one tuned launch at a time across threads; returns the Triton config
     it ran (the tuner's pick for this key), or None where this Triton does not say."""
     tuned = autotuned(kernel, kind, head_dim, descriptors, varlen)
+    bind_context()
     with _TUNED_LAUNCH_LOCK:
         tuned[grid](*args, **meta)
         return getattr(tuned, "best_config", None)
@@ -430,7 +437,7 @@ FORWARD_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M")  # q, k, v, out
 # The forward's head then takes lse, cu_seqlens_q, cu_seqlens_k (packed sequences' bounds; any
 # tensor for dense ones). dQ: q, k, v, out, grad_out, lse, grad_lse, delta, dq; dK/dV: q, k, v,
 # grad_out, lse, delta, dk, dv; each then cu_seqlens_q, cu_seqlens_k.
-DQ_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", "BLOCK_M", None, None, None, "BLOCK_M")
+DQ_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", "BLOCK_M", None, None, None, None, "BLOCK_M")
 DKDV_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", None, None, "BLOCK_N", "BLOCK_N")
 
 
@@ -491,7 +498,8 @@ class _Kernel:
     key), else the head dim's fixed config, or the caller's (tests). `descriptors`: True / False
     forces TMA on or off; None: TMA where the strides allow it (decided here) and every tile
     operand's base is aligned (decided per call). The first len(`tiles`) head arguments are the
-    (B, H, N, D) operands, tiled by the named block's rows ("BLOCK_M" or "BLOCK_N")."""
+    (B, H, N, D) operands, tiled by the named block's rows ("BLOCK_M" or "BLOCK_N"). A kernel
+    with a REST constexpr (the packed backward) is launched twice, REST false then true, same config."""
 
     def __init__(self, kernel, kind: Kind, n_rows: int, programs: int, tiles: tuple, examples: tuple,
                  tail: tuple, meta: dict, dtype: torch.dtype, tune: bool, descriptors: bool | None,
@@ -512,6 +520,7 @@ class _Kernel:
         self.tuning_key = (kind, self.head_dim, meta["WINDOW"], meta["SOFTCAP"], meta["VARLEN"],
                            meta.get("HAS_DLSE"), tail[-4:], device.index)
         self.launches: dict = {}
+        self.rest = "REST" in meta and meta["VARLEN"]
 
     def _use_descriptors(self, head) -> bool:
         if self.forced is not None or not self.may_use:
@@ -527,18 +536,22 @@ class _Kernel:
                 config = WINNERS.get((self.tuning_key, use))
                 if config is None:
                     self._tune(head, use)
-                    return
+                    if not self.rest:
+                        return
+                    config = WINNERS.get((self.tuning_key, use))  # the rest launch still has to run
             config = config or default_config(self.kind, self.head_dim, self.dtype, use)
             block = config.meta()[self.walked]
-            launch = Launch(self.kernel, (sizing.cdiv(self.n_rows, block) * self.programs,), self.tail,
-                            {**self.meta, **config.meta(self.meta["VARLEN"]),
-                             **launch_options(config, self.head_dim)},
-                            self.device)
-            entry = self.launches[use] = (launch, config)
-        launch, config = entry
+            meta = {**self.meta, **config.meta(self.meta["VARLEN"]), **launch_options(config, self.head_dim)}
+            grid = (sizing.cdiv(self.n_rows, block) * self.programs,)
+            launches = [Launch(self.kernel, grid, self.tail, meta, self.device)]
+            if self.rest:
+                launches.append(Launch(self.kernel, grid, self.tail, {**meta, "REST": True}, self.device))
+            entry = self.launches[use] = (launches, config)
+        launches, config = entry
         if config.descriptors:
             head = self._descriptors(head, config)
-        launch(*head)
+        for launch in launches:
+            launch(*head)
 
     def _descriptors(self, head, config: Config) -> tuple:
         blocks = config.meta()
@@ -563,8 +576,10 @@ class _Kernel:
                                                     best.num_stages, bool(kw["USE_DESC"]))
 
 
-def _keys(n_q: int, n_k: int, batch_heads: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    return length_key(n_q), length_key(n_k), heads_key(batch_heads), dtype_key(dtype)
+def _keys(n_q: int, n_k: int, batch_heads: int, dtype: torch.dtype, mask: Mask) -> tuple[int, int, int, int]:
+    # A sliding window's walks are as long as the window, not the sequence: tuned apart from causal.
+    walk = n_k if mask.span is None else min(n_k, mask.span)
+    return length_key(n_q), length_key(walk), heads_key(batch_heads), dtype_key(dtype)
 
 
 def _meta(mask: Mask, varlen: bool, head_dim: int, dtype: torch.dtype) -> dict:
@@ -653,7 +668,7 @@ def _bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors
     out = as_kernel(new_outputs()[0])
     tail = (sm_scale, *mask.kernel_args()[:1], n_q, n_k, hq, hq // hk, *mask.kernel_args()[1:], *totals,
             *_strides(q_, varlen), *_strides(k_, varlen), *_strides(v_, varlen), *_strides(out, varlen),
-            *lse_strides, *_keys(n_q, n_k, b * hq, dtype))
+            *lse_strides, *_keys(n_q, n_k, b * hq, dtype, mask))
     tiles = _inputs_only(FORWARD_TILES, (3,) if varlen else ())
     kernel = _Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, tiles, (q_, k_, v_, out), tail,
                      _meta(mask, varlen, d, dtype), dtype, should_autotune(dtype, b * hq, n_q, n_k), descriptors,
@@ -732,8 +747,12 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
         def new_grads():
             return tuple(new_grad(shape) for shape in shapes)
 
-        def new_delta():
-            return alloc.new_empty(fp32, (hq, total_q))
+        # Scratch rows (delta, base-2 lse), each sequence's aligned and padded (`_stats_first`).
+        scratch_rows = sizing.cdiv(total_q + STATS_ALIGN * (b + 1), STATS_ALIGN) * STATS_ALIGN
+        scratch_strides = (0, scratch_rows)
+
+        def new_stats():
+            return alloc.new_empty(fp32, (2, hq, scratch_rows))
 
         def as_kernel(t):
             return packed(t)
@@ -750,8 +769,10 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
         def new_grads():
             return tuple(_new(shape, bnhd, new_grad) for shape, bnhd in layouts)
 
-        def new_delta():
-            return alloc.new_empty(fp32, (b, hq, n_q))
+        scratch_strides = (hq * n_q, n_q)
+
+        def new_stats():
+            return alloc.new_empty(fp32, (2, b, hq, n_q))
 
         def as_kernel(t):
             return t
@@ -769,10 +790,10 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
     has_dlse = grad_lse is not None
     dlse_, dlse_ok = _fit(lse_view(grad_lse), row_offsets_fit) if has_dlse else (lse_view(lse), True)
     dq, dk, dv = (as_kernel(g) for g in new_grads())
-    delta = new_delta()
+    delta, lse2 = new_stats()
     dq_config, dkdv_config = configs or (None, None)
     meta = _meta(mask, varlen, d, dtype)
-    keys = _keys(n_q, n_k, b * hq, dtype)
+    keys = _keys(n_q, n_k, b * hq, dtype, mask)
     tune = should_autotune(dtype, b * hq, n_q, n_k)
     if configs is None and descriptors is None:
         # One choice for both kernels: TMA where every operand of either allows it.
@@ -781,18 +802,18 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
     softcap, lower_right, left, right = mask.kernel_args()
     dlse_strides = (0, *dlse_.stride()[1:]) if varlen else dlse_.stride()
     dq_kernel = _Kernel(
-        kernels.attn_bwd_dq_kernel, Kind.DQ, n_q, b * hq, _inputs_only(DQ_TILES, (8,) if varlen else ()),
-        (q_, k_, v_, out_, go_, lse, dlse_, delta, dq),
+        kernels.attn_bwd_dq_kernel, Kind.DQ, n_q, b * hq, _inputs_only(DQ_TILES, (9,) if varlen else ()),
+        (q_, k_, v_, out_, go_, lse, dlse_, delta, lse2, dq),
         (sm_scale, softcap, n_q, n_k, hq, hq // hk, lower_right, left, right, *totals,
          *(s for t in (q_, k_, v_, out_, go_) for s in _strides(t, varlen)), *dlse_strides,
-         *_strides(dq, varlen), *lse_strides, *keys),
-        {**meta, "HAS_DLSE": has_dlse}, dtype, tune, descriptors, dq_config, device)
+         *_strides(dq, varlen), *lse_strides, *scratch_strides, *keys),
+        {**meta, "HAS_DLSE": has_dlse, "REST": False}, dtype, tune, descriptors, dq_config, device)
     dkdv_kernel = _Kernel(
         kernels.attn_bwd_dkdv_kernel, Kind.DKDV, n_k, b * hk, _inputs_only(DKDV_TILES, (6, 7) if varlen else ()),
-        (q_, k_, v_, go_, lse, delta, dk, dv),
+        (q_, k_, v_, go_, lse2, delta, dk, dv),
         (sm_scale, softcap, n_q, n_k, hk, hq // hk, lower_right, left, right, *totals,
-         *(s for t in (q_, k_, v_, go_, dk, dv) for s in _strides(t, varlen)), *lse_strides, *keys),
-        meta, dtype, tune, descriptors, dkdv_config, device)
+         *(s for t in (q_, k_, v_, go_, dk, dv) for s in _strides(t, varlen)), *scratch_strides, *keys),
+        {**meta, "REST": False}, dtype, tune, descriptors, dkdv_config, device)
 
     as_given = all(oks) and not expanded
 
@@ -806,12 +827,12 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
         dlse = lse_view(grad_lse if dlse_ok else grad_lse.contiguous()) if has_dlse else lse
         grads = new_grads()
         dq, dk, dv = (as_kernel(g) for g in grads)
-        delta = new_delta()
+        delta, lse2 = new_stats()
         cu_q = lse if cu_q is None else cu_q
         cu_k = lse if cu_k is None else cu_k
-        dq_kernel(q, k, v, out, grad_out, lse, dlse, delta, dq, cu_q, cu_k)
-        # dK/dV reads the delta the dQ kernel wrote (same stream, in order).
-        dkdv_kernel(q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k)
+        dq_kernel(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, cu_q, cu_k)
+        # dK/dV reads the delta and base-2 lse the dQ kernel wrote (same stream, in order).
+        dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k)
         return grads
 
     return run
