@@ -7,9 +7,9 @@ through pointers with masks. (The `*_ptr` operands of the kernels are those desc
 USE_DESC is set.) USE_DESC = 2 (packed sequences): descriptors for the inputs only, over the whole
 (1, H, total, D) tensor: a tile past a sequence's end reads the next one's rows, to which the
 masked walks give zero weight (their scores are masked, or in dK/dV meet padded scratch rows;
-zeroing the tiles instead cost 1.5x on the dK/dV kernel); outputs are written through pointers with masks (a TMA box would cross into
-the next sequence). Head dims are padded to HEAD_DIM_PADDED (a power of two) with zeros, sequence ends are
-masked, so no length rule applies. GQA: query head h reads
+zeroing the tiles instead cost 1.5x on the dK/dV kernel); outputs are written through pointers
+with masks (a TMA box would cross into the next sequence). Head dims are padded to HEAD_DIM_PADDED
+(a power of two) with zeros, sequence ends are masked, so no length rule applies. GQA: query head h reads
 key/value head h // group.
 
 Masks (WINDOW): query i sees key j when -left <= j - (i + shift) <= right, shift = Nk - Nq for
@@ -357,7 +357,8 @@ def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, n_k, 
 
 
 @triton.jit
-def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, delta_row, lse2_row, bq, bk, h, hk,
+def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, delta_row, lse2_row, bq, bk, h,
+              hk,
               start_m,
               n_q, n_k, shift, left, right, sm_scale, qk_scale, cap_scale,
               sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
@@ -408,8 +409,9 @@ def attn_bwd_dq_kernel(
     It first computes the softmax backward's row term delta = rowsum(dO * O) (minus the
     log-sum-exp's own gradient when the caller used it: d lse / d s = P, so that gradient enters
     dS = P (dP - delta) exactly like delta) and stores it, with the row's base-2 log-sum-exp, in
-    aligned scratch rows for the dK/dV kernel, which runs next: no separate pass over O and dO. Blocks and sequences as in the forward, except that a packed
-    sequence's blocks past the grid go to a second launch (REST), as in `attn_bwd_dkdv_kernel`."""
+    aligned scratch rows for the dK/dV kernel, which runs next: no separate pass over O and dO.
+    Blocks and sequences as in the forward, except that a packed sequence's blocks past the grid go
+    to a second launch (REST), as in `attn_bwd_dkdv_kernel`."""
     n_blocks = tl.cdiv(n_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // n_blocks
@@ -435,7 +437,8 @@ def attn_bwd_dq_kernel(
     if REST:
         for start_m in range((block + n_blocks) * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
             _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
-                      delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, start_m, n_q_b, n_k_b, shift, left, right, sm_scale,
+                      delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, start_m, n_q_b, n_k_b,
+                      shift, left, right, sm_scale,
                       qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
                       WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
                       BLOCK_N)
@@ -449,13 +452,14 @@ def attn_bwd_dq_kernel(
             tl.store(lse2_ptr + scratch + pad, tl.full((STATS_ALIGN,), float("inf"), tl.float32), mask=pad_ok)
         if block * BLOCK_M < n_q_b:
             _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
-                      delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, block * BLOCK_M, n_q_b, n_k_b, shift, left,
-                      right, sm_scale, qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln,
+                      delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, block * BLOCK_M, n_q_b,
+                      n_k_b, shift, left, right, sm_scale, qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln,
                       sdqn, sdqd, WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
                       BLOCK_M, BLOCK_N)
     else:
         _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
-                  delta_ptr + scratch, lse2_ptr + scratch, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right, sm_scale,
+                  delta_ptr + scratch, lse2_ptr + scratch, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left,
+                  right, sm_scale,
                   qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
                   WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
 

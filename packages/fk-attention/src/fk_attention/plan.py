@@ -435,8 +435,9 @@ def fit_descriptors(nargs: dict) -> None:
 # (None: not a tile operand): query-side tensors by BLOCK_M, key-side ones by BLOCK_N.
 FORWARD_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M")  # q, k, v, out
 # The forward's head then takes lse, cu_seqlens_q, cu_seqlens_k (packed sequences' bounds; any
-# tensor for dense ones). dQ: q, k, v, out, grad_out, lse, grad_lse, delta, dq; dK/dV: q, k, v,
-# grad_out, lse, delta, dk, dv; each then cu_seqlens_q, cu_seqlens_k.
+# tensor for dense ones). dQ: q, k, v, out, grad_out, lse, grad_lse, delta, lse2, dq; dK/dV: q, k,
+# v, grad_out, lse2, delta, dk, dv (delta, lse2: the backward's scratch rows); each then
+# cu_seqlens_q, cu_seqlens_k.
 DQ_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", "BLOCK_M", None, None, None, None, "BLOCK_M")
 DKDV_TILES = ("BLOCK_M", "BLOCK_N", "BLOCK_N", "BLOCK_M", None, None, "BLOCK_N", "BLOCK_N")
 
