@@ -46,7 +46,7 @@ def cudnn(q, k, v):
 
 
 def fixed_tiles(block_n, stages, *args):
-    return decode.Tiles(16, block_n, 4, stages)
+    return table.Config(16, block_n, 4, stages)
 
 
 def slices_sweep():

@@ -34,13 +34,15 @@ def _values(varlen: bool, block_m: int, block_n: int) -> dict:
     desc = lambda rows: f"tensordesc<bf16[1, 1, {rows}, {D}]>"  # noqa: E731
     strides = [0, D, H * D, 1] if varlen else [N * H * D, D, H * D, 1]
     total = B * N if varlen else N
+    align = int(_kernels().STATS_ALIGN)
+    stats_rows = -(-(total + align * (B + 1)) // align) * align  # plan._bind_backward's scratch rows
     values = dict(q_ptr=desc(block_m), k_ptr=desc(block_n), v_ptr=desc(block_n), do_ptr=desc(block_m),
                   lse2_ptr="*fp32", delta_ptr="*fp32",
                   dk_ptr="*bf16" if varlen else desc(block_n), dv_ptr="*bf16" if varlen else desc(block_n),
                   cu_q_ptr="*i32" if varlen else "*fp32", cu_k_ptr="*i32" if varlen else "*fp32",
                   sm_scale=0.125, softcap=1.0, n_q=N, n_k=N, n_heads_k=H,
                   group=1, lower_right=0, left=1 << 30, right=0, total_q=total, total_k=total,
-                  ssb=0 if varlen else H * N, ssh=total + 64 * (B + 1) if varlen else N,
+                  ssb=0 if varlen else H * N, ssh=stats_rows if varlen else N,
                   n_q_key=N, n_k_key=N, bh_key=B * H, dtype_key=1)
     for name in ("q", "k", "v", "do", "dk", "dv"):
         values.update({f"s{name}{axis}": stride for axis, stride in zip("bhnd", strides, strict=True)})

@@ -71,20 +71,21 @@ def bind_context(device: int | None = None) -> None:
     where none is, once per thread. A fresh thread (autograd's backward thread, a server's worker)
     has none until some CUDA runtime call binds one, and Triton's launcher fills TMA descriptors
     before its launch would: "invalid device context". Driver calls only (legal under capture)."""
-    if getattr(_THREAD, "bound", False) or backend.backend() is not backend.Backend.CUDA:
+    if getattr(_THREAD, "bound", False):
         return
-    import ctypes
+    if backend.backend() is backend.Backend.CUDA:
+        import ctypes
 
-    if device is None:
-        device = _current_device()
-    driver = ctypes.CDLL("libcuda.so.1")
-    context = ctypes.c_void_p()
-    if driver.cuCtxGetCurrent(ctypes.byref(context)) == 0 and not context.value:
-        handle = ctypes.c_int()
-        if driver.cuDeviceGet(ctypes.byref(handle), device) == 0 and \
-                driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle) == 0:
-            driver.cuCtxSetCurrent(context)
-    _THREAD.bound = True
+        if device is None:
+            device = _current_device()
+        driver = ctypes.CDLL("libcuda.so.1")
+        context = ctypes.c_void_p()
+        if driver.cuCtxGetCurrent(ctypes.byref(context)) == 0 and not context.value:
+            handle = ctypes.c_int()
+            if driver.cuDeviceGet(ctypes.byref(handle), device) == 0 and \
+                    driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle) == 0:
+                driver.cuCtxSetCurrent(context)
+    _THREAD.bound = True  # other backends: nothing to bind, and the fast path must stay open
 
 
 def _interpreted(kernel) -> bool:

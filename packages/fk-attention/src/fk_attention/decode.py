@@ -44,15 +44,11 @@ MIN_SLICE_KEYS = 64
 MAX_SLICES = 64
 # The interpreter: small tiles and slices, and a few programs' worth of slices (it runs programs
 # one by one: slicing costs it time), so that tiny tests of one or two heads still slice and merge.
-INTERPRETER_BLOCK_N = 16
 INTERPRETER_SLICE_KEYS = 16
 INTERPRETER_SLICED_PROGRAMS = 8
-MERGE_WARPS = 4
 # Paged caches whose pages hold whole key blocks: each slice's page indices are read into
 # registers first (at most SLICE_PAGES, so a slice spans at most SLICE_PAGES - 1 pages).
 SLICE_PAGES = 128
-# Programmatic dependent launch of the merge (its launch overlaps the slices' tail): Hopper on.
-PDL_MIN_CAPABILITY = (9, 0)
 # New cache rows written per append program.
 APPEND_ROWS = 16
 
@@ -62,25 +58,17 @@ def takes(q: torch.Tensor) -> bool:
     return q.shape[2] <= DECODE_MAX_QUERIES and q.dtype in DECODE_DTYPES
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_index: int) -> Tiles:
+def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_index: int) -> table.Config:
     """The tiles of a decode launch with `rows` query rows per KV head over `programs` programs."""
     block_m = min(max(sizing.next_power_of_2(rows), MIN_BLOCK_M), MAX_BLOCK_M)
     if backend.is_interpreter():
-        return Tiles(block_m, INTERPRETER_BLOCK_N, sizing.MIN_WARPS, 1)
+        return table.Config(block_m, table.INTERPRETER_BLOCK, sizing.MIN_WARPS, 1)
     padded = table.padded_head_dim(head_dim)
     rows_by_dim = TILES_32BIT if dtype.itemsize > 2 else TILES_16BIT
     block_n, warps, stages = next(entry for limit, entry in rows_by_dim if padded <= limit)
     if programs >= SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index):
         stages = max(stages - 1, 1)
-    return Tiles(block_m, block_n, warps, stages)
+    return table.Config(block_m, block_n, warps, stages)
 
 
 def key_slices(programs: int, n_k: int, head_dim: int, device_index: int) -> int:
@@ -122,12 +110,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     hk = k.shape[1]
     group = hq // hk
     paged = cache is not None and cache.page_size > 0
-    if cache is None:
-        n_k = k.shape[2]
-    elif paged:
-        n_k = block_table.shape[1] * cache.page_size
-    else:
-        n_k = k.shape[2]
+    n_k = block_table.shape[1] * cache.page_size if paged else k.shape[2]
     last_page = k.shape[0] - 1 if paged else 0
     device, dtype = q.device, q.dtype
     out_proto = torch.empty(0, dtype=dtype, device=device)
@@ -149,7 +132,10 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     slice_pages = SLICE_PAGES if paged and cache.page_size % tile.block_n == 0 else 0
     if slice_pages:
         needed = sizing.cdiv(n_k, (slice_pages - 1) * cache.page_size)
-        slices, slice_pages = (max(slices, needed), slice_pages) if needed <= MAX_SLICES else (slices, 0)
+        if needed <= MAX_SLICES:
+            slices = max(slices, needed)
+        else:
+            slice_pages = 0
     padded = table.padded_head_dim(d)
     meta = {"WINDOW": mask.windowed, "SOFTCAP": mask.softcap is not None, "SEQLENS": cache is not None,
             "PAGED": paged, "PAGE_SIZE": max(cache.page_size if paged else 1, 1), "SLICE_PAGES": slice_pages,
@@ -159,8 +145,8 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     softcap, lower_right, left, right = mask.kernel_args()
     (k_, k_ok), (v_, v_ok) = table._fit(k), table._fit(v)
     out_example = new_outputs()[0]
-    pdl = slices > 1 and not backend.is_interpreter() and backend.backend() is backend.Backend.CUDA \
-        and torch.cuda.get_device_capability(device) >= PDL_MIN_CAPABILITY
+    # Programmatic dependent launch of the merge (its launch overlaps the slices' tail): Hopper on.
+    pdl = slices > 1 and table._is_hopper_or_newer(device)
     meta.update(SLICED=slices > 1, PDL=pdl)
     part_shape, part_lse_shape = (b, hq, n_q, slices, d), (b, hq, n_q, slices)
     part_numel, part_lse_numel = math.prod(part_shape), math.prod(part_lse_shape)
@@ -175,7 +161,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
         merge = Launch(kernels.attn_decode_merge_kernel, (b * hq * n_q,),
                        (hq, n_q, slices, *out_example.stride(), hq * n_q, n_q, 1),
                        {"HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_S": sizing.next_power_of_2(slices),
-                        "PDL": pdl, "num_warps": MERGE_WARPS, **({"launch_pdl": True} if pdl else {})}, device)
+                        "PDL": pdl, "num_warps": sizing.MIN_WARPS, **({"launch_pdl": True} if pdl else {})}, device)
 
     def run(q, k, v, seqlens=None, block_table=None):
         out, lse = new_outputs()
@@ -210,8 +196,7 @@ def forward(q, k, v, mask: table.Mask, sm_scale: float, slices: int | None = Non
     return run(q, k, v)
 
 
-def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float,
-                    slices: int | None = None):
+def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float):
     """(out, lse) of q against a KV cache after writing k_new / v_new (may be None) into it at
     each sequence's length (checks done by the caller, `ops.attention_with_kvcache`)."""
     cache = Cache(0 if k_new is None else k_new.shape[2], 0 if block_table is None else k_cache.shape[2])
@@ -223,18 +208,14 @@ def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mas
         append = table.BOUND.get(key) or table.BOUND.get_or_build(
             key, lambda: _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache))
         append(k_cache, v_cache, seqlens, k_new, v_new, block_table)
-    return _attend_cache(q, k_cache, v_cache, seqlens, block_table, cache, mask, sm_scale, slices)
+    return _attend_cache(q, k_cache, v_cache, seqlens, block_table, cache, mask, sm_scale)
 
 
-def _attend_cache(q, k_cache, v_cache, seqlens, block_table, cache: Cache, mask: table.Mask, sm_scale: float,
-                  slices: int | None):
+def _attend_cache(q, k_cache, v_cache, seqlens, block_table, cache: Cache, mask: table.Mask, sm_scale: float):
     if table._widened(q.dtype):
         out, lse = _attend_cache(q.float(), k_cache.float(), v_cache.float(), seqlens, block_table, cache, mask,
-                                 sm_scale, slices)
+                                 sm_scale)
         return out.to(q.dtype), lse
-    if slices is not None:
-        return _bind(q, k_cache, v_cache, mask, sm_scale, cache, slices, block_table)(
-            q, k_cache, v_cache, seqlens, block_table)
     key = ("kvcache", cache, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
            None if block_table is None else (block_table.shape, block_table.stride()),
            q.dtype, k_cache.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(), mask, sm_scale)

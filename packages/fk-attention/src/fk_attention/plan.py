@@ -531,15 +531,17 @@ class _Kernel:
     def __call__(self, *head) -> None:
         use = self._use_descriptors(head)
         entry = self.launches.get(use)
+        tuned_now = False
         if entry is None:
             config = self.config
             if config is None and self.tune:
                 config = WINNERS.get((self.tuning_key, use))
                 if config is None:
-                    self._tune(head, use)
+                    self._tune(head, use)  # the tuner's launch ran the kernel (REST false)
                     if not self.rest:
                         return
-                    config = WINNERS.get((self.tuning_key, use))  # the rest launch still has to run
+                    config = WINNERS.get((self.tuning_key, use))
+                    tuned_now = config is not None  # else the default config runs both launches
             config = config or default_config(self.kind, self.head_dim, self.dtype, use)
             block = config.meta()[self.walked]
             meta = {**self.meta, **config.meta(self.meta["VARLEN"]), **launch_options(config, self.head_dim)}
@@ -551,7 +553,7 @@ class _Kernel:
         launches, config = entry
         if config.descriptors:
             head = self._descriptors(head, config)
-        for launch in launches:
+        for launch in launches[1:] if tuned_now else launches:
             launch(*head)
 
     def _descriptors(self, head, config: Config) -> tuple:
