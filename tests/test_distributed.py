@@ -4,13 +4,9 @@ interpreter) under DDP and under FSDP2 (`fully_shard`), each rank on its half of
 against the same training in one process on the whole batch: every step's loss and every gradient
 (DDP's all-reduced ones, FSDP2's unsharded)."""
 
-from datetime import timedelta
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fk_runtime import testing
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -28,8 +24,6 @@ except ImportError:  # torch < 2.6 keeps FSDP2 under its old name
 WORLD, STEPS, LR = 2, 2, 0.5
 BATCH, TOKENS, DIM = 4, 16, 32
 WRAPPERS = ("ddp", "fsdp2")
-# A rank waiting this long on another has met a deadlock: fail instead of hanging the suite.
-HANG = timedelta(minutes=2)
 
 
 class Block(torch.nn.Module):
@@ -81,8 +75,7 @@ def wrap(block: Block, how: str):
 def rank_main(rank: int, store: str, state: dict, x, target, result: str) -> None:
     """One rank: the block trained under each wrapper on this rank's share of the batch; rank 0
     saves the steps."""
-    torch.set_num_threads(1)  # the ranks share the machine's cores: more threads only contend
-    dist.init_process_group("gloo", init_method=f"file://{store}", timeout=HANG, rank=rank, world_size=WORLD)
+    testing.init_cpu_rank(rank, WORLD, store)
     runs = {}
     for how in WRAPPERS:
         block = Block()
@@ -99,13 +92,7 @@ def runs(tmp_path_factory):
     state = {name: t.detach() for name, t in Block().state_dict().items()}
     x, target = torch.randn(BATCH, TOKENS, DIM), torch.randn(BATCH, TOKENS)
     folder = tmp_path_factory.mktemp("distributed")
-    with pytest.MonkeyPatch.context() as patch:
-        # The ranks import this module afresh: the interpreter on the CPU, this module's root on sys.path.
-        patch.setenv("TRITON_INTERPRET", "1")
-        patch.setenv("CUDA_VISIBLE_DEVICES", "")
-        patch.syspath_prepend(str(Path(__file__).parents[__name__.count(".")]))
-        mp.spawn(rank_main, args=(str(folder / "store"), state, x, target, str(folder / "result.pt")),
-                 nprocs=WORLD)
+    testing.spawn_cpu_ranks(rank_main, WORLD, (str(folder / "store"), state, x, target, str(folder / "result.pt")))
     block = Block().to(testing.device())
     block.load_state_dict(state)
     one = train(block, block, x.to(testing.device()), target.to(testing.device()))

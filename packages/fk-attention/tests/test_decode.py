@@ -127,6 +127,59 @@ def test_key_slices_fill_the_device_and_respect_bounds():
     assert decode.key_slices(1, 3 * min_keys, 128, 0) <= 3
 
 
+def _descriptors_here():
+    if testing.on_gpu() and not table._is_hopper_or_newer():
+        pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask", [table.FULL, table.Mask(right=0, lower_right=True), table.Mask(left=7, right=3)])
+def test_decode_through_tensor_descriptors(dtype, mask):
+    """K/V tiles through TMA descriptors (forced: the interpreter runs them too), pointers beside
+    them: odd key counts (the descriptor zero-fills past Nk), a padded head dim, sliced and not."""
+    _descriptors_here()
+    q = testing.randn((2, 6, 3, 24), dtype)
+    k, v = testing.randn((2, 2, 45, 24), dtype), testing.randn((2, 2, 45, 24), dtype)
+    keep = seen(3, 45, False, (mask.left, mask.right), mask.lower_right)
+    for slices in (1, 3):
+        for descriptors in (True, False):
+            out, lse = decode.forward(q, k, v, mask, 0.3, slices, descriptors)
+            for i in range(2):
+                ref_out, ref_lse = attend(q[i], k[i], v[i], keep, 0.3, None)
+                check("out", out[i], ref_out, dtype)
+                check("lse", lse[i], ref_lse, dtype)
+
+
+@pytest.mark.parametrize("page_size", [0, 2 * table.INTERPRETER_BLOCK if not testing.on_gpu() else 128])
+def test_kvcache_descriptors_never_read_rows_past_a_length(page_size, monkeypatch):
+    """Through TMA a block's rows past a sequence's length are loaded too: cache rows there that
+    hold NaN must not reach the output (the masked steps zero them), with and without appends."""
+    _descriptors_here()
+    monkeypatch.setattr(decode, "kv_descriptors", lambda k, v, grid: True)
+    b, hq, hk, d, capacity = 3, 4, 2, 32, 4 * max(page_size, 16)
+    k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, torch.float32, page_size)
+    lengths = [0, capacity // 2 - 3, 5]
+    views = [logical(c).clone() for c in (k_cache, v_cache)]
+    for cache, view in zip((k_cache, v_cache), views, strict=True):
+        for i, n in enumerate(lengths):
+            view[i, :, n:] = math.nan
+        if page_size:  # write the poisoned logical rows back into their pages
+            pages = view.reshape(b, hk, -1, page_size, d).transpose(1, 2).flatten(0, 1)
+            cache[block_table.flatten().long()] = pages
+        else:
+            cache.copy_(view)
+    for n_new in (0, 2):
+        q = testing.randn((b, hq, 2, d), torch.float32)
+        new = [testing.randn((b, hk, n_new, d), torch.float32) for _ in range(2)] if n_new else [None, None]
+        seqlens = torch.tensor([n - n_new for n in lengths], dtype=torch.int32, device=k_cache.device).clamp_min(0)
+        out = attention_with_kvcache(q, k_cache, v_cache, seqlens, *new, block_table=block_table, causal=True)
+        total = [int(x) + n_new for x in seqlens.tolist()]
+        ref_out, _ = cached_reference(q, logical(k_cache), logical(v_cache), total, True, None, None,
+                                      1 / math.sqrt(d))
+        assert not out.isnan().any(), "rows past a length reached the output"
+        check("out", out, ref_out, torch.float32)
+
+
 def make_cache(b, hk, capacity, d, dtype, page_size):
     """A cache holding random rows: dense (B, Hk, capacity, D), or paged (pages, Hk, page_size, D)
     with each sequence's pages shuffled over the pool (one spare page); and its logical view

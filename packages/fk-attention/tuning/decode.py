@@ -1,6 +1,6 @@
 """The decode path's sweeps behind `fk_attention.decode`'s tiles, slicing and paged reads (TUNING.md).
 
-    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|paged]
+    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|paged|descriptors]
 
 Times are `do_bench` medians of CUDA-graph replays (microseconds), bf16, one query row per head,
 the cache full; SDPA's cuDNN backend beside them on the dense cache.
@@ -86,9 +86,33 @@ def paged_sweep():
         print(shape, row, flush=True)
 
 
+def _bound(paged: bool, descriptors: bool):
+    """A decode-table variant bound with K/V through TMA or pointers, dense or paged."""
+    def prepare(inputs):
+        q, k, v, lengths, kp, vp, pages = inputs
+        kk, vv, tt = (kp, vp, pages) if paged else (k, v, None)
+        run = decode._bind(q, kk, vv, table.Mask(right=0, lower_right=True), q.shape[-1] ** -0.5,
+                           decode.Cache(0, kp.shape[2] if paged else 0), None, tt, descriptors=descriptors)
+        return functools.partial(run, q, kk, vv, lengths, tt)
+    return prepare
+
+
+def descriptors_sweep():
+    """Every row of the main job's attention-decode table, K/V through TMA and through pointers."""
+    ceilings = bench.measure_ceilings()
+    for case in attention_bench.decode_cases(full=True):
+        case.variants = {"tma": _bound(False, True), "pointers": _bound(False, False),
+                         "paged tma": _bound(True, True), "paged pointers": _bound(True, False),
+                         "cudnn": case.variants["sdpa cudnn"], "flash": case.variants["sdpa flash"]}
+        row = {r.variant: round(r.ms * 1e3, 1) if r.ms else r.error for r in bench.run_case(case, ceilings)}
+        print(case.shape, row, flush=True)
+
+
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["slices", "paged"]
+    which = sys.argv[1:] or ["slices", "paged", "descriptors"]
     if "slices" in which:
         slices_sweep()
     if "paged" in which:
         paged_sweep()
+    if "descriptors" in which:
+        descriptors_sweep()

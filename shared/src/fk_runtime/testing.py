@@ -319,3 +319,38 @@ def compiled_graph_ops(fn: Callable, *args) -> set[str]:
     if differentiable:
         sum(o.float().sum() for o in differentiable).backward()
     return seen
+
+
+# ---- CPU process groups (gloo): distributed tests without GPUs ----------------------------------
+
+# A rank waiting this long on another has met a deadlock: fail instead of hanging the suite.
+RANK_TIMEOUT_S = 120
+
+
+def init_cpu_rank(rank: int, world: int, store: str) -> None:
+    """In a rank started by `spawn_cpu_ranks`: the default process group over gloo and a file
+    store, one thread (the ranks share the machine's cores: more threads only contend)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", timeout=timedelta(seconds=RANK_TIMEOUT_S),
+                            rank=rank, world_size=world)
+
+
+def spawn_cpu_ranks(fn: Callable, world: int, args: tuple, join: bool = True):
+    """Run fn(rank, *args) in `world` fresh CPU processes under the Triton interpreter. They import
+    fn's module afresh, so its tests' root goes on their sys.path. join=False returns the
+    processes' context at once (join it later, doing other work meanwhile)."""
+    from pathlib import Path
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    root = Path(fn.__code__.co_filename).parents[fn.__module__.count(".")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        patch.syspath_prepend(str(root))
+        return mp.start_processes(fn, args=args, nprocs=world, join=join, start_method="spawn")

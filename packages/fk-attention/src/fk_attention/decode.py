@@ -18,7 +18,7 @@ import math
 import torch
 
 from fk_runtime import alloc, backend, checks, sizing
-from fk_runtime.launch import Launch
+from fk_runtime.launch import Descriptor, Launch
 
 from . import kernels
 from . import plan as table
@@ -49,6 +49,10 @@ INTERPRETER_SLICED_PROGRAMS = 8
 # Paged caches whose pages hold whole key blocks: each slice's page indices are read into
 # registers first (at most SLICE_PAGES, so a slice spans at most SLICE_PAGES - 1 pages).
 SLICE_PAGES = 128
+# K/V through TMA from this padded head dim, on grids below SHALLOW_PIPELINE_GRID programs per
+# SM: there it beat or matched pointers at d128; at d64 it lost up to 16% on paged caches, on
+# fuller grids up to 7% (TUNING.md: decode).
+DESCRIPTOR_MIN_HEAD_DIM = 128
 # New cache rows written per append program.
 APPEND_ROWS = 16
 
@@ -69,6 +73,16 @@ def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_in
     if programs >= SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index):
         stages = max(stages - 1, 1)
     return table.Config(block_m, block_n, warps, stages)
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int) -> bool:
+    """TMA (host descriptors) for K/V tiles where the forward takes them (Hopper or newer, 16- or
+    32-bit K/V with aligned strides; bases are checked per call), for rows at least
+    DESCRIPTOR_MIN_HEAD_DIM wide on a grid of fewer than SHALLOW_PIPELINE_GRID programs per
+    multiprocessor."""
+    return (table.padded_head_dim(k.shape[-1]) >= DESCRIPTOR_MIN_HEAD_DIM and table._on_hopper_descriptors(k.device)
+            and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(k.device.index or 0)
+            and all(table._strides_allow_descriptors(t) for t in (k, v)))
 
 
 def key_slices(programs: int, n_k: int, head_dim: int, device_index: int) -> int:
@@ -97,11 +111,12 @@ class Cache:
 
 
 def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slices: int | None,
-          block_table=None):
+          block_table=None, descriptors: bool | None = None):
     """run(q, k, v, seqlens, block_table) -> (out, lse): out laid out like q, lse (B, Hq, Nq)
     fp32. Dense attention (cache None): k, v (B, Hk, Nk, D). A cache: k, v the cache tensors,
     dense (B, Hk, capacity, D) or paged (pages, Hk, page_size, D) with the (B, pages per
-    sequence) int32 page table; sequence b holds seqlens[b] + cache.n_new keys."""
+    sequence) int32 page table; sequence b holds seqlens[b] + cache.n_new keys. `descriptors`
+    forces K/V through TMA on or off (tests; None: `kv_descriptors`)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_kernel_device(name, t)
     checks.check_same_device(q=q, k=k, v=v)
@@ -144,6 +159,11 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
             "BLOCK_N": tile.block_n, "num_warps": tile.num_warps, "num_stages": tile.num_stages}
     softcap, lower_right, left, right = mask.kernel_args()
     (k_, k_ok), (v_, v_ok) = table._fit(k), table._fit(v)
+    # TMA where a key block lies in one page (the descriptor's box), K/V used as given.
+    use_desc = ((cache.page_size if paged else 0) % tile.block_n == 0 and k_ok and v_ok
+                and (kv_descriptors(k, v, programs * slices) if descriptors is None else descriptors))
+    kv_layouts = [(list(t.shape), table._descriptor_strides(t)) for t in (k, v)] if use_desc else []
+    kv_block = [1, 1, tile.block_n, padded]
     out_example = new_outputs()[0]
     # Programmatic dependent launch of the merge (its launch overlaps the slices' tail): Hopper on.
     pdl = slices > 1 and table._is_hopper_or_newer(device)
@@ -151,11 +171,20 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     part_shape, part_lse_shape = (b, hq, n_q, slices, d), (b, hq, n_q, slices)
     part_numel, part_lse_numel = math.prod(part_shape), math.prod(part_lse_shape)
     table_stride = block_table.stride(0) if paged else 0
-    attend = Launch(kernels.attn_decode_kernel, (programs * slices,),
-                    (sm_scale, softcap, n_q, n_k, cache.n_new if cache else 0, hk, group, lower_right, left,
-                     right, slices, last_page, *q.stride(), *k_.stride(), *v_.stride(), *out_example.stride(),
-                     hq * n_q, n_q, 1, table_stride),
-                    meta, device)
+    attend_args = ((programs * slices,),
+                   (sm_scale, softcap, n_q, n_k, cache.n_new if cache else 0, hk, group, lower_right, left, right,
+                    slices, last_page, *q.stride(), *k_.stride(), *v_.stride(), *out_example.stride(), hq * n_q,
+                    n_q, 1, table_stride))
+    attend = Launch(kernels.attn_decode_kernel, *attend_args, {**meta, "USE_DESC": False}, device)
+    attend_tma = Launch(kernels.attn_decode_kernel, *attend_args, {**meta, "USE_DESC": True}, device) \
+        if use_desc else None
+
+    def kv(k, v):  # K/V as the launch takes them: descriptors where their bases are aligned
+        if attend_tma is not None and k.data_ptr() % table.DESCRIPTOR_ALIGN_BYTES == 0 \
+                and v.data_ptr() % table.DESCRIPTOR_ALIGN_BYTES == 0:
+            return attend_tma, *(Descriptor(t, shape, strides, kv_block)
+                                 for t, (shape, strides) in zip((k, v), kv_layouts, strict=True))
+        return attend, k if k_ok else k.contiguous(), v if v_ok else v.contiguous()
     merge = None
     if slices > 1:
         merge = Launch(kernels.attn_decode_merge_kernel, (b * hq * n_q,),
@@ -167,8 +196,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
         out, lse = new_outputs()
         seqlens = lse if seqlens is None else seqlens
         block_table = lse if block_table is None else block_table
-        k = k if k_ok else k.contiguous()
-        v = v if v_ok else v.contiguous()
+        attend, k, v = kv(k, v)
         if merge is None:
             attend(q, k, v, out, lse, lse, lse, seqlens, block_table)
             return out, lse
@@ -182,14 +210,15 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     return run
 
 
-def forward(q, k, v, mask: table.Mask, sm_scale: float, slices: int | None = None):
-    """(out, lse) of dense attention through the decode path; `slices` overrides the plan's
-    (tests; not cached)."""
+def forward(q, k, v, mask: table.Mask, sm_scale: float, slices: int | None = None,
+            descriptors: bool | None = None):
+    """(out, lse) of dense attention through the decode path; `slices` and `descriptors` override
+    the plan's (tests; not cached)."""
     if table._widened(q.dtype):
-        out, lse = forward(q.float(), k.float(), v.float(), mask, sm_scale, slices)
+        out, lse = forward(q.float(), k.float(), v.float(), mask, sm_scale, slices, descriptors)
         return out.to(q.dtype), lse
-    if slices is not None:
-        return _bind(q, k, v, mask, sm_scale, None, slices)(q, k, v)
+    if slices is not None or descriptors is not None:
+        return _bind(q, k, v, mask, sm_scale, None, slices, descriptors=descriptors)(q, k, v)
     key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), mask, sm_scale)
     run = table.BOUND.get(key) or table.BOUND.get_or_build(key, lambda: _bind(q, k, v, mask, sm_scale, None, None))

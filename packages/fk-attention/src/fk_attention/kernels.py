@@ -411,10 +411,10 @@ def attn_bwd_dq_kernel(
     dS = P (dP - delta) exactly like delta) and stores it, with the row's base-2 log-sum-exp, in
     aligned scratch rows for the dK/dV kernel, which runs next: no separate pass over O and dO.
     Blocks and sequences as in the forward, except that a packed sequence's blocks past the grid go
-    to a second launch (REST), as in `attn_bwd_dkdv_kernel`."""
+    to a second launch (REST: one program per sequence and head), as in `attn_bwd_dkdv_kernel`."""
     n_blocks = tl.cdiv(n_q, BLOCK_M)
     pid = tl.program_id(0)
-    bh = pid // n_blocks
+    bh = pid if REST else pid // n_blocks
     block = pid % n_blocks
     if WINDOW:
         block = n_blocks - 1 - block
@@ -435,7 +435,7 @@ def attn_bwd_dq_kernel(
     scratch = tl.cast(b, tl.int64) * ssb + tl.cast(h, tl.int64) * ssh + _stats_first(b, q_first, VARLEN)
     qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
     if REST:
-        for start_m in range((block + n_blocks) * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
+        for start_m in range(n_blocks * BLOCK_M, n_q_b, BLOCK_M):
             _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
                       delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, start_m, n_q_b, n_k_b,
                       shift, left, right, sm_scale,
@@ -561,12 +561,14 @@ def attn_bwd_dkdv_kernel(
     """dK and dV of one key block of one KV head, summed over every query head of its GQA group
     inside this program: no atomics, the same bits every run. Sequences as in the forward, except
     that a packed sequence longer than the grid's n_k has its further blocks walked by a second
-    launch (REST): a loop around the block here would cost every call (TUNING.md)."""
+    launch (REST), one program per sequence and KV head looping over them: a loop around the block
+    here would cost every call, and a REST grid as large as the first one costs 8-15 us of programs
+    that exit at once (TUNING.md)."""
     if VARLEN:
         tl.static_assert(BLOCK_M <= STATS_ALIGN, "packed dK/dV reads BLOCK_M scratch rows past a sequence")
     n_blocks = tl.cdiv(n_k, BLOCK_N)
     pid = tl.program_id(0)
-    bhk = pid // n_blocks
+    bhk = pid if REST else pid // n_blocks
     block = pid % n_blocks
     b = bhk // n_heads_k
     hk = bhk % n_heads_k
@@ -579,7 +581,7 @@ def attn_bwd_dkdv_kernel(
     dv_dst = _source(dv_ptr, b, hk, sdvb, sdvh, k_first, sdvn, USE_DESC == 1)
     qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
     if REST:
-        for start_n in range((block + n_blocks) * BLOCK_N, n_k_b, n_blocks * BLOCK_N):
+        for start_n in range(n_blocks * BLOCK_N, n_k_b, BLOCK_N):
             _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, q_first, k_first, hk,
                         q_first, start_n,
                         n_q_b, n_k_b, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
@@ -636,45 +638,56 @@ def _pages(table_row, slice_pages, first_page, start_n, n_k, last_page, BLOCK_N:
 
 
 @triton.jit
-def _kv_tile(src, page, start_n, n_k, stride_n, stride_d, stride_page, BLOCK_N: tl.constexpr,
+def _kv_tile(src, page, b, hk, start_n, n_k, stride_n, stride_d, stride_page, BLOCK_N: tl.constexpr,
              HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-             MASKED: tl.constexpr):
+             MASKED: tl.constexpr, USE_DESC: tl.constexpr):
     """Keys (or values) [start_n, start_n + BLOCK_N) of one (sequence, KV head), zeros past n_k.
     `src` points at the head's row 0 (dense) or the cache's row 0 of the head (paged: `page` from
-    `_pages`)."""
+    `_pages`), or is the whole (B, Hk, N, D) / (pages, Hk, PAGE_SIZE, D) tensor's descriptor
+    (USE_DESC; paged only where a block lies in one page)."""
     rows = start_n + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, HEAD_DIM_PADDED)
-    if PAGED and PAGE_SIZE % BLOCK_N == 0:  # one page: a dense tile
-        ptrs = src + tl.cast(page, tl.int64) * stride_page + tl.cast(start_n % PAGE_SIZE, tl.int64) * stride_n \
-            + (tl.arange(0, BLOCK_N) * stride_n)[:, None] + cols[None, :] * stride_d
-    elif PAGED:
-        offsets = tl.cast(page, tl.int64) * stride_page + (rows % PAGE_SIZE) * stride_n
-        ptrs = src + offsets[:, None] + cols[None, :] * stride_d
+    if USE_DESC:
+        if PAGED:
+            tile = src.load([page, hk, start_n % PAGE_SIZE, 0]).reshape(BLOCK_N, HEAD_DIM_PADDED)
+        else:
+            tile = src.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PADDED)
+        if MASKED:  # a cache's rows past the sequence hold anything (NaN too): zeros, as pointer loads give
+            tile = tl.where(rows[:, None] < n_k, tile, tl.zeros_like(tile))
     else:
-        ptrs = src + tl.cast(start_n, tl.int64) * stride_n + (tl.arange(0, BLOCK_N) * stride_n)[:, None] \
-            + cols[None, :] * stride_d
-    return _tile_load(ptrs, rows, n_k, cols, HEAD_DIM, HEAD_DIM_PADDED, MASKED)
+        if PAGED and PAGE_SIZE % BLOCK_N == 0:  # one page: a dense tile
+            ptrs = src + tl.cast(page, tl.int64) * stride_page + tl.cast(start_n % PAGE_SIZE, tl.int64) * stride_n \
+                + (tl.arange(0, BLOCK_N) * stride_n)[:, None] + cols[None, :] * stride_d
+        elif PAGED:
+            offsets = tl.cast(page, tl.int64) * stride_page + (rows % PAGE_SIZE) * stride_n
+            ptrs = src + offsets[:, None] + cols[None, :] * stride_d
+        else:
+            ptrs = src + tl.cast(start_n, tl.int64) * stride_n + (tl.arange(0, BLOCK_N) * stride_n)[:, None] \
+                + cols[None, :] * stride_d
+        tile = _tile_load(ptrs, rows, n_k, cols, HEAD_DIM, HEAD_DIM_PADDED, MASKED)
+    return tile
 
 
 @triton.jit
-def _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, lo, hi, pos, n_k, shift,
-                  left, right, qk_scale, cap_scale, skn, skd, skp, svn, svd, svp, last_page,
+def _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, lo, hi, pos, n_k,
+                  shift, left, right, qk_scale, cap_scale, skn, skd, skp, svn, svd, svp, last_page,
                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, PRECISION: tl.constexpr):
+                  PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, PRECISION: tl.constexpr,
+                  USE_DESC: tl.constexpr):
     """`_fwd_steps` over dense or paged K/V; `pos` holds each row's query position."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         page = _pages(table_row, slice_pages, first_page, start_n, n_k, last_page, BLOCK_N, PAGED, PAGE_SIZE,
                       SLICE_PAGES)
-        k = _kv_tile(k_src, page, start_n, n_k, skn, skd, skp, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED, PAGE_SIZE,
-                     MASKED)
+        k = _kv_tile(k_src, page, b, hk, start_n, n_k, skn, skd, skp, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED,
+                     PAGE_SIZE, MASKED, USE_DESC)
         s = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
         p, alpha, m_new = _softmax_step(s, m_i, pos, start_n, n_k, shift, left, right, qk_scale, WINDOW,
                                         MASKED, BLOCK_N)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _kv_tile(v_src, page, start_n, n_k, svn, svd, svp, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED, PAGE_SIZE,
-                     MASKED)
+        v = _kv_tile(v_src, page, b, hk, start_n, n_k, svn, svd, svp, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED,
+                     PAGE_SIZE, MASKED, USE_DESC)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
@@ -688,8 +701,8 @@ def attn_decode_kernel(
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, slb, slh, sln, stb,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PADDED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
 ):
     """One slice of the keys seen by a block of a GQA group's query rows: with one slice the
     output and lse; with several (SLICED) the slice's fp32 partial output and log-sum-exp, to
@@ -697,7 +710,8 @@ def attn_decode_kernel(
     `attn_decode_merge_kernel` merges (PDL: launched as this grid's programmatic dependent, so its
     launch overlaps this grid's tail). SEQLENS: sequence b has
     min(seqlens[b] + n_new, n_k) keys (a cache: n_k its capacity), else n_k. Paged K/V strides:
-    skb / svb step pages, stb the page table's rows."""
+    skb / svb step pages, stb the page table's rows. USE_DESC: k_ptr / v_ptr are TMA descriptors
+    (`_kv_tile`)."""
     if PDL:
         tl_cuda.gdc_launch_dependents()
     m_blocks = tl.cdiv(group * n_q, BLOCK_M)
@@ -721,7 +735,10 @@ def attn_decode_kernel(
     q_rows = tl.cast(b, tl.int64) * sqb + tl.cast(h, tl.int64) * sqh + tl.cast(pos, tl.int64) * sqn
     q = tl.load(q_ptr + q_rows[:, None] + cols[None, :] * sqd, mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM),
                 other=0.0)
-    if PAGED:
+    if USE_DESC:
+        k_src = k_ptr
+        v_src = v_ptr
+    elif PAGED:
         k_src = k_ptr + tl.cast(hk, tl.int64) * skh
         v_src = v_ptr + tl.cast(hk, tl.int64) * svh
     else:
@@ -761,15 +778,18 @@ def attn_decode_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
-    acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, s_lo, mid_lo, pos, n_k_b, shift, left,
-                                  right, qk_scale, cap_scale, skn, skd, skb, svn, svd, svb, last_page, WINDOW,
-                                  SOFTCAP, True, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION)
-    acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, mid_lo, mid_hi, pos, n_k_b, shift, left,
-                                  right, qk_scale, cap_scale, skn, skd, skb, svn, svd, svb, last_page, WINDOW,
-                                  SOFTCAP, False, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION)
-    acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, mid_hi, s_hi, pos, n_k_b, shift, left,
-                                  right, qk_scale, cap_scale, skn, skd, skb, svn, svd, svb, last_page, WINDOW,
-                                  SOFTCAP, True, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION)
+    acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, s_lo,
+                                  mid_lo, pos, n_k_b, shift, left, right, qk_scale, cap_scale, skn, skd, skb, svn,
+                                  svd, svb, last_page, WINDOW, SOFTCAP, True, BLOCK_N, HEAD_DIM,
+                                  HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC)
+    acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, mid_lo,
+                                  mid_hi, pos, n_k_b, shift, left, right, qk_scale, cap_scale, skn, skd, skb, svn,
+                                  svd, svb, last_page, WINDOW, SOFTCAP, False, BLOCK_N, HEAD_DIM,
+                                  HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC)
+    acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, mid_hi,
+                                  s_hi, pos, n_k_b, shift, left, right, qk_scale, cap_scale, skn, skd, skb, svn,
+                                  svd, svb, last_page, WINDOW, SOFTCAP, True, BLOCK_N, HEAD_DIM,
+                                  HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))

@@ -121,9 +121,10 @@ ATTENTION_VARLEN = fk_ops.define(
 )
 
 
-def _check_heads(q, k, v, head_axis: int) -> None:
-    checks.check_same_dtype(q=q, k=k, v=v)
-    checks.check_same_device(q=q, k=k, v=v)
+def _check_heads(q, k, v, head_axis: int, same: bool = True) -> None:
+    if same:  # one dtype and device (callers that check more tensors together pass False)
+        checks.check_same_dtype(q=q, k=k, v=v)
+        checks.check_same_device(q=q, k=k, v=v)
     d = q.shape[-1]
     if k.shape[-1] != d or v.shape[-1] != d:
         raise ValueError(f"q, k, v must share the head dim, got {d}, {k.shape[-1]}, {v.shape[-1]}")
@@ -137,9 +138,9 @@ def _check_heads(q, k, v, head_axis: int) -> None:
         raise ValueError("fp8 attention is forward-only (inference): q, k, v must not require grad")
 
 
-def _check(q, k, v) -> None:
+def _check(q, k, v, dtypes=ATTENTION_DTYPES) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.check_tensor(name, t, dtypes=ATTENTION_DTYPES, min_dim=4, max_dim=4)
+        checks.check_tensor(name, t, dtypes=dtypes, min_dim=4, max_dim=4)
     b = q.shape[0]
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
@@ -325,7 +326,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
     if cache_seqlens.shape[0] != b:
         raise ValueError(f"cache_seqlens must hold one length per batch row ({b}), got shape "
                          f"{tuple(cache_seqlens.shape)}")
-    _check_heads(q, k_cache, v_cache, 1)
+    _check_heads(q, k_cache, v_cache, 1, same=False)  # dtypes and devices: with k, v, lengths below
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new rows for both caches) or both be None")
     hk, d = k_cache.shape[1], q.shape[-1]

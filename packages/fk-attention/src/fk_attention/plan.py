@@ -500,7 +500,8 @@ class _Kernel:
     forces TMA on or off; None: TMA where the strides allow it (decided here) and every tile
     operand's base is aligned (decided per call). The first len(`tiles`) head arguments are the
     (B, H, N, D) operands, tiled by the named block's rows ("BLOCK_M" or "BLOCK_N"). A kernel
-    with a REST constexpr (the packed backward) is launched twice, REST false then true, same config."""
+    with a REST constexpr (the packed backward) is launched twice, REST false then true (over
+    `programs` only), same config."""
 
     def __init__(self, kernel, kind: Kind, n_rows: int, programs: int, tiles: tuple, examples: tuple,
                  tail: tuple, meta: dict, dtype: torch.dtype, tune: bool, descriptors: bool | None,
@@ -547,8 +548,9 @@ class _Kernel:
             meta = {**self.meta, **config.meta(self.meta["VARLEN"]), **launch_options(config, self.head_dim)}
             grid = (sizing.cdiv(self.n_rows, block) * self.programs,)
             launches = [Launch(self.kernel, grid, self.tail, meta, self.device)]
-            if self.rest:
-                launches.append(Launch(self.kernel, grid, self.tail, {**meta, "REST": True}, self.device))
+            if self.rest:  # one program per (sequence, head) for the blocks past max_seqlen
+                launches.append(Launch(self.kernel, (self.programs,), self.tail, {**meta, "REST": True},
+                                       self.device))
             entry = self.launches[use] = (launches, config)
         launches, config = entry
         if config.descriptors:

@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 from fk_runtime import checks
 
-from . import plan
-from .ops import attention, mask_args
+from .ops import _check, _scale, attention, mask_args
 
 LAYOUTS = ("zigzag", "contiguous")
 RING_DTYPES = checks.FLOAT_DTYPES
@@ -145,7 +144,7 @@ def _ring_backward(grad_out, grad_lse, q, k, v, out, lse, ring: _Ring, causal: b
             rows, cols, masked = block
             # The merged out and lse: each block's backward recomputes exact global probabilities.
             dq_block, dk_block, dv_block = torch.ops.fk.attention_backward(
-                grad_out[:, :, rows], None if grad_lse is None else grad_lse[:, :, rows].contiguous(),
+                grad_out[:, :, rows], None if grad_lse is None else grad_lse[:, :, rows],
                 q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], out[:, :, rows],
                 lse[:, :, rows].contiguous(), sm_scale, *mask_args(masked, None, None))
             dq[:, :, rows] += dq_block
@@ -182,21 +181,6 @@ class _RingAttention(torch.autograd.Function):
         return (*_ring_backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.args), None, None, None, None)
 
 
-def _check_shards(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.check_tensor(name, t, dtypes=RING_DTYPES, min_dim=4, max_dim=4)
-    checks.check_same_dtype(q=q, k=k, v=v)
-    checks.check_same_device(q=q, k=k, v=v)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"q, k, v must share batch size and head dim, got q {tuple(q.shape)} and k "
-                         f"{tuple(k.shape)}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of k's and v's heads ({k.shape[1]})")
-    plan.check_head_dim(q.shape[3])  # here, before any rank starts sending
-
-
 def ring_attention(q, k, v, group=None, causal: bool = False, sm_scale: float | None = None,
                    layout: str = "zigzag", return_lse: bool = False):
     """Attention of the whole sequence, sharded over the ranks of `group`: this rank's shards in,
@@ -220,13 +204,11 @@ def ring_attention(q, k, v, group=None, causal: bool = False, sm_scale: float | 
     (B, Hq, n) of each query row over the whole sequence; both are differentiable: the gradients
     of q, k, v land on the rank that holds them (dK/dV travel back around the ring). Tested in
     eager mode; not under `torch.compile`."""
-    _check_shards(q, k, v)
+    _check(q, k, v, RING_DTYPES)  # here, before any rank starts sending
     causal = checks.check_flag("causal", causal)
     return_lse = checks.check_flag("return_lse", return_lse)
     layout = _check_layout(layout)
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    checks.check_positive("sm_scale", sm_scale)
+    sm_scale = _scale(sm_scale, q.shape[-1])
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal ring attention needs query and key shards of one length, got q's "
                          f"{q.shape[2]} and k's {k.shape[2]}")
@@ -234,7 +216,7 @@ def ring_attention(q, k, v, group=None, causal: bool = False, sm_scale: float | 
         raise ValueError(f"the zigzag layout holds two chunks per rank: the shards' length must be even, "
                          f"got {q.shape[2]}")
     ring = _Ring(_group(group))
-    out, lse = _RingAttention.apply(q, k, v, ring, causal, layout, float(sm_scale))
+    out, lse = _RingAttention.apply(q, k, v, ring, causal, layout, sm_scale)
     return (out, lse) if return_lse else out
 
 
