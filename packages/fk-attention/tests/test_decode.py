@@ -127,34 +127,45 @@ def test_key_slices_fill_the_device_and_respect_bounds():
     assert decode.key_slices(1, 3 * min_keys, 128, 0) <= 3
 
 
-def _descriptors_here():
+def _descriptors_here(monkeypatch) -> list:
+    """Skip where TMA cannot run; else a list that grows by one per K/V descriptor decode builds."""
     if testing.on_gpu() and not table._is_hopper_or_newer():
         pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
+    built = []
+    real = decode.Descriptor
+    monkeypatch.setattr(decode, "Descriptor", lambda *args: built.append(1) or real(*args))
+    return built
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mask", [table.FULL, table.Mask(right=0, lower_right=True), table.Mask(left=7, right=3)])
-def test_decode_through_tensor_descriptors(dtype, mask):
+def test_decode_through_tensor_descriptors(dtype, mask, monkeypatch):
     """K/V tiles through TMA descriptors (forced: the interpreter runs them too), pointers beside
-    them: odd key counts (the descriptor zero-fills past Nk), a padded head dim, sliced and not."""
-    _descriptors_here()
+    them: odd key counts (the descriptor zero-fills past Nk), a padded head dim, sliced and not;
+    no keys at all go through pointers (a descriptor takes no empty dim)."""
+    built = _descriptors_here(monkeypatch)
     q = testing.randn((2, 6, 3, 24), dtype)
     k, v = testing.randn((2, 2, 45, 24), dtype), testing.randn((2, 2, 45, 24), dtype)
     keep = seen(3, 45, False, (mask.left, mask.right), mask.lower_right)
     for slices in (1, 3):
         for descriptors in (True, False):
+            before = len(built)
             out, lse = decode.forward(q, k, v, mask, 0.3, slices, descriptors)
+            assert len(built) - before == (2 if descriptors else 0), "K/V did not take the asked path"
             for i in range(2):
                 ref_out, ref_lse = attend(q[i], k[i], v[i], keep, 0.3, None)
                 check("out", out[i], ref_out, dtype)
                 check("lse", lse[i], ref_lse, dtype)
+    out, lse = decode.forward(q, k[:, :, :0], v[:, :, :0], mask, 0.3, None, True)
+    assert torch.equal(out.cpu(), torch.zeros(out.shape, dtype=dtype))
+    assert torch.equal(lse.cpu(), torch.full(lse.shape, -math.inf))
 
 
 @pytest.mark.parametrize("page_size", [0, 2 * table.INTERPRETER_BLOCK if not testing.on_gpu() else 128])
 def test_kvcache_descriptors_never_read_rows_past_a_length(page_size, monkeypatch):
     """Through TMA a block's rows past a sequence's length are loaded too: cache rows there that
     hold NaN must not reach the output (the masked steps zero them), with and without appends."""
-    _descriptors_here()
+    built = _descriptors_here(monkeypatch)
     monkeypatch.setattr(decode, "kv_descriptors", lambda k, v, grid: True)
     b, hq, hk, d, capacity = 3, 4, 2, 32, 4 * max(page_size, 16)
     k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, torch.float32, page_size)
@@ -176,6 +187,7 @@ def test_kvcache_descriptors_never_read_rows_past_a_length(page_size, monkeypatc
         total = [int(x) + n_new for x in seqlens.tolist()]
         ref_out, _ = cached_reference(q, logical(k_cache), logical(v_cache), total, True, None, None,
                                       1 / math.sqrt(d))
+        assert built, "K/V did not go through descriptors"
         assert not out.isnan().any(), "rows past a length reached the output"
         check("out", out, ref_out, torch.float32)
 

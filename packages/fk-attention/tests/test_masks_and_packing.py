@@ -228,12 +228,14 @@ def test_packed_sequences_match_each_sequence_alone(lengths, mask, dtype):
     )
 
 
-def test_packed_max_seqlen_below_the_longest_still_covers_every_row():
-    """max_seqlen_* size the grid; a smaller value than the longest sequence costs parallelism
-    only: the programs walk the extra blocks."""
+@pytest.mark.parametrize("max_seqlens", [(1, 1), (20, 40), (0, 0)])
+def test_packed_max_seqlen_below_the_longest_still_covers_every_row(max_seqlens):
+    """max_seqlen_* size the grid; a smaller value than the longest sequence (0 included) costs
+    parallelism only: the extra blocks are walked in turn (the backward's second launch, several
+    blocks past a grid of several)."""
     q, k, v, cu_q, cu_k = packed_inputs([70, 3], [50, 90], 2, 1, 16, torch.float32)
     want = attention_varlen(q, k, v, cu_q, cu_k, 70, 90, causal=True)
-    got = attention_varlen(q, k, v, cu_q, cu_k, 1, 1, causal=True)
+    got = attention_varlen(q, k, v, cu_q, cu_k, *max_seqlens, causal=True)
     torch.testing.assert_close(got, want)
     grads_want = torch.autograd.grad(want.sum(), [q, k, v])
     grads_got = torch.autograd.grad(got.sum(), [q, k, v])

@@ -77,8 +77,8 @@ def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_in
 
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int) -> bool:
     """TMA (host descriptors) for K/V tiles where the forward takes them (Hopper or newer, 16- or
-    32-bit K/V with aligned strides; bases are checked per call), for rows at least
-    DESCRIPTOR_MIN_HEAD_DIM wide on a grid of fewer than SHALLOW_PIPELINE_GRID programs per
+    32-bit K/V with aligned strides; bases are checked per call), for head dims padded to at
+    least DESCRIPTOR_MIN_HEAD_DIM on a grid of fewer than SHALLOW_PIPELINE_GRID programs per
     multiprocessor."""
     return (table.padded_head_dim(k.shape[-1]) >= DESCRIPTOR_MIN_HEAD_DIM and table._on_hopper_descriptors(k.device)
             and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(k.device.index or 0)
@@ -160,7 +160,8 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     softcap, lower_right, left, right = mask.kernel_args()
     (k_, k_ok), (v_, v_ok) = table._fit(k), table._fit(v)
     # TMA where a key block lies in one page (the descriptor's box), K/V used as given.
-    use_desc = ((cache.page_size if paged else 0) % tile.block_n == 0 and k_ok and v_ok
+    # TMA descriptors take no empty dim: no keys go through pointers (they read nothing).
+    use_desc = ((cache.page_size if paged else 0) % tile.block_n == 0 and k_ok and v_ok and k.numel() > 0
                 and (kv_descriptors(k, v, programs * slices) if descriptors is None else descriptors))
     kv_layouts = [(list(t.shape), table._descriptor_strides(t)) for t in (k, v)] if use_desc else []
     kv_block = [1, 1, tile.block_n, padded]

@@ -4,7 +4,7 @@ Tensors are (B, H, N, D) with any strides; a program sees one (batch, head) as a
 read in row blocks, either through a 4-D tensor descriptor built on the host (TMA, `USE_DESC`:
 Hopper; passed as a kernel parameter, so no program builds one; zero fill past the matrix) or
 through pointers with masks. (The `*_ptr` operands of the kernels are those descriptors when
-USE_DESC is set.) USE_DESC = 2 (packed sequences): descriptors for the inputs only, over the whole
+USE_DESC is set; in the decode kernel, k and v only.) USE_DESC = 2 (packed sequences): descriptors for the inputs only, over the whole
 (1, H, total, D) tensor: a tile past a sequence's end reads the next one's rows, to which the
 masked walks give zero weight (their scores are masked, or in dK/dV meet padded scratch rows;
 zeroing the tiles instead cost 1.5x on the dK/dV kernel); outputs are written through pointers
@@ -415,7 +415,7 @@ def attn_bwd_dq_kernel(
     n_blocks = tl.cdiv(n_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid if REST else pid // n_blocks
-    block = pid % n_blocks
+    block = 0 if REST else pid % n_blocks
     if WINDOW:
         block = n_blocks - 1 - block
     b = bh // n_heads
@@ -569,7 +569,7 @@ def attn_bwd_dkdv_kernel(
     n_blocks = tl.cdiv(n_k, BLOCK_N)
     pid = tl.program_id(0)
     bhk = pid if REST else pid // n_blocks
-    block = pid % n_blocks
+    block = 0 if REST else pid % n_blocks
     b = bhk // n_heads_k
     hk = bhk % n_heads_k
     q_first, n_q_b = _sequence(cu_q_ptr, b, n_q, total_q, VARLEN)

@@ -80,7 +80,9 @@ ATTENTION = fk_ops.define(
 
 
 def _packing(cu_q: torch.Tensor, max_q: int, max_k: int) -> table.Packing:
-    return table.Packing(cu_q.shape[0] - 1, max_q, max_k)
+    # At least one block per sequence: a max_seqlen of 0 would size an empty grid (sequences that
+    # hold rows anyway are then walked in turn, as past any smaller max_seqlen).
+    return table.Packing(cu_q.shape[0] - 1, max(max_q, 1), max(max_k, 1))
 
 
 def _forward_varlen(
