@@ -80,9 +80,9 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int) -> bool:
     32-bit K/V with aligned strides; bases are checked per call), for head dims padded to at
     least DESCRIPTOR_MIN_HEAD_DIM on a grid of fewer than SHALLOW_PIPELINE_GRID programs per
     multiprocessor."""
-    return (table.padded_head_dim(k.shape[-1]) >= DESCRIPTOR_MIN_HEAD_DIM and table._on_hopper_descriptors(k.device)
-            and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(k.device.index or 0)
-            and all(table._strides_allow_descriptors(t) for t in (k, v)))
+    return (table.padded_head_dim(k.shape[-1]) >= DESCRIPTOR_MIN_HEAD_DIM
+            and table.descriptors_may_serve(k.device, (k, v))
+            and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(k.device.index or 0))
 
 
 def key_slices(programs: int, n_k: int, head_dim: int, device_index: int) -> int:
@@ -181,8 +181,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
         if use_desc else None
 
     def kv(k, v):  # K/V as the launch takes them: descriptors where their bases are aligned
-        if attend_tma is not None and k.data_ptr() % table.DESCRIPTOR_ALIGN_BYTES == 0 \
-                and v.data_ptr() % table.DESCRIPTOR_ALIGN_BYTES == 0:
+        if attend_tma is not None and table.bases_aligned((k, v)):
             return attend_tma, *(Descriptor(t, shape, strides, kv_block)
                                  for t, (shape, strides) in zip((k, v), kv_layouts, strict=True))
         return attend, k if k_ok else k.contiguous(), v if v_ok else v.contiguous()

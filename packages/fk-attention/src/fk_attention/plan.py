@@ -493,6 +493,16 @@ def _on_hopper_descriptors(device: torch.device) -> bool:
     return DESCRIPTORS_ON_HOPPER and _is_hopper_or_newer(device)
 
 
+def descriptors_may_serve(device: torch.device, tensors) -> bool:
+    """Whether TMA descriptors can serve launches over tensors laid out like these on `device`
+    (decided once per plan; `bases_aligned` decides per call)."""
+    return _on_hopper_descriptors(device) and all(_strides_allow_descriptors(t) for t in tensors)
+
+
+def bases_aligned(tensors) -> bool:
+    return all(t.data_ptr() % DESCRIPTOR_ALIGN_BYTES == 0 for t in tensors)
+
+
 class _Kernel:
     """One kernel launch of a bound plan over `programs` (batch, head) pairs x row blocks of
     `n_rows`: the autotuner's winner for big half-precision problems (the tuner runs once per
@@ -517,7 +527,7 @@ class _Kernel:
             descriptors = config.descriptors
         self.forced = descriptors
         self.may_use = descriptors if descriptors is not None else (
-            _on_hopper_descriptors(device) and all(_strides_allow_descriptors(t) for t in operands))
+            descriptors_may_serve(device, operands))
         self.layouts = tuple((list(t.shape), _descriptor_strides(t)) for t in operands)
         self.tuning_key = (kind, self.head_dim, meta["WINDOW"], meta["SOFTCAP"], meta["VARLEN"],
                            meta.get("HAS_DLSE"), tail[-4:], device.index)
@@ -527,7 +537,7 @@ class _Kernel:
     def _use_descriptors(self, head) -> bool:
         if self.forced is not None or not self.may_use:
             return self.may_use
-        return all(head[i].data_ptr() % DESCRIPTOR_ALIGN_BYTES == 0 for i in self.tile_index)
+        return bases_aligned(head[i] for i in self.tile_index)
 
     def __call__(self, *head) -> None:
         use = self._use_descriptors(head)
