@@ -25,7 +25,9 @@ ROOT = Path(__file__).parent
 RUNTIME = ROOT / "shared"
 OPS = {p.name.removeprefix("fk-"): p for p in sorted((ROOT / "packages").glob("fk-*")) if p.is_dir()}
 # numpy: the Triton interpreter needs it on a CPU-only machine.
-TEST_DEPS = ["pytest>=8", "hypothesis>=6", "numpy"]
+# pytest-xdist: the tests run on every core (up to PYTEST_WORKERS); CI has two.
+TEST_DEPS = ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "numpy"]
+PYTEST_WORKERS = 4
 BENCH_DEPS = ["matplotlib>=3.8", "tqdm>=4.66", "numpy"]
 # Each op's extras its tests need (optional integrations: fk_attention.hf, swap_norms on
 # transformers models), so that no test of them skips in CI.
@@ -95,7 +97,8 @@ def tested(name: str) -> str:
 
 def pytest(session: nox.Session, *targets: Path) -> None:
     # importlib mode: test modules of different packages may share a file name.
-    session.run("python", "-m", "pytest", "--import-mode=importlib", *map(str, targets), *session.posargs)
+    session.run("python", "-m", "pytest", "--import-mode=importlib", "--numprocesses=auto",
+                f"--maxprocesses={PYTEST_WORKERS}", *map(str, targets), *session.posargs)
 
 
 @nox.session(name="tests")

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from fk_runtime import testing
 from fk_runtime.launch import PlanCache
 
-from fk_attention import SelfAttention, attention, attention_varlen
+from fk_attention import SelfAttention, attention, attention_varlen, hopper
 from fk_attention import plan as table
 
 # bf16 too on the interpreter, whose bf16 tl.dot is wrong: the plan runs it in fp32 there.
@@ -263,6 +263,106 @@ def test_descriptors_on_odd_strides(causal):
     assert not table.descriptors_allowed(k4) and table.descriptors_allowed(q4)
     out4 = attention(q4, k4, v4, causal=causal)
     testing.assert_close("out", out4, reference(q4.double(), k4.double(), v4.double(), causal), torch.float32)
+
+
+def _hopper_launches(monkeypatch) -> list:
+    """Records each bind of the Gluon forward (hopper.py) whose launch then runs."""
+    ran = []
+    real = hopper.bind
+
+    def spy(*args):
+        run = real(*args)
+
+        def counted(*tensors):
+            ran.append(tensors[0].shape)
+            return run(*tensors)
+        return counted
+
+    monkeypatch.setattr(hopper, "bind", spy)
+    return ran
+
+
+# (B, Hq, Hk, Nq, Nk, D), mask: odd lengths, Nq != Nk both ways (lower-right causal leaves the
+# first rows of Nq > Nk without keys), GQA, head dims padded to 128, a single query block.
+HOPPER_CASES = [
+    ((2, 4, 2, 1000, 1000, 128), table.FULL), ((2, 4, 2, 1000, 1000, 128), table.CAUSAL),
+    ((1, 4, 1, 333, 1025, 96), table.CAUSAL), ((1, 4, 1, 1025, 333, 96), table.Mask(right=0, lower_right=True)),
+    ((1, 2, 2, 300, 700, 72), table.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 128), table.CAUSAL),
+    ((1, 2, 1, 4096, 4096, 128), table.CAUSAL),
+]
+
+
+@pytest.mark.skipif(not (testing.on_gpu() and hopper.triton_supported()
+                         and torch.cuda.get_device_capability()[0] == 9), reason="the Gluon path: Hopper and its Triton")
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,mask", HOPPER_CASES, ids=str)
+def test_hopper_forward_matches_the_tl_kernels_and_float64(monkeypatch, shape, mask, dtype, layout):
+    """The Gluon forward against float64, within the tl kernels' own error on the same inputs
+    (their forced config runs tl), output and log-sum-exp; its launch ran."""
+    ran = _hopper_launches(monkeypatch)
+    q, k, v = make(shape, dtype, layout=layout, requires_grad=False)
+    scale = 1 / math.sqrt(shape[-1])
+    out, lse = table.forward(q, k, v, mask, scale)
+    assert len(ran) == 1
+    tl_out, tl_lse = table.forward(q, k, v, mask, scale, config=table.default_config(
+        table.Kind.FORWARD, shape[-1], dtype, True))
+    group = shape[1] // shape[2]
+    k64, v64 = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    scores = q.double() @ k64.transpose(-1, -2) * scale
+    keys = torch.arange(shape[4], device=q.device)
+    rows = torch.arange(shape[3], device=q.device)[:, None] + (shape[4] - shape[3] if mask.lower_right else 0)
+    if mask.right == 0:
+        scores = scores.masked_fill(keys > rows, -math.inf)
+    seen = torch.isfinite(scores).any(-1, keepdim=True)
+    ref = torch.where(seen, torch.softmax(scores, -1).nan_to_num(), 0.0) @ v64
+    ref_lse = torch.logsumexp(scores, -1)
+    for name, got, tl_got, want in (("out", out, tl_out, ref), ("lse", lse, tl_lse, ref_lse)):
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), finite) and torch.equal(got[~finite], want[~finite].to(got.dtype))
+        err = (got.double() - want).where(finite, 0).norm() / want.where(finite, 0).norm()
+        tl_err = (tl_got.double() - want).where(finite, 0).norm() / want.where(finite, 0).norm()
+        assert err <= 1.1 * tl_err + 1e-6, f"{name}: Gluon {err:.2e} against tl {tl_err:.2e}"
+    assert out.stride() == q.stride() if layout == "bnhd" else out.is_contiguous()
+
+
+@pytest.mark.skipif(not (testing.on_gpu() and hopper.triton_supported()
+                         and torch.cuda.get_device_capability()[0] == 9), reason="the Gluon path: Hopper and its Triton")
+def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch):
+    """A base off the 16-byte grid, a window, a softcap, d64: the tl kernels, right answers."""
+    ran = _hopper_launches(monkeypatch)
+    storage = testing.randn((1, 2, 300, 128 + 8), torch.bfloat16)
+    q = storage[..., 8:]  # 16-byte base offset, strides a descriptor takes
+    k, v = (testing.randn((1, 2, 300, 128), torch.bfloat16) for _ in range(2))
+    q_odd = storage.flatten()[1:1 + q.numel()].view(q.shape)  # base 2 bytes off
+    out = attention(q_odd, k, v, causal=True)
+    testing.assert_close("out", out, reference(q_odd.double(), k.double(), v.double(), True), torch.bfloat16)
+    assert ran == []
+    out = attention(q, k, v, causal=True)
+    testing.assert_close("out", out, reference(q.double(), k.double(), v.double(), True), torch.bfloat16)
+    assert len(ran) == 1
+    for kwargs in (dict(window=(64, 0)), dict(softcap=30.0)):
+        attention(q, k, v, **kwargs)
+    attention(*(t[..., :64].contiguous() for t in (q, k, v)), causal=True)
+    assert len(ran) == 1
+
+
+def test_hopper_forward_gate():
+    """The Gluon path runs only on the Triton versions it was built for, never on the interpreter
+    (where the tl kernels serve every test), and its descriptors carry their shared layout."""
+    assert hopper.triton_supported("3.6.0") == (hopper.gluon is not None)
+    assert not hopper.triton_supported("3.5.1") and not hopper.triton_supported("99.0.0")
+    q = testing.randn((1, 2, 64, 128), torch.bfloat16)
+    if not testing.on_gpu():
+        assert not hopper.takes(q, q, q, table.CAUSAL)
+    assert not hopper.takes(q.float(), q.float(), q.float(), table.CAUSAL)
+    assert not hopper.takes(q, q, q, table.Mask(left=8, right=0))
+    if hopper.gluon is not None:
+        from fk_runtime.launch import Descriptor
+
+        layout = hopper._layout(64, 128, torch.bfloat16)
+        real = Descriptor(q, list(q.shape), list(q.stride()), [1, 1, 64, 128], layout=layout).real()
+        assert real.layout == layout and list(real.block_shape) == [1, 1, 64, 128]
 
 
 def test_autotuned_launch_runs_every_candidate(monkeypatch):

@@ -249,9 +249,10 @@ def test_mixed_precision_parameters():
 
 @pytest.mark.parametrize("cols", [100, 20000])
 def test_backward_is_deterministic(cols):
-    x = testing.randn((300, cols), requires_grad=True)
+    rows = 300 if testing.on_gpu() else 64  # the interpreter runs programs one by one: fewer rows
+    x = testing.randn((rows, cols), requires_grad=True)
     w, b = _params(cols, torch.float32)
-    g = testing.randn((300, cols))
+    g = testing.randn((rows, cols))
     first = torch.autograd.grad(layer_norm(x, w, b), [x, w, b], g)
     again = torch.autograd.grad(layer_norm(x, w, b), [x, w, b], g)
     assert all(torch.equal(p, q) for p, q in zip(first, again, strict=True))

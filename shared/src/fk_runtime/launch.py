@@ -41,15 +41,22 @@ PLAN_CACHE_SIZE = 1024
 class Descriptor:
     """A TMA tensor descriptor as the compiled launcher reads it (base, shape, strides, padding),
     built without Triton's per-call checks: the op validates once per plan. The first launch of a
-    specialization hands Triton a real `TensorDescriptor` (`real`)."""
+    specialization hands Triton a real `TensorDescriptor` (`real`): Gluon's, with its shared-memory
+    `layout`, for a Gluon kernel."""
 
     base: torch.Tensor
     shape: list
     strides: list
     block_shape: list
     padding: str = "zero"
+    layout: object = None
 
     def real(self):
+        if self.layout is not None:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+            return GluonDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),
+                                   self.layout, self.padding)
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),

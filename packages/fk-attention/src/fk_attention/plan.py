@@ -30,6 +30,8 @@ head dim 256 keeps the priors (TUNING.md).
 
 Not used: Triton's warp specialization (`tl.range(..., warp_specialize=True)` on the forward's
 unmasked key walk): on an H100 it did not compile on 4 warps and gained nothing on 8 (TUNING.md).
+The dense forward on Hopper at padded head dim 128 runs the Gluon kernel of `hopper.py` instead
+(warp-specialized by hand), where it serves.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch
 from fk_runtime import alloc, backend, bench, checks, sizing
 from fk_runtime.launch import Descriptor, Launch, PlanCache, bind_context
 
-from . import kernels
+from . import hopper, kernels
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 256
@@ -688,9 +690,17 @@ def _bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors
     kernel = _Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, tiles, (q_, k_, v_, out), tail,
                      _meta(mask, varlen, d, dtype), dtype, should_autotune(dtype, b * hq, n_q, n_k), descriptors,
                      config, device)
+    # The Gluon kernel on Hopper where it serves (hopper.py); a forced config or TMA choice is the tl one's.
+    gluon = None
+    if not varlen and config is None and descriptors is None and q_ok and k_ok and v_ok \
+            and hopper.takes(q_, k_, v_, mask):
+        gluon = hopper.bind(q_, k_, v_, out, lse_strides, mask, sm_scale)
 
     def run(q, k, v, cu_q=None, cu_k=None):
         out, lse = new_outputs()
+        if gluon is not None and bases_aligned((q, k, v, out)):
+            gluon(q, k, v, out, lse)
+            return out, lse
         q, k, v = as_kernel(q), as_kernel(k), as_kernel(v)
         kernel(q if q_ok else q.contiguous(), k if k_ok else k.contiguous(), v if v_ok else v.contiguous(),
                as_kernel(out), lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k)
