@@ -175,14 +175,12 @@ def run_sweeps(modules: dict, out: Path, meta: dict, full: bool, tables: list[st
 
 
 def check_tables(modules: dict, tables: list[str], full: bool) -> str | None:
-    """Why `--tables` cannot run (an unknown table, or one named like an op), or None."""
+    """Why `--tables` cannot run (an unknown table), or None. A table named like its op is the op's
+    main table: its section then holds that table alone (the others keep sections of their own)."""
     known = {c.op for module in modules.values() for c in module.cases(full)}
     unknown = [t for t in tables if t not in known]
     if unknown:
         return f"unknown tables {unknown}; these ops have {sorted(known)}"
-    clash = [t for t in tables if t in modules]
-    if clash:
-        return f"tables {clash} are named like their op: run the whole op (--ops) instead"
     return None
 
 

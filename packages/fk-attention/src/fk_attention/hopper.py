@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from fk_runtime import backend, sizing
+from fk_runtime import sizing
 from fk_runtime.launch import Descriptor, Launch
 
 from . import plan as table
@@ -39,7 +39,7 @@ except ImportError:  # a Triton without Gluon: the tl kernels serve
 # Gluon API still moves between releases) the tl kernels run.
 GLUON_TRITON = ((3, 6),)
 DTYPES = (torch.float16, torch.bfloat16)
-# Padded head dims taken: 128 beat the tl kernels by 11-27%; 64 and 256 lost to them (TUNING.md).
+# Padded head dims taken: 128 beat the tl kernels by 7-33%; 64 and 256 lost to them (TUNING.md).
 HEAD_DIMS = (128,)
 # Query rows per consumer warpgroup (two per program), keys per step, K/V ring stages, the
 # consumers' registers after the producer warp gives its own back (240: no spills at d128).
@@ -62,10 +62,9 @@ def triton_supported(version: str | None = None) -> bool:
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: table.Mask) -> bool:
     """Whether the dense forward of these tensors runs here (bases are checked per call)."""
     return (q.dtype in DTYPES and table.padded_head_dim(q.shape[-1]) in HEAD_DIMS
-            and mask.left is None and mask.right in (None, 0) and mask.softcap is None
-            and backend.backend() is backend.Backend.CUDA and triton_supported()
-            and torch.cuda.get_device_capability(q.device)[0] == 9
-            and table.descriptors_may_serve(q.device, (q, k, v)))
+            and mask.left is None and mask.right in (None, 0) and mask.softcap is None and triton_supported()
+            and table.descriptors_may_serve(q.device, (q, k, v))
+            and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
 if gluon is not None:
@@ -103,13 +102,14 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def _softmax(s, m_i, l_i):
-        """Online softmax of one block of base-2 scores: p, the new row max and sum, and the factor
-        that rescales the output so far (a row that has seen no key keeps max -inf and p 0)."""
+    def _softmax(s, m_i, l_i, qk_scale):
+        """Online softmax of one block of raw scores (base 2 after scaling by qk_scale > 0, folded
+        into the exponent's multiply-add): p, the new row max (raw) and sum, and the factor that
+        rescales the output so far (a row that has seen no key keeps max -inf and p 0)."""
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
-        p = gl.exp2(s - gl.expand_dims(m_use, 1))
-        alpha = gl.exp2(m_i - m_use)
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new) * qk_scale
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+        alpha = gl.exp2(m_i * qk_scale - m_use)
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
@@ -141,8 +141,8 @@ if gluon is not None:
             k_0 = k_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_2d)
             s = warpgroup_mma(q, k_0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
-            p, m_i, l_i, alpha = _softmax(_masked(s * qk_scale, rows, cols, 0, n_k, shift, full_steps, CAUSAL, BLOCK_N),
-                                          m_i, l_i)
+            p, m_i, l_i, alpha = _softmax(_masked(s, rows, cols, 0, n_k, shift, full_steps, CAUSAL, BLOCK_N),
+                                          m_i, l_i, qk_scale)
             for step in range(1, n_steps):
                 stage = step % STAGES
                 prev = (step - 1) % STAGES
@@ -154,7 +154,7 @@ if gluon is not None:
                 acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=[s])  # S_j is done; P V may still run
                 p, m_i, l_i, alpha = _softmax(
-                    _masked(s * qk_scale, rows, cols, step, n_k, shift, full_steps, CAUSAL, BLOCK_N), m_i, l_i)
+                    _masked(s, rows, cols, step, n_k, shift, full_steps, CAUSAL, BLOCK_N), m_i, l_i, qk_scale)
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
                 mbarrier.arrive(empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -167,7 +167,7 @@ if gluon is not None:
         seen = l_i > 0.0  # rows that see no key: output 0, log-sum-exp -inf
         l_safe = gl.where(seen, l_i, 1.0)
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-        lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
+        lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
         gl.store(lse_ptr + b.to(gl.int64) * slb + h.to(gl.int64) * slh + rows, lse, mask=rows < n_q)
         q.store(out.to(dtype))
         fence_async_shared()
