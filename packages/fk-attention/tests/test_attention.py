@@ -329,7 +329,8 @@ def test_hopper_forward_matches_the_tl_kernels_and_float64(monkeypatch, shape, m
 @pytest.mark.skipif(not (testing.on_gpu() and hopper.triton_supported()
                          and torch.cuda.get_device_capability()[0] == 9), reason="the Gluon path: Hopper and its Triton")
 def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch):
-    """A base off the 16-byte grid, a window, a softcap, d64: the tl kernels, right answers."""
+    """A base off the 16-byte grid, a window, a softcap, d64, a negative scale (the registered op
+    takes one): the tl kernels, right answers."""
     ran = _hopper_launches(monkeypatch)
     storage = testing.randn((1, 2, 300, 128 + 8), torch.bfloat16)
     q = storage[..., 8:]  # 16-byte base offset, strides a descriptor takes
@@ -344,6 +345,10 @@ def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch
     for kwargs in (dict(window=(64, 0)), dict(softcap=30.0)):
         attention(q, k, v, **kwargs)
     attention(*(t[..., :64].contiguous() for t in (q, k, v)), causal=True)
+    out, _ = table.forward(q, k, v, table.CAUSAL, -0.1)
+    scores = (q.double() @ k.double().transpose(-1, -2) * -0.1).masked_fill(
+        torch.ones(300, 300, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    testing.assert_close("out", out, torch.softmax(scores, -1) @ v.double(), torch.bfloat16)
     assert len(ran) == 1
 
 
@@ -354,9 +359,10 @@ def test_hopper_forward_gate():
     assert not hopper.triton_supported("3.5.1") and not hopper.triton_supported("99.0.0")
     q = testing.randn((1, 2, 64, 128), torch.bfloat16)
     if not testing.on_gpu():
-        assert not hopper.takes(q, q, q, table.CAUSAL)
-    assert not hopper.takes(q.float(), q.float(), q.float(), table.CAUSAL)
-    assert not hopper.takes(q, q, q, table.Mask(left=8, right=0))
+        assert not hopper.takes(q, q, q, table.CAUSAL, 0.1)
+    assert not hopper.takes(q.float(), q.float(), q.float(), table.CAUSAL, 0.1)
+    assert not hopper.takes(q, q, q, table.Mask(left=8, right=0), 0.1)
+    assert not hopper.takes(q, q, q, table.CAUSAL, -0.1)
     if hopper.gluon is not None:
         from fk_runtime.launch import Descriptor
 

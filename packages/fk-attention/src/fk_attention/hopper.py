@@ -59,9 +59,10 @@ def triton_supported(version: str | None = None) -> bool:
     return (major, minor) in GLUON_TRITON
 
 
-def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: table.Mask) -> bool:
-    """Whether the dense forward of these tensors runs here (bases are checked per call)."""
-    return (q.dtype in DTYPES and table.padded_head_dim(q.shape[-1]) in HEAD_DIMS
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: table.Mask, sm_scale: float) -> bool:
+    """Whether the dense forward of these tensors runs here (bases are checked per call); the row
+    max is taken on unscaled scores, so the scale must be positive."""
+    return (sm_scale > 0 and q.dtype in DTYPES and table.padded_head_dim(q.shape[-1]) in HEAD_DIMS
             and mask.left is None and mask.right in (None, 0) and mask.softcap is None and triton_supported()
             and table.descriptors_may_serve(q.device, (q, k, v))
             and torch.cuda.get_device_capability(q.device)[0] == 9)

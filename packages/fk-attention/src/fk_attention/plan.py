@@ -693,7 +693,7 @@ def _bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors
     # The Gluon kernel on Hopper where it serves (hopper.py); a forced config or TMA choice is the tl one's.
     gluon = None
     if not varlen and config is None and descriptors is None and q_ok and k_ok and v_ok \
-            and hopper.takes(q_, k_, v_, mask):
+            and hopper.takes(q_, k_, v_, mask, sm_scale):
         gluon = hopper.bind(q_, k_, v_, out, lse_strides, mask, sm_scale)
 
     def run(q, k, v, cu_q=None, cu_k=None):
