@@ -1,8 +1,9 @@
 """fk ops in torch's data-parallel training: a small block of fk modules (LayerNorm, GQA causal
 self-attention, softmax, RMSNorm, a weighted-sum head) trained by 2 CPU processes (gloo, the Triton
-interpreter) under DDP and under FSDP2 (`fully_shard`), each rank on its half of the global batch,
-against the same training in one process on the whole batch: every step's loss and every gradient
-(DDP's all-reduced ones, FSDP2's unsharded)."""
+interpreter) and, where two GPUs are, by 2 GPU processes (NCCL), under DDP and under FSDP2
+(`fully_shard`), each rank on its half of the global batch, against the same training in one
+process on the whole batch: every step's loss and every gradient (DDP's all-reduced ones, FSDP2's
+unsharded)."""
 
 import pytest
 import torch
@@ -63,47 +64,69 @@ def train(model, block: Block, x, target) -> list[dict]:
     return steps
 
 
-def wrap(block: Block, how: str):
+def wrap(block: Block, how: str, device: torch.device):
     if how == "ddp":
         return torch.nn.parallel.DistributedDataParallel(block)
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh(device.type, (WORLD,))
     for layer in (block.attn, block.gate):
         fully_shard(layer, mesh=mesh)
     return fully_shard(block, mesh=mesh)
 
 
-def rank_main(rank: int, store: str, state: dict, x, target, result: str) -> None:
+def rank_main(rank: int, store: str, state: dict, x, target, result: str, backend: str) -> None:
     """One rank: the block trained under each wrapper on this rank's share of the batch; rank 0
     saves the steps."""
-    testing.init_cpu_rank(rank, WORLD, store)
+    device = testing.init_rank(rank, WORLD, store, backend)
     runs = {}
     for how in WRAPPERS:
-        block = Block()
+        block = Block().to(device)
         block.load_state_dict(state)
-        runs[how] = train(wrap(block, how), block, x.chunk(WORLD)[rank], target.chunk(WORLD)[rank])
+        runs[how] = train(wrap(block, how, device), block, x.chunk(WORLD)[rank].to(device),
+                          target.chunk(WORLD)[rank].to(device))
     if rank == 0:
-        torch.save(runs, result)
+        torch.save({how: [{name: t.cpu() for name, t in step.items()} for step in steps]
+                    for how, steps in runs.items()}, result)
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _runs(folder, backend: str):
     """(the one-process steps, {wrapper: the distributed steps}) from fresh weights and data."""
     state = {name: t.detach() for name, t in Block().state_dict().items()}
     x, target = torch.randn(BATCH, TOKENS, DIM), torch.randn(BATCH, TOKENS)
-    folder = tmp_path_factory.mktemp("distributed")
-    testing.spawn_cpu_ranks(rank_main, WORLD, (str(folder / "store"), state, x, target, str(folder / "result.pt")))
+    testing.spawn_ranks(rank_main, WORLD, (str(folder / "store"), state, x, target, str(folder / "result.pt"),
+                                           backend), backend=backend)
     block = Block().to(testing.device())
     block.load_state_dict(state)
     one = train(block, block, x.to(testing.device()), target.to(testing.device()))
     return one, torch.load(folder / "result.pt")
 
 
-@pytest.mark.parametrize("how", WRAPPERS)
-def test_matches_one_process(how, runs):
-    one, distributed = runs
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """CPU ranks over gloo."""
+    return _runs(tmp_path_factory.mktemp("gloo"), "gloo")
+
+
+@pytest.fixture(scope="module")
+def nccl_runs(tmp_path_factory):
+    """Ranks on two GPUs over NCCL."""
+    return _runs(tmp_path_factory.mktemp("nccl"), "nccl")
+
+
+def _check(one, distributed, how):
     for step, (expected, got) in enumerate(zip(one, distributed[how], strict=True)):
         assert got.keys() == expected.keys()
         for name, value in got.items():
             testing.assert_close(f"step {step} {name}", value.to(testing.device()), expected[name],
                                  torch.float32)
+
+
+@pytest.mark.parametrize("how", WRAPPERS)
+def test_matches_one_process(how, runs):
+    _check(*runs, how)
+
+
+@pytest.mark.skipif(not testing.gpu_ranks_available(WORLD), reason="NCCL ranks need two GPUs")
+@pytest.mark.parametrize("how", WRAPPERS)
+def test_matches_one_process_on_gpus(how, nccl_runs):
+    _check(*nccl_runs, how)

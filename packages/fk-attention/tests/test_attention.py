@@ -265,10 +265,16 @@ def test_descriptors_on_odd_strides(causal):
     testing.assert_close("out", out4, reference(q4.double(), k4.double(), v4.double(), causal), torch.float32)
 
 
-def _hopper_launches(monkeypatch) -> list:
-    """Records each bind of the Gluon forward (hopper.py) whose launch then runs."""
+ON_GLUON_HOPPER = pytest.mark.skipif(
+    not (testing.on_gpu() and hopper.triton_supported() and torch.cuda.get_device_capability()[0] == 9),
+    reason="the Gluon path: Hopper and its Triton")
+
+
+def _hopper_launches(monkeypatch, name: str = "bind") -> list:
+    """Records each bind of a Gluon kernel (hopper.py: `bind` the forward, `bind_dkdv` the
+    backward's dK/dV) whose launch then runs."""
     ran = []
-    real = hopper.bind
+    real = getattr(hopper, name)
 
     def spy(*args):
         run = real(*args)
@@ -278,7 +284,7 @@ def _hopper_launches(monkeypatch) -> list:
             return run(*tensors)
         return counted
 
-    monkeypatch.setattr(hopper, "bind", spy)
+    monkeypatch.setattr(hopper, name, spy)
     return ran
 
 
@@ -292,8 +298,7 @@ HOPPER_CASES = [
 ]
 
 
-@pytest.mark.skipif(not (testing.on_gpu() and hopper.triton_supported()
-                         and torch.cuda.get_device_capability()[0] == 9), reason="the Gluon path: Hopper and its Triton")
+@ON_GLUON_HOPPER
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,mask", HOPPER_CASES, ids=str)
@@ -326,8 +331,65 @@ def test_hopper_forward_matches_the_tl_kernels_and_float64(monkeypatch, shape, m
     assert out.stride() == q.stride() if layout == "bnhd" else out.is_contiguous()
 
 
-@pytest.mark.skipif(not (testing.on_gpu() and hopper.triton_supported()
-                         and torch.cuda.get_device_capability()[0] == 9), reason="the Gluon path: Hopper and its Triton")
+def _masked_reference(q, k, v, mask: table.Mask, scale: float):
+    """float64 attention with GQA and a causal mask of either alignment; rows that see no key give 0."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    n_q, n_k = q.shape[2], k.shape[2]
+    keys = torch.arange(n_k, device=q.device)
+    rows = torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q if mask.lower_right else 0)
+    if mask.right == 0:
+        scores = scores.masked_fill(keys > rows, -math.inf)
+    seen = torch.isfinite(scores).any(-1, keepdim=True)
+    return torch.softmax(scores.masked_fill(~seen, 0.0), -1) * seen @ v
+
+
+@ON_GLUON_HOPPER
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,mask", HOPPER_CASES, ids=str)
+def test_hopper_backward_matches_the_tl_kernels_and_float64(monkeypatch, shape, mask, dtype, layout):
+    """dQ, dK, dV with the Gluon dK/dV kernel against float64, within the tl kernels' own error on
+    the same inputs (their forced configs run tl); its launch ran."""
+    ran = _hopper_launches(monkeypatch, "bind_dkdv")
+    q, k, v = make(shape, dtype, layout=layout, requires_grad=False)
+    scale = 1 / math.sqrt(shape[-1])
+    out, lse = table.forward(q, k, v, mask, scale)
+    grad_out = testing.randn(out.shape, dtype)
+    grads = table.backward(grad_out, None, q, k, v, out, lse, mask, scale)
+    assert len(ran) == 1
+    configs = tuple(table.default_config(kind, shape[-1], dtype, True) for kind in (table.Kind.DQ, table.Kind.DKDV))
+    tl_grads = table.backward(grad_out, None, q, k, v, out, lse, mask, scale, configs=configs)
+    assert len(ran) == 1
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    wants = torch.autograd.grad(_masked_reference(q64, k64, v64, mask, scale), (q64, k64, v64), grad_out.double())
+    for name, got, tl_got, want, given in zip(("dq", "dk", "dv"), grads, tl_grads, wants, (q, k, v), strict=True):
+        err = (got.double() - want).norm() / want.norm()
+        tl_err = (tl_got.double() - want).norm() / want.norm()
+        assert err <= 1.1 * tl_err + 1e-6, f"{name}: Gluon {err:.2e} against tl {tl_err:.2e}"
+        assert [st for st, n in zip(got.stride(), got.shape, strict=True) if n > 1] == \
+            [st for st, n in zip(given.stride(), given.shape, strict=True) if n > 1]
+
+
+@ON_GLUON_HOPPER
+def test_hopper_backward_leaves_unaligned_bases_to_tl(monkeypatch):
+    """A K whose base is off the 16-byte grid: the tl dK/dV kernel, right gradients; aligned, Gluon."""
+    ran = _hopper_launches(monkeypatch, "bind_dkdv")
+    q, v, grad_out = (testing.randn((1, 2, 300, 128), torch.bfloat16) for _ in range(3))
+    storage = testing.randn((2 * 300 * 128 + 1,), torch.bfloat16)
+    for k, launches in ((storage[1:].view(1, 2, 300, 128), 0), (storage[:-1].view(1, 2, 300, 128), 1)):
+        out, lse = table.forward(q, k, v, table.CAUSAL, 0.1)
+        grads = table.backward(grad_out, None, q, k, v, out, lse, table.CAUSAL, 0.1)
+        assert len(ran) == launches
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        wants = torch.autograd.grad(_masked_reference(q64, k64, v64, table.CAUSAL, 0.1), (q64, k64, v64),
+                                    grad_out.double())
+        for name, got, want in zip(("dq", "dk", "dv"), grads, wants, strict=True):
+            testing.assert_close(name, got, want, torch.bfloat16)
+
+
+@ON_GLUON_HOPPER
 def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch):
     """A base off the 16-byte grid, a window, a softcap, d64, a negative scale (the registered op
     takes one): the tl kernels, right answers."""

@@ -1,8 +1,10 @@
-"""Ring attention over gloo: 2 and 4 CPU processes (the Triton interpreter), its output,
-log-sum-exp and gradients gathered from every rank against single-process fk attention on the full
-sequence and against a float64 reference with an explicit mask; bad inputs."""
+"""Ring attention over gloo, 2 and 4 CPU processes (the Triton interpreter), and, where two GPUs
+are, over NCCL on them (also at GPU sizes): its output, log-sum-exp and gradients gathered from
+every rank against single-process fk attention on the full sequence and against a float64
+reference with an explicit mask; bad inputs."""
 
 import functools
+import json
 import math
 
 import pytest
@@ -23,7 +25,15 @@ CASES = {
     "w4-causal-contiguous": (4, 1, 2, 2, 64, 16, torch.float32, True, "contiguous", False),
     "w4-full-gqa-fp32": (4, 1, 2, 1, 64, 16, torch.float32, False, "zigzag", False),
 }
+# Where two GPUs are: the two-rank cases, and at sizes the GPU kernels tile as in training.
+GPU_CASES = {
+    **{case: spec for case, spec in CASES.items() if spec[0] == 2},
+    "w2-causal-gqa-bf16-d128-lse": (2, 2, 8, 2, 4096, 128, torch.bfloat16, True, "zigzag", True),
+    "w2-full-fp16-d64": (2, 1, 4, 4, 2048, 64, torch.float16, False, "contiguous", False),
+}
+ALL_CASES = {**CASES, **GPU_CASES}
 WORLD = 4
+GPU_WORLD = 2
 # The 2-rank cases run on a subgroup of global ranks 1 and 3: not adjacent, and without rank 0.
 PAIR = (1, 3)
 GRADS = ("dq", "dk", "dv")
@@ -49,28 +59,33 @@ def reference(q, k, v, causal: bool):
 
 def new_inputs(case: str) -> list[torch.Tensor]:
     """Fresh full-sequence q, k, v and upstream gradients of out and lse, on the CPU (for the ranks)."""
-    _, b, hq, hk, n, d, dtype, *_ = CASES[case]
+    _, b, hq, hk, n, d, dtype, *_ = ALL_CASES[case]
     shapes = [(b, hq, n, d), (b, hk, n, d), (b, hk, n, d), (b, hq, n, d)]
     return [torch.randn(s).to(dtype) for s in shapes] + [torch.randn(b, hq, n)]
 
 
+def gathered_run(case: str, full: list[torch.Tensor], group, device: torch.device) -> dict:
+    """This rank's part of one case on its shards, gathered back to full sequences (on the CPU)."""
+    *_, causal, layout, with_lse = ALL_CASES[case]
+    shards = [shard_sequence(t.to(device), 2, group, layout) for t in full]
+    attend = functools.partial(ring_attention, group=group, causal=causal, layout=layout, return_lse=True)
+    local = forward_backward(attend, *shards, with_lse)
+    return {name: gather_sequence(t, 2, group, layout).cpu() for name, t in local.items()}
+
+
 def rank_main(rank: int, store: str, inputs: dict, result: str) -> None:
-    """One of WORLD ranks: each case on its shards, over every rank or over PAIR; rank 1, which is in
-    both, saves what it gathered."""
-    testing.init_cpu_rank(rank, WORLD, store)
+    """One of WORLD CPU ranks: each case on its shards, over every rank or over PAIR; rank 1, which
+    is in both, saves what it gathered."""
+    device = testing.init_rank(rank, WORLD, store)
     pair = dist.new_group(PAIR)  # every rank takes part in making it
     gathered = {}
     for case, full in inputs.items():
-        ranks, *_, causal, layout, with_lse = CASES[case]
-        group = None if ranks == WORLD else pair
+        group = None if CASES[case][0] == WORLD else pair
         if group is not None and rank not in PAIR:
             with pytest.raises(ValueError, match="group does not hold this rank"):
                 ring_attention(*full[:3], group=pair)
             continue
-        shards = [shard_sequence(t, 2, group, layout) for t in full]
-        attend = functools.partial(ring_attention, group=group, causal=causal, layout=layout, return_lse=True)
-        local = forward_backward(attend, *shards, with_lse)
-        gathered[case] = {name: gather_sequence(t, 2, group, layout) for name, t in local.items()}
+        gathered[case] = gathered_run(case, full, group, device)
     with pytest.raises(ValueError, match="must divide into 8 chunks"):
         shard_sequence(torch.zeros(1, 1, 6, 16))
     if rank == 1:
@@ -78,9 +93,18 @@ def rank_main(rank: int, store: str, inputs: dict, result: str) -> None:
     dist.destroy_process_group()
 
 
+def gpu_rank_main(rank: int, store: str, inputs: dict, result: str) -> None:
+    """One of GPU_WORLD NCCL ranks, one GPU each: every case over all of them; rank 0 saves."""
+    device = testing.init_rank(rank, GPU_WORLD, store, "nccl")
+    gathered = {case: gathered_run(case, full, None, device) for case, full in inputs.items()}
+    if rank == 0:
+        torch.save(gathered, result)
+    dist.destroy_process_group()
+
+
 def expected(case: str, full: list[torch.Tensor]) -> tuple[dict, dict]:
     """Single-process fk attention and the float64 reference on the full sequence."""
-    *_, causal, _, with_lse = CASES[case]
+    *_, causal, _, with_lse = ALL_CASES[case]
     full = [t.to(testing.device()) for t in full]
     fk = forward_backward(functools.partial(attention, causal=causal, return_lse=True), *full, with_lse)
     exact = forward_backward(functools.partial(reference, causal=causal), *(t.double() for t in full),
@@ -88,31 +112,47 @@ def expected(case: str, full: list[torch.Tensor]) -> tuple[dict, dict]:
     return fk, exact
 
 
-@pytest.fixture(scope="module")
-def ring_runs(tmp_path_factory):
+def _runs(folder, cases: dict, main, world: int, backend: str) -> dict:
     """{case: (what the ranks gathered, fk attention's results, float64 results)} from one spawn of
-    WORLD ranks, the references computed here meanwhile."""
-    inputs = {case: new_inputs(case) for case in CASES}
-    folder = tmp_path_factory.mktemp("ring")
-    ranks = testing.spawn_cpu_ranks(rank_main, WORLD, (str(folder / "store"), inputs, str(folder / "result.pt")),
-                                    join=False)
+    `world` ranks, the references computed here meanwhile."""
+    inputs = {case: new_inputs(case) for case in cases}
+    ranks = testing.spawn_ranks(main, world, (str(folder / "store"), inputs, str(folder / "result.pt")),
+                                join=False, backend=backend)
     try:
         references = {case: expected(case, full) for case, full in inputs.items()}
     finally:
         while not ranks.join():
             pass
     gathered = torch.load(folder / "result.pt")
-    return {case: (gathered[case], *references[case]) for case in CASES}
+    return {case: (gathered[case], *references[case]) for case in cases}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_ring_matches_full_sequence(case, ring_runs):
-    gathered, fk, exact = ring_runs[case]
-    dtype = CASES[case][6]
+@pytest.fixture(scope="module")
+def ring_runs(tmp_path_factory):
+    return _runs(tmp_path_factory.mktemp("ring"), CASES, rank_main, WORLD, "gloo")
+
+
+@pytest.fixture(scope="module")
+def gpu_ring_runs(tmp_path_factory):
+    return _runs(tmp_path_factory.mktemp("ring-nccl"), GPU_CASES, gpu_rank_main, GPU_WORLD, "nccl")
+
+
+def _check(gathered, fk, exact, dtype):
     for name in ("out", "lse", *GRADS):
         got = gathered[name].to(testing.device())
         testing.assert_close(f"{name} vs float64", got, exact[name], dtype)
         testing.assert_close(f"{name} vs fk attention", got, fk[name], dtype)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ring_matches_full_sequence(case, ring_runs):
+    _check(*ring_runs[case], CASES[case][6])
+
+
+@pytest.mark.skipif(not testing.gpu_ranks_available(GPU_WORLD), reason="NCCL ranks need two GPUs")
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_ring_matches_full_sequence_on_gpus(case, gpu_ring_runs):
+    _check(*gpu_ring_runs[case], GPU_CASES[case][6])
 
 
 def test_merge_of_rows_without_keys():
@@ -175,3 +215,21 @@ def test_bench_arguments():
     assert ring_bench.parse_args(["--kv-heads", "4", "--no-causal"]).kv_heads == 4
     with pytest.raises(SystemExit):
         ring_bench.parse_args(["--heads", "16", "--kv-heads", "3"])
+
+
+def test_bench_section(tmp_path):
+    """--benchmarks keeps each world size's result and writes the ring section from all of them."""
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    assert ring_bench.parse_args(["--benchmarks", str(folder)]).benchmarks == folder
+    result = dict(seqlen=131072, world=2, batch=1, heads=16, kv_heads=16, head_dim=128, dtype="bfloat16",
+                  causal=True, layout="zigzag", t1_ms=508.49, tn_ms=275.36, efficiency=0.9233,
+                  rel_errors={"out": 1.1e-3, "dq": 1.1e-3, "dk": 2.9e-3, "dv": 2.9e-3}, device="GPU",
+                  torch="t", triton="3.6.0", date="today")
+    (folder / "ring-4.json").write_text(json.dumps({**result, "world": 4, "tn_ms": 140.0, "efficiency": 0.908}))
+    (folder / "ring-2.json").write_text(json.dumps(result))
+    assert ring_bench.write_section(folder) == tmp_path / "BENCHMARKS.md"
+    rows = [line for line in (folder / "ring.md").read_text().splitlines() if line.startswith("| 2 ") or
+            line.startswith("| 4 ")]
+    assert [row.split(" | ")[10] for row in rows] == ["0.923", "0.908"]
+    assert "## ring" in (tmp_path / "BENCHMARKS.md").read_text()

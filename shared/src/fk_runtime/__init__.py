@@ -13,7 +13,7 @@ __version__ = package_version(__name__, __file__)
 # < the next minor (tests/test_runtime_surface.py checks both against the op packages).
 SURFACE_VERSION = "0.1"
 PUBLIC = {
-    "fk_runtime": ("Backend", "alloc", "backend", "bench", "checks", "launch", "ops", "package_version",
+    "fk_runtime": ("Backend", "alloc", "backend", "bench", "checks", "cli", "launch", "ops", "package_version",
                    "partials", "siblings", "sizing", "testing", "views"),
     "alloc": ("empty", "empty_like", "new_empty", "poisoned_outputs", "poisoning"),
     "backend": ("Backend", "backend", "default_device", "device_name", "gpu_available", "is_hip",

@@ -321,36 +321,57 @@ def compiled_graph_ops(fn: Callable, *args) -> set[str]:
     return seen
 
 
-# ---- CPU process groups (gloo): distributed tests without GPUs ----------------------------------
+# ---- process groups: gloo on CPU processes, NCCL on GPUs ------------------------------------------
 
 # A rank waiting this long on another has met a deadlock: fail instead of hanging the suite.
 RANK_TIMEOUT_S = 120
+# NCCL with NVLink multicast off (the lent multi-GPU machines do not support it).
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
-def init_cpu_rank(rank: int, world: int, store: str) -> None:
-    """In a rank started by `spawn_cpu_ranks`: the default process group over gloo and a file
-    store, one thread (the ranks share the machine's cores: more threads only contend)."""
+def gpu_ranks_available(world: int) -> bool:
+    """Whether `world` NCCL ranks, one GPU each, can run here."""
+    import torch.distributed as dist
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= world and dist.is_nccl_available()
+
+
+def init_rank(rank: int, world: int, store: str, backend: str = "gloo") -> torch.device:
+    """In a rank started by `spawn_ranks`: the default process group over a file store, and the
+    rank's device. gloo: a CPU process with one thread (the ranks share the machine's cores: more
+    threads only contend); nccl: GPU `rank`."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    timeout = timedelta(seconds=RANK_TIMEOUT_S)
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=f"file://{store}", timeout=timeout, rank=rank,
+                                world_size=world, device_id=device)
+        return device
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", timeout=timedelta(seconds=RANK_TIMEOUT_S),
-                            rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", timeout=timeout, rank=rank, world_size=world)
+    return torch.device("cpu")
 
 
-def spawn_cpu_ranks(fn: Callable, world: int, args: tuple, join: bool = True):
-    """Run fn(rank, *args) in `world` fresh CPU processes under the Triton interpreter. They import
-    fn's module afresh, so its tests' root goes on their sys.path. join=False returns the
-    processes' context at once (join it later, doing other work meanwhile)."""
+def spawn_ranks(fn: Callable, world: int, args: tuple, join: bool = True, backend: str = "gloo"):
+    """Run fn(rank, *args) in `world` fresh processes: gloo, CPU processes under the Triton
+    interpreter; nccl, one GPU each, compiled kernels, NVLink multicast off. They import fn's
+    module afresh, so its tests' root goes on their sys.path. join=False returns the processes'
+    context at once (join it later, doing other work meanwhile)."""
     from pathlib import Path
 
     import pytest
     import torch.multiprocessing as mp
 
     root = Path(fn.__code__.co_filename).parents[fn.__module__.count(".")]
+    env = NCCL_ENV if backend == "nccl" else {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        for name, value in env.items():
+            patch.setenv(name, value)
+        if backend == "nccl":
+            patch.delenv("TRITON_INTERPRET", raising=False)  # compiled kernels on the GPUs
         patch.syspath_prepend(str(root))
         return mp.start_processes(fn, args=args, nprocs=world, join=join, start_method="spawn")

@@ -1,7 +1,7 @@
-"""fk-attention's Hopper forward in Gluon, top to bottom: when it is taken, its tiles, the kernel,
-the launch bound once per plan.
+"""fk-attention's Hopper kernels in Gluon, top to bottom: when they are taken, the forward's tiles,
+kernel and launch, then the backward's dK/dV kernel and launch, each bound once per plan.
 
-FlashAttention-3's forward design, written with Triton's Gluon (`triton.experimental.gluon`):
+The forward is FlashAttention-3's design, written with Triton's Gluon (`triton.experimental.gluon`):
 each program takes 128 query rows of one (batch, head) as two 4-warp consumer warpgroups of 64
 rows each, and one producer warp that moves Q and a ring of K/V blocks into shared memory through
 TMA (mbarriers: `ready` when a stage has landed, `empty` when both consumers are done with it).
@@ -9,12 +9,17 @@ A consumer issues the next block's Q K^T on the tensor cores before the softmax 
 that softmax runs under the P V matmul (asynchronous wgmma); the producer's registers go to the
 consumers (`setmaxnreg`).
 
-Taken for what it was built and measured on (TUNING.md: Hopper forward): an H100-class GPU
-(compute capability 9.x), the Triton versions in GLUON_TRITON, fp16/bf16, head dims padded to
-HEAD_DIMS, full or causal masks (either alignment), no softcap, dense (B, H, N, D) tensors whose
-strides a TMA descriptor takes and whose bases are aligned (checked per call). Everything else,
-and any Triton where Gluon or this API is missing, runs the `tl` kernels (`kernels.attn_fwd_kernel`),
-which stay the reference the GPU tests compare with. The backward is the `tl` one either way.
+The backward's dK/dV kernel has the same shape: two consumer warpgroups of 64 keys each keep their
+K, V and dK, dV accumulators while a producer warp streams Q and dO blocks of every query head of
+the group. dQ (and the row terms delta and the base-2 lse that dK/dV reads) stays with the tl
+kernel (`kernels.attn_bwd_dq_kernel`), which runs first: 7 matmuls per block pair, deterministic.
+
+Taken for what they were built and measured on (TUNING.md: Hopper forward, Hopper backward): an
+H100-class GPU (compute capability 9.x), the Triton versions in GLUON_TRITON, fp16/bf16, head dims
+padded to HEAD_DIMS, full or causal masks (either alignment), no softcap, dense (B, H, N, D)
+tensors whose strides a TMA descriptor takes and whose bases are aligned (checked per call); the
+forward only for a positive scale. Everything else, and any Triton where Gluon or this API is
+missing, runs the `tl` kernels (`kernels.py`), which stay the reference the GPU tests compare with.
 """
 
 from __future__ import annotations
@@ -59,13 +64,19 @@ def triton_supported(version: str | None = None) -> bool:
     return (major, minor) in GLUON_TRITON
 
 
-def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: table.Mask, sm_scale: float) -> bool:
-    """Whether the dense forward of these tensors runs here (bases are checked per call); the row
-    max is taken on unscaled scores, so the scale must be positive."""
-    return (sm_scale > 0 and q.dtype in DTYPES and table.padded_head_dim(q.shape[-1]) in HEAD_DIMS
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: table.Mask) -> bool:
+    """Whether dense attention of these tensors runs here, forward and dK/dV (bases are checked per
+    call)."""
+    return (q.dtype in DTYPES and table.padded_head_dim(q.shape[-1]) in HEAD_DIMS
             and mask.left is None and mask.right in (None, 0) and mask.softcap is None and triton_supported()
             and table.descriptors_may_serve(q.device, (q, k, v))
             and torch.cuda.get_device_capability(q.device)[0] == 9)
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: table.Mask, sm_scale: float) -> bool:
+    """Whether the forward of these tensors runs here: the row max is taken on unscaled scores, so
+    the scale must be positive."""
+    return sm_scale > 0 and serves(q, k, v, mask)
 
 
 if gluon is not None:
@@ -223,22 +234,165 @@ if gluon is not None:
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
+# ---- backward: dK and dV (the dQ kernel, which also writes the row terms, stays tl) ----------
+#
+# Each program takes 2 x KEYS keys of one (batch, KV head): one consumer warpgroup per KEYS keys,
+# which keeps its K, V and its dK, dV accumulators (fp32, registers) while the producer warp
+# streams Q and dO blocks of Q_ROWS rows of every query head of the group through a ring.
+KEYS = 64
+Q_ROWS = 64
+BWD_STAGES = 2
+
+if gluon is not None:
+
+    @gluon.jit
+    def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
+                       b, hk, start_n, group, first_block, n_blocks, Q_ROWS: gl.constexpr, KEYS: gl.constexpr,
+                       STAGES: gl.constexpr):
+        """K and V of the program's keys once, then (Q, dO) blocks into the ring as stages free up."""
+        mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for i in gl.static_range(2):
+            tma.async_copy_global_to_shared(k_desc, [b, hk, start_n + i * KEYS, 0], kv_bar, k_smem.index(i))
+            tma.async_copy_global_to_shared(v_desc, [b, hk, start_n + i * KEYS, 0], kv_bar, v_smem.index(i))
+        per_head = n_blocks - first_block
+        for step in range(group * per_head):
+            stage = step % STAGES
+            h = hk * group + step // per_head
+            m0 = (first_block + step % per_head) * Q_ROWS
+            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1, pred=step >= STAGES)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], bar, q_smem.index(stage))
+            tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], bar, do_smem.index(stage))
+
+    @gluon.jit
+    def _dkdv_consumer(dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, lse2_ptr,
+                       delta_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group, first_block, n_blocks,
+                       ssb, ssh, HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
+                       KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """One warpgroup's KEYS keys, transposed (keys as rows): S^T = K Q^T and dP^T = V dO^T issued
+        together; P^T from the saved base-2 log-sum-exp, dV += P^T dO while dS^T = P^T (dP^T - delta)
+        is formed, then dK += dS^T Q. dK (times the scale) and dV leave through K's and V's buffers."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, Q_ROWS, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        dtype: gl.constexpr = q_smem.dtype
+        tile_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], dtype)
+        kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_DIM], dtype)
+        k_tile = k_smem.index(HALF)
+        v_tile = v_smem.index(HALF)
+        k = k_tile._reinterpret(dtype, [KEYS, HEAD_DIM], kv_2d)
+        v = v_tile._reinterpret(dtype, [KEYS, HEAD_DIM], kv_2d)
+        keys = start_n + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([KEYS, Q_ROWS], gl.float32, s_layout)
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+        # Row blocks from here on see every key of the program: no mask.
+        full_from = start_n + 2 * KEYS - shift
+        per_head = n_blocks - first_block
+        mbarrier.wait(kv_bar, 0)
+        for step in range(group * per_head):
+            stage = step % STAGES
+            h = hk * group + step // per_head
+            m0 = (first_block + step % per_head) * Q_ROWS
+            rows = m0 + cols
+            row_ok = rows < n_q
+            stats = b.to(gl.int64) * ssb + h.to(gl.int64) * ssh + rows
+            # past n_q: Q = dO = 0 (TMA zero fill) and these 0 make every term 0
+            lse2 = gl.load(lse2_ptr + stats, mask=row_ok, other=0.0)
+            delta = gl.load(delta_ptr + stats, mask=row_ok, other=0.0)
+            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            q = q_smem.index(stage)._reinterpret(dtype, [Q_ROWS, HEAD_DIM], tile_2d)
+            do = do_smem.index(stage)._reinterpret(dtype, [Q_ROWS, HEAD_DIM], tile_2d)
+            st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=[st])
+            zt = st * qk_scale - gl.expand_dims(lse2, 0)
+            if CAUSAL:
+                if m0 < full_from:
+                    zt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + shift, zt, -float("inf"))
+            pt = gl.exp2(zt)
+            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv = warpgroup_mma(pt_op, do, dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=[dpt])
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+            dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, ds_op])
+            mbarrier.arrive(empty.index(stage), count=1)
+        k.store((dk * sm_scale).to(dtype))
+        v.store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b, hk, start_n + HALF * KEYS, 0], k_tile)
+        tma.async_copy_shared_to_global(dv_desc, [b, hk, start_n + HALF * KEYS, 0], v_tile)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr,
+                                    qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, ssb, ssh,
+                                    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                    CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
+        """dK and dV of 2 x KEYS keys of one KV head, summed over its group's query heads, as
+        `kernels.attn_bwd_dkdv_kernel` gives them (it reads the delta and base-2 lse the dQ kernel
+        wrote); deterministic."""
+        Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
+        KEYS: gl.constexpr = k_desc.block_type.shape[2]
+        dtype: gl.constexpr = q_desc.dtype
+        n_key_blocks = gl.cdiv(n_k, 2 * KEYS)
+        pid = gl.program_id(0)
+        bhk = pid // n_key_blocks
+        start_n = (pid % n_key_blocks) * 2 * KEYS
+        b = bhk // n_heads_k
+        hk = bhk % n_heads_k
+        n_blocks = gl.cdiv(n_q, Q_ROWS)
+        first_block = 0
+        if CAUSAL:  # row i sees key j when j <= i + shift
+            first_block = gl.minimum(gl.maximum(start_n - shift, 0) // Q_ROWS, n_blocks)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        gl.warp_specialize([
+            (_dkdv_consumer, (dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, lse2_ptr,
+                              delta_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group, first_block,
+                              n_blocks, ssb, ssh, 0, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, lse2_ptr,
+                              delta_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group, first_block,
+                              n_blocks, ssb, ssh, 1, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
+                              empty, b, hk, start_n, group, first_block, n_blocks, Q_ROWS, KEYS, STAGES)),
+        ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+
+
 def _layout(rows: int, padded: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, padded], gl.float16 if dtype == torch.float16
                                                 else gl.bfloat16)
 
 
+def _descriptors(tensors, rows, padded: int, dtype: torch.dtype) -> list:
+    """(shape, strides, block, layout) of each tensor's TMA descriptor, tiles of `rows` rows."""
+    return [(list(t.shape), table._descriptor_strides(t), [1, 1, r, padded], _layout(r, padded, dtype))
+            for t, r in zip(tensors, rows, strict=True)]
+
+
 def bind(q, k, v, out, lse_strides: tuple[int, int], mask: table.Mask, sm_scale: float):
-    """launch(q, k, v, out, lse) of this path for tensors laid out like these (`takes` holds), out
+    """launch(q, k, v, out, lse) of the forward for tensors laid out like these (`takes` holds), out
     like q and lse (B, H, N) fp32 with strides (*lse_strides, 1); the caller checks
     `table.bases_aligned` per call."""
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = table.padded_head_dim(d)
-    tiles = [(t, rows, _layout(rows, padded, q.dtype)) for t, rows in ((q, ROWS), (k, BLOCK_N), (v, BLOCK_N),
-                                                                       (out, ROWS))]
-    layouts = [(list(t.shape), table._descriptor_strides(t), [1, 1, rows, padded], layout)
-               for t, rows, layout in tiles]
+    layouts = _descriptors((q, k, v, out), (ROWS, BLOCK_N, BLOCK_N, ROWS), padded, q.dtype)
     launch = Launch(attn_fwd_hopper_kernel, (sizing.cdiv(n_q, 2 * ROWS) * b * hq,),
                     (sm_scale * LOG2E, n_q, n_k, hq, hq // hk, int(mask.lower_right) * (n_k - n_q),
                      *lse_strides),
@@ -252,3 +406,27 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: table.Mask, sm_scale:
 
     return run
 
+
+def bind_dkdv(q, k, v, grad_out, dk, dv, scratch_strides: tuple[int, int], mask: table.Mask, sm_scale: float):
+    """launch(q, k, v, grad_out, lse2, delta, dk, dv) of the dK/dV kernel for tensors laid out like
+    these (`serves` holds for q, k, v; grad_out, dk and dv take descriptors too), lse2 and delta the
+    dQ kernel's scratch rows, (B, H, N) with strides (*scratch_strides, 1); the caller checks
+    `table.bases_aligned` per call."""
+    b, hq, n_q, d = q.shape
+    hk, n_k = k.shape[1], k.shape[2]
+    padded = table.padded_head_dim(d)
+    tensors = (q, k, v, grad_out, dk, dv)
+    layouts = _descriptors(tensors, (Q_ROWS, KEYS, KEYS, Q_ROWS, KEYS, KEYS), padded, q.dtype)
+    launch = Launch(attn_bwd_dkdv_hopper_kernel, (sizing.cdiv(n_k, 2 * KEYS) * b * hk,),
+                    (sm_scale * LOG2E, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q),
+                     *scratch_strides),
+                    {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": BWD_STAGES,
+                     "CONSUMER_REGISTERS": CONSUMER_REGISTERS, "PRODUCER_REGISTERS": PRODUCER_REGISTERS,
+                     "num_warps": 4}, q.device)
+
+    def run(q, k, v, grad_out, lse2, delta, dk, dv):
+        launch(*(Descriptor(t, shape, strides, block, layout=layout)
+                 for t, (shape, strides, block, layout) in zip((q, k, v, grad_out, dk, dv), layouts, strict=True)),
+               lse2, delta)
+
+    return run

@@ -30,8 +30,8 @@ head dim 256 keeps the priors (TUNING.md).
 
 Not used: Triton's warp specialization (`tl.range(..., warp_specialize=True)` on the forward's
 unmasked key walk): on an H100 it did not compile on 4 warps and gained nothing on 8 (TUNING.md).
-The dense forward on Hopper at padded head dim 128 runs the Gluon kernel of `hopper.py` instead
-(warp-specialized by hand), where it serves.
+The dense forward and the backward's dK/dV on Hopper at padded head dim 128 run the Gluon kernels
+of `hopper.py` instead (warp-specialized by hand), where they serve.
 """
 
 from __future__ import annotations
@@ -820,6 +820,7 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
     meta = _meta(mask, varlen, d, dtype)
     keys = _keys(n_q, n_k, b * hq, dtype, mask)
     tune = should_autotune(dtype, b * hq, n_q, n_k)
+    forced = configs is not None or descriptors is not None
     if configs is None and descriptors is None:
         # One choice for both kernels: TMA where every operand of either allows it.
         descriptors = None if all(_strides_allow_descriptors(t) for t in (q_, k_, v_, out_, go_, dq, dk, dv)) \
@@ -841,6 +842,11 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
         {**meta, "REST": False}, dtype, tune, descriptors, dkdv_config, device)
 
     as_given = all(oks) and not expanded
+    # dK/dV in Gluon on Hopper where it serves (hopper.py); forced configs or TMA choices run tl.
+    gluon = None
+    if not varlen and not forced and hopper.serves(q_, k_, v_, mask) \
+            and descriptors_may_serve(device, (go_, dk, dv)):
+        gluon = hopper.bind_dkdv(q_, k_, v_, go_, dk, dv, scratch_strides, mask, sm_scale)
 
     def run(grad_out, grad_lse, q, k, v, out, lse, cu_q=None, cu_k=None):
         q, k, v, out, grad_out = (as_kernel(t) for t in (q, k, v, out, grad_out))
@@ -857,7 +863,10 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
         cu_k = lse if cu_k is None else cu_k
         dq_kernel(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, cu_q, cu_k)
         # dK/dV reads the delta and base-2 lse the dQ kernel wrote (same stream, in order).
-        dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k)
+        if gluon is not None and bases_aligned((q, k, v, grad_out, dk, dv)):
+            gluon(q, k, v, grad_out, lse2, delta, dk, dv)
+        else:
+            dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k)
         return grads
 
     return run

@@ -7,7 +7,9 @@ Each rank takes one GPU (LOCAL_RANK) and NCCL; rank 0 first times `attention` on
 sequence alone (T(1)), then every rank times `ring_attention` on its zigzag shard (T(n), the
 slowest rank's median). Printed and written to --out (JSON, rank 0): T(1), T(n) and the scaling
 efficiency T(1) / (n T(n)); with the check on (default), also the relative errors of the gathered
-ring output and gradients against the one-GPU run on the same inputs. NVLink multicast stays off
+ring output and gradients against the one-GPU run on the same inputs. `--benchmarks benchmarks`
+also keeps the result as `benchmarks/ring-<n>.json`, writes the `ring` section (`ring.md`, a row per
+`ring-*.json` there) and rebuilds BENCHMARKS.md beside the folder, as the main job does. NVLink multicast stays off
 (the two variables above; set here too when unset). Without a GPU it runs on gloo and the Triton
 interpreter: a smoke test at tiny sizes (TRITON_INTERPRET=1 in the environment, e.g.
 --seqlen 64 --heads 2 --head-dim 16 --dtype float32).
@@ -54,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip comparing the ring's output and gradients with the one-GPU run")
     parser.add_argument("--out", type=Path, default=Path("ring_bench.json"), help="JSON written by rank 0")
+    parser.add_argument("--benchmarks", type=Path, default=None,
+                        help="also keep the result in this folder's ring section and rebuild BENCHMARKS.md beside it")
     args = parser.parse_args(argv)
     for name in ("seqlen", "batch", "heads", "head_dim", "reps"):
         if getattr(args, name) < 1:
@@ -62,6 +66,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.kv_heads < 1 or args.heads % args.kv_heads:
         parser.error(f"--kv-heads ({args.kv_heads}) must divide --heads ({args.heads})")
     return args
+
+
+COMMAND = ("NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 bash shared/from-source.sh python -m "
+           "torch.distributed.run --nproc-per-node N -m fk_attention.ring_bench --benchmarks benchmarks")
+
+
+def section(results: list[dict]) -> str:
+    """The `ring` section of BENCHMARKS.md: a row per kept result, fewest GPUs first."""
+    lines = [
+        "## ring", "",
+        "Ring attention (`fk_attention.ring_attention`) over n GPUs, NCCL with NVLink multicast off: forward and "
+        "backward of one sequence split into zigzag shards, against fk `attention` on one GPU running the whole "
+        "sequence. T(1), T(n): medians of CUDA-event times per fwd+bwd (T(n): the slowest rank's); scaling "
+        "efficiency T(1) / (n T(n)). Errors: relative norms of the gathered ring output and gradients against "
+        "the one-GPU run on the same inputs.", "",
+        f"Command: `{COMMAND}`", "",
+        "| GPUs | device | N | B | H q/kv | d | dtype | mask | T(1) ms | T(n) ms | efficiency | out / dq / dk / dv error "
+        "| torch | triton | date |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in sorted(results, key=lambda r: (r["world"], r["seqlen"])):
+        errors = " / ".join(f"{e:.1e}" for e in r["rel_errors"].values()) if r.get("rel_errors") else "not checked"
+        lines.append(
+            f"| {r['world']} | {r['device']} | {r['seqlen']} | {r['batch']} | {r['heads']}/{r['kv_heads']} | "
+            f"{r['head_dim']} | {r['dtype']} | {'causal' if r['causal'] else 'full'} {r['layout']} | "
+            f"{r['t1_ms']:.1f} | {r['tn_ms']:.1f} | {r['efficiency']:.3f} | {errors} | {r['torch']} | "
+            f"{r['triton']} | {r['date']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_section(folder: Path) -> Path:
+    """folder/ring.md from every folder/ring-*.json; BENCHMARKS.md beside the folder rebuilt."""
+    from fk_runtime import cli
+
+    results = [json.loads(p.read_text()) for p in sorted(folder.glob("ring-*.json"))]
+    (folder / "ring.md").write_text(section(results))
+    return cli.rebuild_benchmarks_md(folder)
 
 
 def _elapsed_ms(step) -> float:
@@ -157,6 +198,10 @@ def main(argv=None) -> dict:
             print("relative errors against one GPU: " + ", ".join(f"{k} {e:.2e}" for k, e in errors.items()))
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
+        if args.benchmarks is not None:
+            args.benchmarks.mkdir(parents=True, exist_ok=True)
+            (args.benchmarks / f"ring-{world}.json").write_text(json.dumps(result, indent=2) + "\n")
+            print(f"wrote {write_section(args.benchmarks)}")
     dist.destroy_process_group()
     return result
 
