@@ -1,0 +1,100 @@
+"""Registers, spills and shared memory of the Gluon kernels (hopper.py, and the draft backward with
+atomic dQ under drafts/), from a compile for sm_90a on any machine: no GPU, Triton's bundled ptxas
+(TUNING.md: Hopper forward, Hopper backward). Needs a Triton in hopper.GLUON_TRITON (3.6).
+
+    TRITON_INTERPRET=0 PYTHONPATH=shared/src:packages/fk-attention/src \\
+        python packages/fk-attention/tuning/gluon_registers.py
+
+A consumer warpgroup's registers are set by `setmaxnreg` at run time; ptxas reports the launch's
+count (168 with 12 warps) and the spills it had to place at the registers the code asks for.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class OfflineHopper:
+    """The active driver as Triton's JIT asks it, for a compile without a GPU."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+driver.set_active(OfflineHopper())
+
+from fk_runtime.launch import Descriptor  # noqa: E402
+
+from fk_attention import hopper  # noqa: E402
+
+B, H, N, D = 1, 2, 512, 128
+
+
+def descriptor(t: torch.Tensor, rows: int):
+    return Descriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, D],
+                      layout=hopper._layout(rows, D, t.dtype)).real()
+
+
+def usage(compiled) -> str:
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        log = subprocess.run([tool, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(folder, "k.o")],
+                             capture_output=True, text=True).stderr
+    spills = next((line.strip() for line in log.splitlines() if "spill" in line), "")
+    atomics = Counter(re.findall(r"\b(?:red|atom)\.[\w.]+", compiled.asm["ptx"]))
+    return f"shared {compiled.metadata.shared}; {spills}" + (f"; {dict(atomics)}" if atomics else "")
+
+
+def main() -> None:
+    q = torch.empty(B, H, N, D, dtype=torch.bfloat16)
+    rows = torch.empty(B, H, N)
+    dq_sum = torch.empty(B, H, N, D)
+    spec = importlib.util.spec_from_file_location("draft", os.path.join(HERE, "drafts", "hopper_atomic_dq.py"))
+    draft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(draft)
+    common = dict(HEAD_DIM=D, CONSUMER_REGISTERS=hopper.CONSUMER_REGISTERS,
+                  PRODUCER_REGISTERS=hopper.PRODUCER_REGISTERS, num_warps=4, grid=(1,))
+    print(f"triton {triton.__version__}, sm_90a, bf16, d{D}")
+    for causal in (False, True):
+        fwd = hopper.attn_fwd_hopper_kernel.warmup(
+            descriptor(q, hopper.ROWS), descriptor(q, hopper.BLOCK_N), descriptor(q, hopper.BLOCK_N),
+            descriptor(q, hopper.ROWS), rows, 0.1, N, N, H, 1, 0, H * N, N, CAUSAL=causal, BLOCK_N=hopper.BLOCK_N,
+            STAGES=hopper.STAGES, **common)
+        bwd = [descriptor(q, r) for r in (hopper.Q_ROWS, hopper.KEYS, hopper.KEYS, hopper.Q_ROWS, hopper.KEYS,
+                                          hopper.KEYS)]
+        dkdv = hopper.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N,
+                                                         CAUSAL=causal, STAGES=hopper.BWD_STAGES, **common)
+        atomic = draft.attn_bwd_hopper_kernel.warmup(*bwd, rows, rows, dq_sum, 0.1, 0.1, N, N, H, 1, 0, H * N, N,
+                                                     H * N * D, N * D, CAUSAL=causal, STAGES=hopper.BWD_STAGES,
+                                                     **common)
+        for name, compiled in (("forward", fwd), ("dK/dV", dkdv), ("draft dK/dV + atomic dQ", atomic)):
+            print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")
+
+
+if __name__ == "__main__":
+    main()
