@@ -89,10 +89,12 @@ def main() -> None:
                                           hopper.KEYS)]
         dkdv = hopper.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N,
                                                          CAUSAL=causal, STAGES=hopper.BWD_STAGES, **common)
-        atomic = draft.attn_bwd_hopper_kernel.warmup(*bwd, rows, rows, dq_sum, 0.1, 0.1, N, N, H, 1, 0, H * N, N,
-                                                     H * N * D, N * D, CAUSAL=causal, STAGES=hopper.BWD_STAGES,
-                                                     **common)
-        for name, compiled in (("forward", fwd), ("dK/dV", dkdv), ("draft dK/dV + atomic dQ", atomic)):
+        drafts = [(f"draft dK/dV + atomic dQ{', split' if split else ''}",
+                   draft.attn_bwd_hopper_kernel.warmup(*bwd, rows, rows, dq_sum, 0.1, 0.1, N, N, H, 1, 0, H * N, N,
+                                                       H * N * D, N * D, CAUSAL=causal, STAGES=hopper.BWD_STAGES,
+                                                       SPLIT=split, **common))
+                  for split in (False, True)]
+        for name, compiled in (("forward", fwd), ("dK/dV", dkdv), *drafts):
             print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")
 
 

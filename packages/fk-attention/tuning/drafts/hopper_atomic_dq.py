@@ -30,31 +30,39 @@ from fk_attention import plan as table
 
 
 @gluon.jit
-def _consumer(dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty, lse2_ptr,
-              delta_ptr, dq_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group, first_block, n_blocks,
-              ssb, ssh, sqb, sqh, HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
-              KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """`hopper._dkdv_consumer`, plus dQ += dS K for this warpgroup's keys: dS^T to shared memory,
-    one more wgmma, the (Q_ROWS, HEAD_DIM) fp32 result added into dq_ptr (B, H, N, HEAD_DIM)."""
+def _consumer(dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty, ds_full, ds_free,
+              lse2_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group, first_block,
+              n_blocks, ssb, ssh, sqb, sqh, HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
+              KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """`hopper._dkdv_consumer`, plus dQ += dS K: dS^T to shared memory, read back transposed by
+    one more wgmma, the fp32 result added into dq_ptr (B, H, N, HEAD_DIM) with relaxed atomics.
+    SPLIT false: each warpgroup adds dS K over its own 64 keys, (Q_ROWS, HEAD_DIM). SPLIT true
+    (FlashAttention-3's split): both halves of dS^T meet in shared memory (double-buffered by step
+    parity, `ds_full` / `ds_free`), and each warpgroup adds its half of the head dim over all 128
+    keys: half the atomics."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, Q_ROWS, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SPLIT else HEAD_DIM
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
     dtype: gl.constexpr = q_smem.dtype
     tile_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], dtype)
     kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_DIM], dtype)
     k_tile = k_smem.index(HALF)
     v_tile = v_smem.index(HALF)
-    ds_t = ds_smem.index(HALF)  # dS^T (KEYS, Q_ROWS): read back as dS (Q_ROWS, KEYS)
     k = k_tile._reinterpret(dtype, [KEYS, HEAD_DIM], kv_2d)
     v = v_tile._reinterpret(dtype, [KEYS, HEAD_DIM], kv_2d)
     keys = start_n + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     cols = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(0, s_layout))
-    dq_rows = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, acc_layout))
-    dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    dq_rows = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(1, dq_layout))
+    dq_cols = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+    if SPLIT:
+        dq_cols += HALF * DQ_COLS
     s_zero = gl.zeros([KEYS, Q_ROWS], gl.float32, s_layout)
-    dq_zero = gl.zeros([Q_ROWS, HEAD_DIM], gl.float32, acc_layout)
+    dq_zero = gl.zeros([Q_ROWS, DQ_COLS], gl.float32, dq_layout)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
     full_from = start_n + 2 * KEYS - shift
@@ -84,12 +92,32 @@ def _consumer(dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar
         dv = warpgroup_mma(pt_op, do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt])
         ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
-        ds_t.store(ds16)
-        fence_async_shared()
         ds_op = gl.convert_layout(ds16, op_layout)
-        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-        dq = warpgroup_mma(ds_t.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
-        dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op, ds_op])
+        if SPLIT:
+            parity = step % 2
+            # the other warpgroup's dQ of two steps back has read this buffer
+            mbarrier.wait(ds_free.index(parity), ((step // 2) & 1) ^ 1, pred=step >= 2)
+            ds_smem.index(2 * parity + HALF).store(ds16)
+            fence_async_shared()
+            mbarrier.arrive(ds_full.index(parity), count=1)
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+            mbarrier.wait(ds_full.index(parity), (step // 2) & 1)
+            # dS (Q_ROWS, 2 KEYS) K (2 KEYS, this half of the head dim), one key half at a time
+            k_0 = k_smem.index(0)._reinterpret(dtype, [KEYS, HEAD_DIM], kv_2d)
+            k_1 = k_smem.index(1)._reinterpret(dtype, [KEYS, HEAD_DIM], kv_2d)
+            dq = warpgroup_mma(ds_smem.index(2 * parity).permute((1, 0)), k_0.slice(HALF * DQ_COLS, DQ_COLS, dim=1),
+                               dq_zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_smem.index(2 * parity + 1).permute((1, 0)),
+                               k_1.slice(HALF * DQ_COLS, DQ_COLS, dim=1), dq, is_async=True)
+            dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op, ds_op])
+            mbarrier.arrive(ds_free.index(parity), count=1)
+        else:
+            ds_t = ds_smem.index(HALF)  # dS^T (KEYS, Q_ROWS): read back as dS (Q_ROWS, KEYS)
+            ds_t.store(ds16)
+            fence_async_shared()
+            dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+            dq = warpgroup_mma(ds_t.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
+            dv, dk, dq, pt_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op, ds_op])
         mbarrier.arrive(empty.index(stage), count=1)
         dq_at = (dq_ptr + b.to(gl.int64) * sqb + h.to(gl.int64) * sqh
                  + gl.expand_dims((m0 + dq_rows).to(gl.int64) * HEAD_DIM, 1) + gl.expand_dims(dq_cols, 0))
@@ -106,7 +134,8 @@ def _consumer(dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar
 def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr, dq_ptr,
                            qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, ssb, ssh, sqb, sqh,
                            CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                           CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
+                           CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
+                           SPLIT: gl.constexpr):
     """`hopper.attn_bwd_dkdv_hopper_kernel` that also adds dQ (times the scale) into dq_ptr."""
     Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -126,30 +155,37 @@ def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, ls
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, KEYS, Q_ROWS], ds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [4 if SPLIT else 2, KEYS, Q_ROWS], ds_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_full.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
-        (_consumer, (dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty, lse2_ptr,
-                     delta_ptr, dq_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group, first_block,
-                     n_blocks, ssb, ssh, sqb, sqh, 0, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
-        (_consumer, (dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty, lse2_ptr,
-                     delta_ptr, dq_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group, first_block,
-                     n_blocks, ssb, ssh, sqb, sqh, 1, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
+        (_consumer, (dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty, ds_full,
+                     ds_free, lse2_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group,
+                     first_block, n_blocks, ssb, ssh, sqb, sqh, 0, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES,
+                     SPLIT)),
+        (_consumer, (dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, ready, empty, ds_full,
+                     ds_free, lse2_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group,
+                     first_block, n_blocks, ssb, ssh, sqb, sqh, 1, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES,
+                     SPLIT)),
         (hopper._dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar,
                                  ready, empty, b, hk, start_n, group, first_block, n_blocks, Q_ROWS, KEYS,
                                  STAGES)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
-def backward(grad_out, q, k, v, out, lse, mask: table.Mask, sm_scale: float):
+def backward(grad_out, q, k, v, out, lse, mask: table.Mask, sm_scale: float, split: bool = True):
     """(dq, dk, dv) of dense (B, H, N, D) fp16/bf16 attention on Hopper (`hopper.serves` holds, bases
-    aligned): torch row terms, the kernel, torch's cast of the fp32 dQ sum."""
+    aligned): torch row terms, the kernel (`split`: its SPLIT), torch's cast of the fp32 dQ sum."""
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = table.padded_head_dim(d)
@@ -164,7 +200,8 @@ def backward(grad_out, q, k, v, out, lse, mask: table.Mask, sm_scale: float):
                      int(mask.lower_right) * (n_k - n_q), hq * n_q, n_q, hq * n_q * padded, n_q * padded),
                     {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": hopper.BWD_STAGES,
                      "CONSUMER_REGISTERS": hopper.CONSUMER_REGISTERS,
-                     "PRODUCER_REGISTERS": hopper.PRODUCER_REGISTERS, "num_warps": 4}, q.device)
+                     "PRODUCER_REGISTERS": hopper.PRODUCER_REGISTERS, "SPLIT": split, "num_warps": 4},
+                    q.device)
     tensors = (q, k, v, grad_out, dk, dv)
     launch(*(Descriptor(t, shape, strides, block, layout=layout)
              for t, (shape, strides, block, layout) in zip(tensors, layouts, strict=True)),
@@ -197,15 +234,17 @@ def check() -> None:
             scale = d ** -0.5
             out, lse = table.forward(q, k, v, mask, scale)
             grad_out = torch.randn_like(out)
-            got = backward(grad_out, q, k, v, out, lse, mask, scale)
             kept = table.backward(grad_out, None, q, k, v, out, lse, mask, scale)
             wants = _reference(q, k, v, grad_out, mask, scale)
-            errors = []
-            for name, g, kp, w in zip(("dq", "dk", "dv"), got, kept, wants, strict=True):
-                err, kept_err = ((t.double() - w).norm() / w.norm() for t in (g, kp))
-                errors.append(f"{name} {err:.1e} (kept {kept_err:.1e})")
-                assert err <= 1.2 * kept_err + 1e-6, f"{name}: {err:.2e} against the kept one's {kept_err:.2e}"
-            print(f"ok {(b, hq, hk, n_q, n_k, d)} {mask} {str(dtype)[6:]}: " + ", ".join(errors), flush=True)
+            for split in (False, True):
+                got = backward(grad_out, q, k, v, out, lse, mask, scale, split)
+                errors = []
+                for name, g, kp, w in zip(("dq", "dk", "dv"), got, kept, wants, strict=True):
+                    err, kept_err = ((t.double() - w).norm() / w.norm() for t in (g, kp))
+                    errors.append(f"{name} {err:.1e} (kept {kept_err:.1e})")
+                    assert err <= 1.2 * kept_err + 1e-6, f"{name}: {err:.2e} against the kept one's {kept_err:.2e}"
+                print(f"ok split={split} {(b, hq, hk, n_q, n_k, d)} {mask} {str(dtype)[6:]}: " + ", ".join(errors),
+                      flush=True)
 
 
 def _ms(fn) -> float:
@@ -219,14 +258,16 @@ def _row(b: int, h: int, n: int, d: int, causal: bool, dtype: torch.dtype) -> st
     out, lse = table.forward(q, k, v, mask, scale)
     grad_out = torch.randn_like(out)
     work = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1) / 1e9
-    atomic = work / _ms(lambda: backward(grad_out, q, k, v, out, lse, mask, scale))
+    atomic = work / _ms(lambda: backward(grad_out, q, k, v, out, lse, mask, scale, False))
+    split = work / _ms(lambda: backward(grad_out, q, k, v, out, lse, mask, scale, True))
     kept = work / _ms(lambda: table.backward(grad_out, None, q, k, v, out, lse, mask, scale))
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
         cudnn = work / _ms(lambda: torch.autograd.grad(o, (qs, ks, vs), grad_out, retain_graph=True))
-    return (f"| B{b} H{h} N{n} d{d}{' causal' if causal else ''} | {str(dtype)[6:]} | {atomic:.0f} | "
-            f"{kept:.0f} | {cudnn:.0f} | {atomic / cudnn:.2f}x | {atomic / kept:.2f}x |")
+    best = max(atomic, split)
+    return (f"| B{b} H{h} N{n} d{d}{' causal' if causal else ''} | {str(dtype)[6:]} | {atomic:.0f} | {split:.0f} | "
+            f"{kept:.0f} | {cudnn:.0f} | {best / cudnn:.2f}x | {best / kept:.2f}x |")
 
 
 SHAPES = [(4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (1, 16, 16384, 128, False),
@@ -234,8 +275,9 @@ SHAPES = [(4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (1, 16, 16384, 12
 
 
 def bench() -> None:
-    print("| shape | dtype | atomic dQ TFLOP/s | kept TFLOP/s | cuDNN TFLOP/s | atomic / cuDNN | atomic / kept |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| shape | dtype | per-warpgroup dQ TFLOP/s | split dQ TFLOP/s | kept TFLOP/s | cuDNN TFLOP/s | "
+          "best / cuDNN | best / kept |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for dtype in (torch.bfloat16, torch.float16):
         for shape in SHAPES:
             print(_row(*shape, dtype), flush=True)
