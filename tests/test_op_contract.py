@@ -183,3 +183,41 @@ def test_vmap_of_grad_matches_torch():
     ref = torch.func.grad(_loss(lambda x, w: F.rms_norm(x, (12,), w, 1e-6)), argnums=1)
     want = torch.stack([ref(x.double(), w.double()) for x in xs])
     testing.assert_close("per-example grad", got, want, torch.float32)
+
+
+def _negated(t: torch.Tensor) -> torch.Tensor:
+    """t's values, stored negated with the lazy negation bit set (as `z.conj().imag` gives them)."""
+    view = torch._neg_view(-t.detach()).requires_grad_(t.requires_grad)
+    assert view.is_neg() and torch.equal(view, t)
+    return view
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_negated_views_read_as_their_values(name):
+    """Inputs with the negation bit (their memory holds -x) and an upstream gradient with it give
+    torch's results and gradients, as the dispatcher's resolution would: the kernels read memory as
+    stored and used to compute on -x."""
+    fk_fn, torch_fn, make = FUNCTIONS[name]
+    inputs = [t.requires_grad_() for t in make()]
+    views = [_negated(t) for t in inputs]
+    got = fk_fn(*views)
+    want = torch_fn(*[t.detach().double().requires_grad_() for t in inputs])
+    testing.assert_close("out", got, want, torch.float32)
+    grad_out = testing.randn(tuple(got.shape), torch.float32)
+    got_grads = torch.autograd.grad(fk_fn(*inputs), inputs, _negated(grad_out))
+    reference = [t.detach().double().requires_grad_() for t in inputs]
+    want_grads = torch.autograd.grad(torch_fn(*reference), reference, grad_out.double())
+    for i, (g, r) in enumerate(zip(got_grads, want_grads, strict=True)):
+        testing.assert_close(f"grad {i}", g, r, torch.float32)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_sparse_and_nested_inputs_are_refused(name):
+    fk_fn, _, make = FUNCTIONS[name]
+    inputs = make()
+    with pytest.raises(TypeError, match="must be a dense .strided. tensor, got a sparse_coo one"):
+        fk_fn(inputs[0].to_sparse(), *inputs[1:])
+    if inputs[0].dim() >= 2:
+        nested = torch.nested.nested_tensor(list(inputs[0].unbind(0)))
+        with pytest.raises(TypeError, match="must be a dense .strided. tensor, got a nested one"):
+            fk_fn(nested, *inputs[1:])

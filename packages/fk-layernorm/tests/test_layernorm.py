@@ -351,13 +351,41 @@ def test_modules_without_parameters_check_the_width(module):
         (lambda x: layer_norm(x, testing.randn((8, 1))), ValueError, "weight must have at most 1"),
         (lambda x: rms_norm(x, torch.ones(8, device="meta")), ValueError, "one device"),
         (lambda x: layer_norm(x.int()), TypeError, "x must have dtype"),
-        (lambda x: layer_norm(x, eps=-1.0), ValueError, "eps must be a positive"),
+        (lambda x: layer_norm(x, eps=-1.0), ValueError, "eps must be a finite number >= 0"),
+        (lambda x: rms_norm(x, eps=float("nan")), ValueError, "eps must be a finite number >= 0"),
+        (lambda x: layer_norm(x, eps=True), ValueError, "eps must be a finite number >= 0"),
         (lambda x: layer_norm(x, testing.randn((8,)), testing.randn((8,)).half()), TypeError, "one dtype"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(call, error, match):
     with pytest.raises(error, match=match):
         call(testing.randn((4, 8)))
+
+
+@pytest.mark.parametrize("module", [LayerNorm, RMSNorm])
+def test_eps_zero_is_torchs(module):
+    """eps = 0, which torch's norms take (a constant row then gives NaN in both): the same output."""
+    theirs = getattr(torch.nn, module.__name__)(16, eps=0.0, device=testing.device()).double()
+    ours = module(16, eps=0.0, device=testing.device())
+    x = testing.randn((3, 16))
+    testing.assert_close(module.__name__, ours(x), theirs(x.double()), torch.float32)
+
+
+def test_module_flags_take_bools_only():
+    """A truthy string is refused with a TypeError naming the flag (it used to build the parameters
+    the string seemed to turn off)."""
+    for build, flag in ((lambda f: LayerNorm(4, elementwise_affine=f), "elementwise_affine"),
+                        (lambda f: LayerNorm(4, bias=f), "bias"), (lambda f: LayerNorm(4, stable=f), "stable"),
+                        (lambda f: RMSNorm(4, elementwise_affine=f), "elementwise_affine")):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+            build("False")
+        build(False)
+
+
+def test_fake_stats_match_a_zero_width_input():
+    """The registered op's fake gives the statistics' real shape when the last dim is 0."""
+    x = testing.randn((3, 0), requires_grad=True)
+    torch.library.opcheck(torch.ops.fk.norm.default, (x, None, None, 1e-5, False, False, True))
 
 
 def test_compiled_graph_runs_the_fk_op():

@@ -114,6 +114,15 @@ def test_swapped_gradients_reach_the_same_parameters():
         testing.assert_close(name, a, r, dtype)
 
 
+def test_swap_keeps_an_eps_of_zero():
+    """torch's norms take eps = 0; the swapped ones run it (they used to refuse it on the first call)."""
+    net = torch.nn.Sequential(torch.nn.LayerNorm(D, eps=0.0), torch.nn.RMSNorm(D, eps=0.0)).to(testing.device())
+    x = testing.randn((4, D))
+    reference = net(x)
+    assert swap_norms(net) == 2 and net[0].eps == net[1].eps == 0.0
+    testing.assert_close("out", net(x), reference, torch.float32)
+
+
 def test_swap_is_idempotent_and_checks_its_argument():
     net = torch.nn.Sequential(torch.nn.LayerNorm(D)).to(testing.device())
     assert swap_norms(net) == 1

@@ -33,6 +33,9 @@ def check_tensor(
     needs the backend (`check_kernel_device`) runs inside the op's eager implementation."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout is not torch.strided or value.is_nested:
+        kind = "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} one")
     if value.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in ({_dtype_names(dtypes)}), got {value.dtype}")
     if value.dim() < min_dim:
@@ -90,6 +93,19 @@ def check_positive(name: str, value) -> None:
         ok = False
     if not ok:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def check_nonnegative(name: str, value) -> None:
+    """A finite real number of at least 0 (Python or NumPy scalars; not a bool)."""
+    if type(value) is float and 0.0 <= value < math.inf:
+        return
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    try:
+        ok = ok and math.isfinite(value) and value >= 0
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def check_size(name: str, value, minimum: int = 1) -> int:

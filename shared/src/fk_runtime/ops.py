@@ -54,6 +54,13 @@ def traced(args) -> bool:
     return False
 
 
+def resolve_negated(args) -> tuple:
+    """`args` with lazily negated views (`x.is_neg()`: `t.conj().imag`, `torch._neg_view`) made real
+    tensors: the kernels read memory as stored, and would compute on -x. The dispatcher does this
+    for the registered ops; eager calls skip it."""
+    return tuple(a.resolve_neg() if isinstance(a, torch.Tensor) and a.is_neg() else a for a in args)
+
+
 def not_differentiable_message(name: str) -> str:
     return (f"{name} computes first-order gradients only: differentiating through them "
             "(create_graph=True and a second backward, e.g. a gradient penalty) is not supported")
@@ -146,6 +153,7 @@ def define(
     def run_backward(*args):
         if traced(args):
             return traced_backward(*args)
+        args = resolve_negated(args)
         if not torch.is_grad_enabled() and not _functorch_active():
             return backward(*args)
         return BackwardFunction.apply(*args)
@@ -173,7 +181,7 @@ def define(
     def run_forward(*inputs):
         if traced(inputs):
             return traced_op(*inputs)
-        return forward(*inputs)
+        return forward(*resolve_negated(inputs))
 
     def make_function(forward_fn, kind: str):
         cls = type(f"{name.title().replace('_', '')}{kind}Function", (torch.autograd.Function,), {
@@ -203,6 +211,8 @@ def define(
         for a in inputs:  # one pass: traced tensors (fake, functional) and inputs requiring grad
             kind = type(a)
             if kind is torch.Tensor or kind is torch.nn.Parameter:
+                if a.is_neg():
+                    return apply(*resolve_negated(inputs))
                 records = records or (grad_mode and a.requires_grad)
             elif isinstance(a, torch.Tensor):
                 return function.apply(*inputs)

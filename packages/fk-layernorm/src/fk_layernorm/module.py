@@ -49,9 +49,12 @@ class LayerNorm(torch.nn.Module):
                  bias: bool = True, device=None, dtype=None, stable: bool = False):
         super().__init__()
         self.normalized_shape = (_features(normalized_shape),)
-        self.eps, self.elementwise_affine, self.stable = eps, elementwise_affine, stable
+        self.eps = eps
+        self.elementwise_affine = checks.check_flag("elementwise_affine", elementwise_affine)
+        self.stable = checks.check_flag("stable", stable)
+        bias = checks.check_flag("bias", bias)
         factory = {"device": device, "dtype": dtype}
-        if elementwise_affine:
+        if self.elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
             self.bias = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory)) if bias else None
         else:
@@ -80,8 +83,8 @@ class RMSNorm(torch.nn.Module):
                  device=None, dtype=None):
         super().__init__()
         self.normalized_shape = (_features(normalized_shape),)
-        self.eps, self.elementwise_affine = eps, elementwise_affine
-        if elementwise_affine:
+        self.eps, self.elementwise_affine = eps, checks.check_flag("elementwise_affine", elementwise_affine)
+        if self.elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)

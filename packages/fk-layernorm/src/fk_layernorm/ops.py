@@ -8,6 +8,7 @@ itself (no copy), the parameters and those statistics.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -25,7 +26,7 @@ def _forward(
 
 
 def _forward_fake(x, weight, bias, eps, is_rms, stable, save_stats):
-    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    n_rows = math.prod(x.shape[:-1])
     return x.new_empty(x.shape), x.new_empty(plan.stats_shape(n_rows, is_rms, stable, save_stats),
                                              dtype=torch.float32)
 
@@ -74,7 +75,7 @@ def _check(x, weight, bias, eps):
                 )
     checks.check_same_device(x=x, weight=weight, bias=bias)
     checks.check_same_dtype(weight=weight, bias=bias)
-    checks.check_positive("eps", eps)
+    checks.check_nonnegative("eps", eps)  # torch's norms take 0 (a constant row then gives NaN, as theirs)
 
 
 def _needs_stats(*tensors) -> bool:

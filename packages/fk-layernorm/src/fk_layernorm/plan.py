@@ -220,8 +220,8 @@ def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: b
     def new_stats():
         return fp32.new_empty(stats_size)
 
-    if x.numel() == 0:
-        return lambda x, w, b: (alloc.empty(shape, dtype=dtype, device=device), new_stats())
+    if x.numel() == 0:  # rows of no columns: statistics 0, defined (the backward gives zeros anyway)
+        return lambda x, w, b: (alloc.empty(shape, dtype=dtype, device=device), new_stats().zero_())
     p = forward_plan(n_rows, n_cols, dtype, is_rms)
     meta = dict(**_flags(has_w, has_b, is_rms, stable), SAVE_STATS=save_stats,
                 **sizing.launch_options(p.num_warps))
