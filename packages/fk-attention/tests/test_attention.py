@@ -676,3 +676,10 @@ def test_bad_arguments_raise_clear_errors():
             attention(f8, f8, f8)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         SelfAttention(64, num_heads=4, num_kv_heads=3)
+    with pytest.raises(TypeError, match="num_heads must be an int"):
+        SelfAttention(64, num_heads=True)  # used to build one head
+    # Past what fp32 holds (the kernels scale in fp32): NaN outputs before, refused now.
+    with pytest.raises(ValueError, match="sm_scale must be at most"):
+        attention(q, q, q, sm_scale=1e39)
+    with pytest.raises(ValueError, match="softcap must be at most"):
+        attention(q, q, q, softcap=1e39)

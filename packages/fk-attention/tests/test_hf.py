@@ -171,6 +171,9 @@ def test_packed_bounds_follow_the_batch_and_in_place_updates():
     is read again."""
     ids = torch.tensor([[0, 1, 2, 0, 1, 0]], device=testing.device())
     assert hf._restarts(ids, 1).tolist() == [0, 3, 5, 6]
+    # The tensor itself is held (not its id and address): a later step's ids cannot take them over.
+    assert hf._last_positions[0] is ids
+    assert hf._restarts(ids.clone(), 1).tolist() == [0, 3, 5, 6]
     assert hf._restarts(ids, 2).tolist() == [0, 3, 5, 6, 9, 11, 12]
     ids[0, 3:] = torch.tensor([3, 4, 5])
     assert hf._restarts(ids, 2) is None

@@ -276,6 +276,36 @@ def test_packed_under_torch_compile(mode):
         dtype=torch.float32, names=["q", "k", "v"])
 
 
+def test_packed_rows_past_the_last_sequence_are_zero():
+    """A padded buffer (rows past cu_seqlens[-1], other ends for q and k): those rows' outputs are
+    0 with a log-sum-exp of -inf and their gradients 0, never the memory's old contents (fresh
+    allocations filled with NaN here; before, they came back NaN and spread into the projections'
+    weight gradients); the sequences' own rows as before."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # and torch.utils.deterministic.fill_uninitialized_memory
+    try:
+        q, k, v, cu_q, cu_k = packed_inputs([5, 9], [7, 4], 4, 2, 16, torch.float32, requires_grad=False)
+        spare = [torch.cat([t, testing.randn((n, *t.shape[1:]), torch.float32)]).requires_grad_()
+                 for t, n in ((q, 6), (k, 3), (v, 3))]
+        out, lse = attention_varlen(*spare, cu_q, cu_k, 9, 7, causal=True, return_lse=True)
+        want, want_lse = packed_reference(q, k, v, cu_q, cu_k, True, None)
+        testing.assert_close("out", out[:14], want, torch.float32)
+        assert torch.equal(out[14:], torch.zeros_like(out[14:])) and bool((lse[:, 14:] == -math.inf).all())
+        grads = torch.autograd.grad(out, spare, testing.randn(out.shape))
+        for g, n in zip(grads, (14, 11, 11), strict=True):
+            assert torch.isfinite(g[:n]).all() and torch.equal(g[n:], torch.zeros_like(g[n:]))
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def test_packed_bounds_are_read_through_their_strides():
+    """cu_seqlens as a strided view (every other entry of a buffer): the same result as contiguous."""
+    q, k, v, cu_q, cu_k = packed_inputs([4, 9], [6, 9], 2, 1, 16, torch.float32, requires_grad=False)
+    strided = [torch.stack([cu, torch.full_like(cu, 9)], 1)[:, 0] for cu in (cu_q, cu_k)]
+    assert strided[0].stride() == (2,)
+    torch.testing.assert_close(attention_varlen(q, k, v, *strided, 9, 9), attention_varlen(q, k, v, cu_q, cu_k, 9, 9))
+
+
 def test_packed_bad_inputs_raise_clear_errors():
     q, k, v, cu_q, cu_k = packed_inputs([4, 5], [4, 5], 2, 2, 16, torch.float32, requires_grad=False)
     with pytest.raises(TypeError, match="cu_seqlens_q must have dtype in \\(int32\\)"):

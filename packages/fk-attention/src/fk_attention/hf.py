@@ -98,19 +98,19 @@ def _packed(query, key, value, cu_q, cu_k, max_q, max_k, **mask_args) -> torch.T
     return out.view(b, n_q, *out.shape[1:])
 
 
-# The last position ids seen and their sequence bounds: every layer of one forward gets the same
-# tensor, so the device sync that reading them costs is paid once per forward, not once per layer.
-# Keyed by identity, storage, version, shape and batch; inference tensors (no version) are not kept.
-_last_positions: list = [None, None]
+# The last position ids seen (the tensor itself, so that neither its id nor its memory can pass to
+# a later step's tensor), its version and the batch, and their sequence bounds: every layer of one
+# forward gets the same tensor, so the device sync that reading them costs is paid once per
+# forward, not once per layer. Inference tensors (no version) are not kept.
+_last_positions: list = [None, None, None]
 
 
 def _restarts(position_ids: torch.Tensor, batch: int) -> torch.Tensor | None:
     """cu_seqlens of the sequences packed in (B, N) position ids (a new one wherever a position is
     not its predecessor + 1, as transformers' `find_packed_sequence_indices`), None if unpacked."""
-    key = None if position_ids.is_inference() else (
-        id(position_ids), position_ids.data_ptr(), position_ids._version, tuple(position_ids.shape), batch)
-    if key is not None and _last_positions[0] == key:
-        return _last_positions[1]
+    key = None if position_ids.is_inference() else (position_ids._version, batch)
+    if key is not None and _last_positions[0] is position_ids and _last_positions[1] == key:
+        return _last_positions[2]
     positions = position_ids.expand(batch, -1)
     starts = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1) != 1
     cu = None
@@ -118,7 +118,7 @@ def _restarts(position_ids: torch.Tensor, batch: int) -> torch.Tensor | None:
         starts[:, 0] = True
         cu = torch.nn.functional.pad(starts.flatten().nonzero().flatten().to(torch.int32), (0, 1),
                                      value=starts.numel())
-    _last_positions[:] = [key, cu]
+    _last_positions[:] = [None if key is None else position_ids, key, cu]
     return cu
 
 

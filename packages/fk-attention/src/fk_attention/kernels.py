@@ -604,6 +604,40 @@ def attn_bwd_dkdv_kernel(
                     BLOCK_N)
 
 
+# ---- packed sequences: the rows of a padded buffer past its last sequence -------------------------
+
+# Rows and columns one program fills per step (see `fill_tail_kernel`).
+TAIL_ROWS = 64
+TAIL_COLS = 128
+
+
+@triton.jit
+def _fill_rows(t_ptr, rows, keep, n_cols, stride_r, stride_c, value, BLOCK_C: tl.constexpr):
+    for c in range(0, n_cols, BLOCK_C):
+        cols = c + tl.arange(0, BLOCK_C)
+        at = tl.cast(rows[:, None], tl.int64) * stride_r + tl.cast(cols[None, :], tl.int64) * stride_c
+        fill = tl.full((rows.shape[0], BLOCK_C), value, tl.float32)
+        tl.store(t_ptr + at, fill.to(t_ptr.dtype.element_ty), mask=keep[:, None] & (cols[None, :] < n_cols))
+
+
+@triton.jit
+def fill_tail_kernel(a_ptr, b_ptr, cu_ptr, n_seq, total, a_cols, a_stride_r, a_stride_c, a_value,
+                     b_cols, b_stride_r, b_stride_c, b_value,
+                     TWO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Token rows [cu[n_seq], total) of one or two tensors (a, and b with TWO) set to a value: the
+    rows of a padded buffer past its last sequence, which no attention kernel writes (their outputs
+    and gradients would hold whatever the memory did). The bound is read here (clamped to
+    [0, total], as the kernels clamp); a program whose rows all belong to sequences stores nothing."""
+    start = tl.program_id(0) * BLOCK_R
+    end = tl.minimum(tl.maximum(tl.load(cu_ptr + n_seq), 0), total)
+    if start + BLOCK_R > end:
+        rows = start + tl.arange(0, BLOCK_R)
+        keep = (rows >= end) & (rows < total)
+        _fill_rows(a_ptr, rows, keep, a_cols, a_stride_r, a_stride_c, a_value, BLOCK_C)
+        if TWO:
+            _fill_rows(b_ptr, rows, keep, b_cols, b_stride_r, b_stride_c, b_value, BLOCK_C)
+
+
 # ---- decode: few query rows against many keys (split-KV, "flash decoding"), KV caches -------------
 #
 # A program takes one (batch, KV head), every query row of that head's GQA group (row r is query

@@ -22,9 +22,8 @@ class SelfAttention(torch.nn.Module):
         """dim / num_heads is the head dim: a multiple of 8 from 16 to 256 (the kernels' range)."""
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        for name, value in (("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        dim, num_heads, num_kv_heads = (checks.check_size(name, value) for name, value in (
+            ("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)))
         if dim % num_heads:
             raise ValueError(f"dim ({dim}) must be a multiple of num_heads ({num_heads})")
         if num_heads % num_kv_heads:

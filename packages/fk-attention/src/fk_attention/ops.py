@@ -188,16 +188,25 @@ def mask_args(causal, window, softcap) -> tuple[int, int, bool, float]:
     cap = 0.0
     zero = isinstance(softcap, numbers.Real) and not isinstance(softcap, bool) and softcap == 0
     if softcap is not None and not zero:
-        checks.check_positive("softcap", softcap)
-        cap = float(softcap)
+        cap = _bounded("softcap", softcap)
     return left, right, lower_right, cap
+
+
+# The kernels scale in fp32 (sm_scale * log2(e) included): a larger scale or cap is inf there.
+MAX_SCALE = torch.finfo(torch.float32).max / 2
+
+
+def _bounded(name: str, value) -> float:
+    checks.check_positive(name, value)
+    if value > MAX_SCALE:
+        raise ValueError(f"{name} must be at most {MAX_SCALE:.3g} (the kernels scale in fp32), got {value!r}")
+    return float(value)
 
 
 def _scale(sm_scale, head_dim: int) -> float:
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    checks.check_positive("sm_scale", sm_scale)
-    return float(sm_scale)
+    return _bounded("sm_scale", sm_scale)
 
 
 def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: bool = False,
@@ -228,12 +237,14 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
     return (out, lse) if return_lse else out
 
 
-def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor) -> None:
+def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """cu, contiguous: the kernels read entry i at cu + i."""
     checks.check_tensor(name, cu, dtypes=(torch.int32,), min_dim=1, max_dim=1)
     if cu.shape[0] < 1:
         raise ValueError(f"{name} must hold at least one entry (0), got shape {tuple(cu.shape)}")
     if cu.device != q.device:
         raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+    return cu.contiguous()
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal=False,
@@ -253,13 +264,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     what they read there (the next sequence, or rows past cu_seqlens[-1] in a padded buffer) gets
     zero weight, so finite values never cross; an inf or NaN there can turn the neighbouring
     sequence's edge rows NaN (0 * inf): keep spare rows finite (e.g. a buffer from torch.zeros).
+    Spare rows past cu_seqlens[-1] get a zero output, a log-sum-exp of -inf and zero gradients.
 
     Returns out (total_q, Hq, D), and with `return_lse=True` also lse (Hq, total_q) fp32."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_tensor(name, t, dtypes=ATTENTION_DTYPES, min_dim=3, max_dim=3)
     _check_heads(q, k, v, 1)
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
+    cu_seqlens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
+    cu_seqlens_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one shape (sequences + 1), got "
                          f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")

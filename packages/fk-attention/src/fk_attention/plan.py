@@ -631,6 +631,28 @@ class Packing:
     max_k: int
 
 
+def _tail_fill(device: torch.device, sequences: int, total: int, *tensors: tuple[tuple, float]):
+    """run(*tensors, cu) setting the token rows [cu[sequences], total) of one or two fresh packed
+    tensors (the rows of a padded buffer past its last sequence, which no kernel writes) to a value
+    each (`kernels.fill_tail_kernel`); each given as (shape, value): a contiguous (total, H, D)
+    output or gradient, or an (H, total) log-sum-exp."""
+    geometry = []
+    for shape, value in tensors:
+        rows_last = len(shape) == 2  # (H, total)
+        cols = shape[0] if rows_last else shape[1] * shape[2]
+        geometry += [cols, 1 if rows_last else cols, total if rows_last else 1, value]
+    two = len(tensors) == 2
+    launch = Launch(kernels.fill_tail_kernel, (sizing.cdiv(total, kernels.TAIL_ROWS),),
+                    (sequences, total, *geometry, *(() if two else (0, 0, 0, 0.0))),
+                    {"TWO": two, "BLOCK_R": kernels.TAIL_ROWS, "BLOCK_C": kernels.TAIL_COLS}, device)
+
+    def run(*args):
+        *tensors, cu = args
+        launch(tensors[0], tensors[-1], cu)
+
+    return run
+
+
 def _bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=None,
                   packing: Packing | None = None):
     """The forward of one key: run(q, k, v, cu_q, cu_k) -> (out, lse). Dense: (B, H, N, D) inputs,
@@ -690,6 +712,9 @@ def _bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors
     kernel = _Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, tiles, (q_, k_, v_, out), tail,
                      _meta(mask, varlen, d, dtype), dtype, should_autotune(dtype, b * hq, n_q, n_k), descriptors,
                      config, device)
+    # Packed rows past the last sequence: output 0, log-sum-exp -inf (as a row that sees no key).
+    tail = _tail_fill(device, b, total_q, ((total_q, hq, d), 0.0), ((hq, total_q), -math.inf)) \
+        if varlen else None
     # The Gluon kernel on Hopper where it serves (hopper.py); a forced config or TMA choice is the tl one's.
     gluon = None
     if not varlen and config is None and descriptors is None and q_ok and k_ok and v_ok \
@@ -704,6 +729,8 @@ def _bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors
         q, k, v = as_kernel(q), as_kernel(k), as_kernel(v)
         kernel(q if q_ok else q.contiguous(), k if k_ok else k.contiguous(), v if v_ok else v.contiguous(),
                as_kernel(out), lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k)
+        if tail is not None:
+            tail(out, lse, cu_q)
         return out, lse
 
     return run
@@ -842,6 +869,9 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
         {**meta, "REST": False}, dtype, tune, descriptors, dkdv_config, device)
 
     as_given = all(oks) and not expanded
+    # Packed rows past the last sequence: gradient 0 (their outputs are 0 whatever their inputs).
+    tails = (_tail_fill(device, b, totals[0], (shapes[0], 0.0)),
+             _tail_fill(device, b, totals[1], (shapes[1], 0.0), (shapes[2], 0.0))) if varlen else None
     # dK/dV in Gluon on Hopper where it serves (hopper.py); forced configs or TMA choices run tl.
     gluon = None
     if not varlen and not forced and hopper.serves(q_, k_, v_, mask) \
@@ -867,6 +897,9 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
             gluon(q, k, v, grad_out, lse2, delta, dk, dv)
         else:
             dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k)
+        if tails is not None:
+            tails[0](grads[0], cu_q)
+            tails[1](grads[1], grads[2], cu_k)
         return grads
 
     return run
