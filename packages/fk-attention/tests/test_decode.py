@@ -370,6 +370,22 @@ def test_kvcache_refuses_bad_inputs_clearly():
         attention_with_kvcache(torch.zeros(2, 3, 1, 16, device=dev), cache, cache, lens)
 
 
+def test_kvcache_reads_negated_views_and_refuses_negated_caches():
+    """A q (and new rows) with the lazy negation bit read as their values (they computed on -q);
+    a cache with it is refused: it is written in place."""
+    dev = testing.device()
+    q, k_new, v_new = (testing.randn((1, 2, 1, 16), torch.float32) for _ in range(3))
+    k_cache, v_cache = (testing.randn((1, 2, 12, 16), torch.float32) for _ in range(2))
+    lens = torch.tensor([9], dtype=torch.int32, device=dev)
+    caches = [t.clone() for t in (k_cache, v_cache)]
+    want = attention_with_kvcache(q, *caches, lens, k_new, v_new)
+    negated = [torch._neg_view(-t) for t in (q, k_new, v_new)]
+    torch.testing.assert_close(attention_with_kvcache(negated[0], k_cache, v_cache, lens, *negated[1:]), want)
+    torch.testing.assert_close(k_cache, caches[0])
+    with pytest.raises(ValueError, match="k_cache must not be a lazily negated view"):
+        attention_with_kvcache(q, torch._neg_view(-k_cache), v_cache, lens)
+
+
 def test_kvcache_takes_strided_lengths_and_page_tables_and_huge_lengths():
     """Review finds: a strided cache_seqlens or page table is read through its strides; a page
     table narrowed to fewer pages after a wider one binds its own capacity; a length near

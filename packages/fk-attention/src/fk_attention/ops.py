@@ -385,7 +385,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
     if fk_ops.transforms_active() or fk_ops.traced((q, k_cache, v_cache, cache_seqlens)):
         out, lse = ATTENTION_KVCACHE(*args)
     else:
-        out, lse = _forward_kvcache(*args)
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.is_neg():  # written in place: a lazily negated view cannot be resolved into a copy
+                raise ValueError(f"{name} must not be a lazily negated view (is_neg()): written in place, "
+                                 f"it would hold -values; pass a real tensor")
+        out, lse = _forward_kvcache(*fk_ops.resolve_negated(args))
         if k is not None:  # as the registered op would: autograd sees the caches written
             torch.autograd.graph.increment_version(k_cache)
             torch.autograd.graph.increment_version(v_cache)
