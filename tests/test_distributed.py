@@ -86,6 +86,7 @@ def rank_main(rank: int, store: str, state: dict, x, target, result: str, backen
     if rank == 0:
         torch.save({how: [{name: t.cpu() for name, t in step.items()} for step in steps]
                     for how, steps in runs.items()}, result)
+    dist.barrier()  # no rank leaves while another still finishes a collective with it
     dist.destroy_process_group()
 
 

@@ -82,6 +82,24 @@ def test_registered_ops_check_their_inputs():
     torch.ops.fk.attention(q, k, v, 0.25, -1, -1, False, 0.0)
     with pytest.raises(TypeError, match="one dtype"):
         torch.ops.fk.attention(q, k.double(), v, 0.25, -1, -1, False, 0.0)
+    # Index tensors: int32 only, read through their strides (the public functions' checks skipped).
+    qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, k))
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, 5, 11], dtype=torch.int32, device=q.device)
+    strided = [torch.stack([cu, cu.flip(0)], 1)[:, 0] for cu in (cu_q, cu_k)]
+    args = (5, 6, 0.25, -1, 0, False, 0.0)
+    torch.testing.assert_close(torch.ops.fk.attention_varlen(qp, kp, vp, *strided, *args),
+                               torch.ops.fk.attention_varlen(qp, kp, vp, cu_q, cu_k, *args))
+    with pytest.raises(TypeError, match="cu_seqlens_q must have dtype int32"):
+        torch.ops.fk.attention_varlen(qp, kp, vp, cu_q.long(), cu_k, *args)
+    cache = testing.randn((1, 2, 8, 16), torch.float32)
+    lengths = torch.tensor([[5, 1]], dtype=torch.int32, device=q.device)[:, 0]
+    kv_args = (None, None, None, 0.25, -1, 0, 0.0)
+    torch.testing.assert_close(torch.ops.fk.attention_with_kvcache(q[:, :, :1], cache, cache, lengths, *kv_args),
+                               torch.ops.fk.attention_with_kvcache(q[:, :, :1], cache, cache, lengths.contiguous(),
+                                                                   *kv_args))
+    with pytest.raises(TypeError, match="cache_seqlens must have dtype int32"):
+        torch.ops.fk.attention_with_kvcache(q[:, :, :1], cache, cache, lengths.long(), *kv_args)
 
 
 def _flag_calls():
@@ -221,3 +239,56 @@ def test_sparse_and_nested_inputs_are_refused(name):
         nested = torch.nested.nested_tensor(list(inputs[0].unbind(0)))
         with pytest.raises(TypeError, match="must be a dense .strided. tensor, got a nested one"):
             fk_fn(nested, *inputs[1:])
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_compiled_without_grad_matches_torch(name, backend):
+    """torch.compile(fullgraph=True) where nothing requires grad (inference, a frozen model) and
+    under no_grad: Dynamo used to hand the autograd.Function's context to the op as an input."""
+    fk_fn, torch_fn, make = FUNCTIONS[name]
+    inputs = make()
+    want = torch_fn(*[t.double() for t in inputs])
+    torch._dynamo.reset()
+    compiled = torch.compile(fk_fn, backend=backend, fullgraph=True)
+    testing.assert_close("out", compiled(*inputs), want, torch.float32)
+    with torch.no_grad():
+        testing.assert_close("out under no_grad", compiled(*[t.requires_grad_() for t in inputs]), want,
+                             torch.float32)
+
+
+def test_outputs_are_not_views():
+    """Outputs made as views of the op's own buffers (a (B, N, H, D) buffer seen as (B, H, N, D), a
+    row of a sum) are tensors of their own: an in-place change is allowed as on torch's outputs (it
+    raised "is a view and is being modified inplace"); where the backward saved the output (attention,
+    as SDPA), autograd's version check refuses the change, as it does for SDPA."""
+    x, w = _x(4, 16, requires_grad=True), _x(16, requires_grad=True)
+    y = weighted_sum(x, w)
+    y.add_(1)
+    torch.testing.assert_close(torch.autograd.grad(y.sum(), w)[0], x.detach().sum(0))
+    q = testing.randn((1, 8, 2, 16), torch.float32).transpose(1, 2).requires_grad_()
+    k = _x(1, 2, 8, 16, requires_grad=True)
+    out = attention(q, k, k)
+    assert not out._is_view() and out.stride() == q.stride()
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_autocast_takes_inputs_as_torch_does():
+    """Under torch.autocast, attention and weighted_sum take their inputs in autocast's dtype, as
+    SDPA and `x @ w` do (mixed fp32/bf16 inputs raised "tensors must share one dtype": RoPE'd fp32
+    q and k beside a bf16 v in a transformers model); the norms and softmax keep their dtypes."""
+    device = testing.device().type
+    q, k = _x(1, 2, 8, 16), _x(1, 2, 8, 16)
+    v = _x(1, 2, 8, 16).to(torch.bfloat16)
+    x, w = _x(4, 16).to(torch.bfloat16), _x(16)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = attention(q, k, v, causal=True)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert out.dtype == want.dtype == torch.bfloat16
+        y = weighted_sum(x, w)
+        assert y.dtype == (x @ w).dtype == torch.bfloat16
+    reference = F.scaled_dot_product_attention(*(t.to(torch.bfloat16).double() for t in (q, k, v)), is_causal=True)
+    testing.assert_close("attention", out, reference, torch.bfloat16)
+    testing.assert_close("weighted_sum", y, x.double() @ w.to(torch.bfloat16).double(), torch.bfloat16)

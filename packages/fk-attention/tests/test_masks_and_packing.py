@@ -298,6 +298,20 @@ def test_packed_rows_past_the_last_sequence_are_zero():
         torch.use_deterministic_algorithms(was)
 
 
+def test_packed_backward_of_an_expanded_gradient():
+    """An upstream gradient with a zero stride over tokens (from `out.sum(0) * w`), not all equal:
+    the same gradients as its contiguous copy (the packed backward read it with the strides of
+    another copy: wrong gradients, hidden where every value is equal)."""
+    q, k, v, cu_q, cu_k = packed_inputs([7, 13], [7, 13], 2, 2, 16, torch.float32)
+    out = attention_varlen(q, k, v, cu_q, cu_k, 13, 13, causal=True)
+    grad = testing.randn((2, 16), torch.float32).expand(out.shape)
+    assert grad.stride()[0] == 0
+    got = torch.autograd.grad(out, [q, k, v], grad, retain_graph=True)
+    want = torch.autograd.grad(out, [q, k, v], grad.contiguous())
+    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
 def test_packed_bounds_are_read_through_their_strides():
     """cu_seqlens as a strided view (every other entry of a buffer): the same result as contiguous."""
     q, k, v, cu_q, cu_k = packed_inputs([4, 9], [6, 9], 2, 1, 16, torch.float32, requires_grad=False)

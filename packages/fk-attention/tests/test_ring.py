@@ -90,6 +90,7 @@ def rank_main(rank: int, store: str, inputs: dict, result: str) -> None:
         shard_sequence(torch.zeros(1, 1, 6, 16))
     if rank == 1:
         torch.save(gathered, result)
+    dist.barrier()  # no rank leaves while another still finishes a collective with it
     dist.destroy_process_group()
 
 
@@ -99,6 +100,7 @@ def gpu_rank_main(rank: int, store: str, inputs: dict, result: str) -> None:
     gathered = {case: gathered_run(case, full, None, device) for case, full in inputs.items()}
     if rank == 0:
         torch.save(gathered, result)
+    dist.barrier()  # no rank leaves while another still finishes a collective with it
     dist.destroy_process_group()
 
 

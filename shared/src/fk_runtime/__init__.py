@@ -23,7 +23,7 @@ PUBLIC = {
                "check_same_device", "check_same_dtype", "check_shape", "check_size", "check_tensor",
                "normalize_dim"),
     "launch": ("Descriptor", "Launch", "PLAN_CACHE_SIZE", "PlanCache", "bind_context"),
-    "ops": ("Op", "define", "resolve_negated", "traced", "transforms_active"),
+    "ops": ("Op", "autocast", "define", "resolve_negated", "traced", "transforms_active"),
     "partials": ("bind_sum_rows", "sum_rows"),
     "siblings": ("PROGRAM_WARPS", "RowPath", "await_row", "chunk_columns", "claim_abandoned", "lane", "max_siblings", "partials",
                  "publish", "scratch", "spin_limit", "widen_held"),

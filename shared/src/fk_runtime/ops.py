@@ -22,6 +22,7 @@ backward op raises the same way.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -59,6 +60,36 @@ def resolve_negated(args) -> tuple:
     tensors: the kernels read memory as stored, and would compute on -x. The dispatcher does this
     for the registered ops; eager calls skip it."""
     return tuple(a.resolve_neg() if isinstance(a, torch.Tensor) and a.is_neg() else a for a in args)
+
+
+_AUTOCAST_FROM = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def autocast(*tensors) -> tuple:
+    """`tensors` as torch's autocast hands them to its lower-precision ops (matmuls, SDPA): under
+    `torch.autocast` for the first tensor's device, every fp32/fp16/bf16 tensor in autocast's dtype;
+    otherwise (or for non-tensors, fp8 and the like) as given."""
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_FROM else t for t in tensors)
+
+
+def _own(outputs, inputs):
+    """Outputs that are views of buffers made inside the op (a (B, N, H, D) buffer seen as
+    (B, H, N, D), a row of a partial-sum buffer) as tensors of their own, same storage and strides:
+    autograd refuses in-place changes of a custom Function's view outputs, which torch's own ops
+    allow. Views of an input stay views (autograd must see that aliasing)."""
+    def own(o):
+        if not isinstance(o, torch.Tensor) or not o._is_view():
+            return o
+        base = o._base
+        if any(isinstance(i, torch.Tensor) and (base is i or base is i._base) for i in inputs):
+            return o
+        return o.detach()
+
+    return tuple(own(o) for o in outputs) if isinstance(outputs, tuple) else own(outputs)
 
 
 def not_differentiable_message(name: str) -> str:
@@ -181,7 +212,15 @@ def define(
     def run_forward(*inputs):
         if traced(inputs):
             return traced_op(*inputs)
-        return forward(*resolve_negated(inputs))
+        inputs = resolve_negated(inputs)
+        return _own(forward(*inputs), inputs)
+
+    def recorded_forward(*inputs):  # what autograd records in eager calls
+        return _own(forward(*inputs), inputs)
+
+    # The implementation's parameters: Dynamo passes `ctx` to a forward whose parameter count differs
+    # from the inputs' (a `*inputs` forward took it as its first input when nothing required grad).
+    run_forward.__signature__ = recorded_forward.__signature__ = inspect.signature(forward)
 
     def make_function(forward_fn, kind: str):
         cls = type(f"{name.title().replace('_', '')}{kind}Function", (torch.autograd.Function,), {
@@ -199,7 +238,7 @@ def define(
     # apply binds the arguments through inspect.signature when setup_context is defined: tens of
     # microseconds a call).
     function = make_function(run_forward, "")
-    eager = make_function(forward, "Eager")
+    eager = make_function(recorded_forward, "Eager")
     c_apply = super(torch.autograd.Function, eager).apply
 
     def apply(*inputs):

@@ -85,10 +85,21 @@ def _packing(cu_q: torch.Tensor, max_q: int, max_k: int) -> table.Packing:
     return table.Packing(cu_q.shape[0] - 1, max(max_q, 1), max(max_k, 1))
 
 
+def _index(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+    """An int32 index tensor (sequence bounds, lengths, page ids) as the kernels read it: with unit
+    strides. The registered ops take them from callers that skip the public functions' checks."""
+    if t is None:
+        return None
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype int32, got {t.dtype}")
+    return t.contiguous()
+
+
 def _forward_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
     max_k: int, sm_scale: float, left: int, right: int, lower_right: bool, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    cu_q, cu_k = _index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k)
     return table.forward_packed(q, k, v, cu_q, cu_k, _packing(cu_q, max_q, max_k),
                                 _mask(left, right, lower_right, softcap), sm_scale)
 
@@ -103,6 +114,7 @@ def _backward_varlen(
     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
     max_q: int, max_k: int, sm_scale: float, left: int, right: int, lower_right: bool, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cu_q, cu_k = _index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k)
     return table.backward_packed(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k,
                                  _packing(cu_q, max_q, max_k), _mask(left, right, lower_right, softcap),
                                  sm_scale)
@@ -229,7 +241,9 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
 
     `return_lse=True` returns (out, lse) with lse the fp32 row log-sum-exp (B, Hq, Nq) of the
     scaled scores, natural log: what merging partial attentions needs. It is differentiable too.
-    The output is laid out like q ((B, N, H, D) storage for such a view)."""
+    The output is laid out like q ((B, N, H, D) storage for such a view). Under `torch.autocast`
+    q, k, v are taken in its dtype, as SDPA takes them."""
+    q, k, v = fk_ops.autocast(q, k, v)
     _check(q, k, v)
     mask = mask_args(causal, window, softcap)
     return_lse = checks.check_flag("return_lse", return_lse)
@@ -266,7 +280,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     sequence's edge rows NaN (0 * inf): keep spare rows finite (e.g. a buffer from torch.zeros).
     Spare rows past cu_seqlens[-1] get a zero output, a log-sum-exp of -inf and zero gradients.
 
-    Returns out (total_q, Hq, D), and with `return_lse=True` also lse (Hq, total_q) fp32."""
+    Returns out (total_q, Hq, D), and with `return_lse=True` also lse (Hq, total_q) fp32. Under
+    `torch.autocast` q, k, v are taken in its dtype, as in `attention`."""
+    q, k, v = fk_ops.autocast(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_tensor(name, t, dtypes=ATTENTION_DTYPES, min_dim=3, max_dim=3)
     _check_heads(q, k, v, 1)
@@ -289,6 +305,7 @@ def _forward_kvcache(
     k: torch.Tensor | None, v: torch.Tensor | None, block_table: torch.Tensor | None, sm_scale: float, left: int,
     right: int, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    cache_seqlens, block_table = _index("cache_seqlens", cache_seqlens), _index("block_table", block_table)
     return decode.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
                                   _mask(left, right, True, softcap), sm_scale)
 
@@ -331,7 +348,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
     the capacity are dropped and keys past it not read, page indices clamped to the cache (wrong
     rows, never an out-of-range access). fp16, bf16, fp32.
 
-    Returns out like q, and with `return_lse=True` also lse (B, Hq, Nq) fp32 (natural log)."""
+    Returns out like q, and with `return_lse=True` also lse (B, Hq, Nq) fp32 (natural log). Under
+    `torch.autocast` q and the new rows are taken in its dtype (the caches' must match it)."""
+    q, k, v = fk_ops.autocast(q, k, v)
     checks.check_tensor("q", q, dtypes=KVCACHE_DTYPES, min_dim=4, max_dim=4)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         checks.check_tensor(name, t, dtypes=KVCACHE_DTYPES, min_dim=4, max_dim=4)

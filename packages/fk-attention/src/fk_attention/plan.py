@@ -879,12 +879,12 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
         gluon = hopper.bind_dkdv(q_, k_, v_, go_, dk, dv, scratch_strides, mask, sm_scale)
 
     def run(grad_out, grad_lse, q, k, v, out, lse, cu_q=None, cu_k=None):
+        if expanded:  # materialized as bound: before the packed view (whose own copy has other strides)
+            grad_out = grad_out.contiguous()
         q, k, v, out, grad_out = (as_kernel(t) for t in (q, k, v, out, grad_out))
         if not as_given:
             q, k, v, out, grad_out = (t if ok else t.contiguous()
                                       for t, ok in zip((q, k, v, out, grad_out), oks, strict=True))
-            if expanded:
-                grad_out = grad_out.contiguous()
         dlse = lse_view(grad_lse if dlse_ok else grad_lse.contiguous()) if has_dlse else lse
         grads = new_grads()
         dq, dk, dv = (as_kernel(g) for g in grads)

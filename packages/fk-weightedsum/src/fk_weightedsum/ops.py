@@ -39,9 +39,11 @@ def weighted_sum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     fp32 / fp16 / bf16 with fp32 accumulation; any leading dims; strided `x` is read through its
     strides (copied only when its leading dims cannot be merged into one). Differentiable in both
-    arguments; the backward reads x once.
+    arguments; the backward reads x once. Under `torch.autocast` both in its dtype, as `x @ weight`.
     """
     checks.check_tensor("x", x, min_dim=1)
+    checks.check_tensor("weight", weight, min_dim=1, max_dim=1)
+    x, weight = fk_ops.autocast(x, weight)
     checks.check_tensor("weight", weight, min_dim=1, max_dim=1)
     checks.check_same_dtype(x=x, weight=weight)
     checks.check_same_device(x=x, weight=weight)
