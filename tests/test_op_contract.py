@@ -292,3 +292,14 @@ def test_autocast_takes_inputs_as_torch_does():
     reference = F.scaled_dot_product_attention(*(t.to(torch.bfloat16).double() for t in (q, k, v)), is_causal=True)
     testing.assert_close("attention", out, reference, torch.bfloat16)
     testing.assert_close("weighted_sum", y, x.double() @ w.to(torch.bfloat16).double(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_legacy_batched_gradients_raise_clearly(name):
+    """autograd's legacy vmap (is_grads_batched=True) reached the kernels with batched tensors
+    ("Cannot access storage of BatchedTensorImpl"); it is refused, pointing at torch.func."""
+    fk_fn, _, make = FUNCTIONS[name]
+    inputs = [t.requires_grad_() for t in make()]
+    out = fk_fn(*inputs)
+    with pytest.raises(RuntimeError, match="legacy vmap"):
+        torch.autograd.grad(out, inputs, testing.randn((2, *out.shape), torch.float32), is_grads_batched=True)

@@ -123,6 +123,25 @@ def test_swap_keeps_an_eps_of_zero():
     testing.assert_close("out", net(x), reference, torch.float32)
 
 
+def test_swap_keeps_shared_norms_shared_and_their_hooks():
+    """One norm under two names (two places in a Sequential, two parents) becomes one fk module,
+    counted once (the second name kept torch's before); its forward hooks still fire and their
+    handles still remove them (they were dropped)."""
+    norm = torch.nn.LayerNorm(D).to(testing.device())
+    net = torch.nn.Sequential(norm, torch.nn.Linear(D, D, device=testing.device()), norm)
+    other = torch.nn.Sequential(norm)
+    both = torch.nn.ModuleList([net, other])
+    calls = []
+    handle = norm.register_forward_hook(lambda module, args, out: calls.append(type(module)))
+    assert swap_norms(both) == 1
+    assert isinstance(net[0], LayerNorm) and net[0] is net[2] is other[0] and net[0].weight is norm.weight
+    net(testing.randn((2, D)))
+    assert calls == [LayerNorm, LayerNorm]
+    handle.remove()
+    net(testing.randn((2, D)))
+    assert len(calls) == 2
+
+
 def test_swap_is_idempotent_and_checks_its_argument():
     net = torch.nn.Sequential(torch.nn.LayerNorm(D)).to(testing.device())
     assert swap_norms(net) == 1

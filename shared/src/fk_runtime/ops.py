@@ -62,6 +62,13 @@ def resolve_negated(args) -> tuple:
     return tuple(a.resolve_neg() if isinstance(a, torch.Tensor) and a.is_neg() else a for a in args)
 
 
+_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
+
+
+def _legacy_batched(a) -> bool:
+    return isinstance(a, torch.Tensor) and _is_legacy_batched(a)
+
+
 _AUTOCAST_FROM = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -184,6 +191,11 @@ def define(
     def run_backward(*args):
         if traced(args):
             return traced_backward(*args)
+        if any(_legacy_batched(a) for a in args):
+            raise RuntimeError(f"{backward_name} does not run under autograd's legacy vmap "
+                               "(`autograd.grad(..., is_grads_batched=True)`, "
+                               "`autograd.functional.jacobian(..., vectorize=True)`): use torch.func "
+                               "(`vmap` over `vjp`, `jacrev`), which fk ops support")
         args = resolve_negated(args)
         if not torch.is_grad_enabled() and not _functorch_active():
             return backward(*args)

@@ -70,12 +70,19 @@ def _replacement(module: torch.nn.Module):
     return new, None
 
 
+# torch.nn.Module's hook registries, carried over to a norm's replacement.
+HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+         "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook",
+         "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
 def swap_norms(model: torch.nn.Module) -> int:
     """Replace, in place, every `torch.nn.LayerNorm` and `torch.nn.RMSNorm` submodule of `model` and
     every transformers-style RMSNorm (a class named `*RMSNorm` with a 1-D `weight` and a float
     `variance_epsilon` or `eps`: Llama's, Mistral's, Qwen2's, ...) by `fk_layernorm.LayerNorm` /
     `RMSNorm` with the same eps, holding the very same weight and bias Parameters (optimizers and
-    tied weights keep working). Returns how many were replaced.
+    tied weights keep working); a norm held under several names becomes one fk module, and its
+    hooks stay registered. Returns how many norms were replaced.
 
     Subclasses of torch's norms and transformers-style ones are first run once on fixed rows and
     swapped only if they compute what torch's norm would. Those that do not (Gemma's
@@ -83,22 +90,28 @@ def swap_norms(model: torch.nn.Module) -> int:
     they are, named in one warning. `model` itself is never replaced, only its submodules."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    swapped, skipped = 0, []
+    replaced, skipped = {}, {}  # by id: a norm held under several names becomes one fk module
     for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            new, why_not = _replacement(child)
-            if why_not is not None:
-                skipped.append(f"{parent_name + '.' if parent_name else ''}{name} "
-                               f"({type(child).__name__}) {why_not}")
-            if new is None:
+        for name, child in list(parent._modules.items()):  # repeated children too
+            if child is None:
                 continue
-            # The new module's placeholder parameters (meta) give way to the old module's own.
-            for param in ("weight", "bias"):
-                if param in new._parameters:
-                    new._parameters[param] = getattr(child, param)
-            new.train(child.training)
-            setattr(parent, name, new)
-            swapped += 1
+            if id(child) not in replaced:
+                new, why_not = _replacement(child)
+                if why_not is not None and id(child) not in skipped:
+                    skipped[id(child)] = (f"{parent_name + '.' if parent_name else ''}{name} "
+                                          f"({type(child).__name__}) {why_not}")
+                if new is None:
+                    continue
+                # The new module's placeholder parameters (meta) give way to the old module's own.
+                for param in ("weight", "bias"):
+                    if param in new._parameters:
+                        new._parameters[param] = getattr(child, param)
+                new.train(child.training)
+                for hooks in HOOKS:  # the same dicts: hooks keep firing, their handles keep removing them
+                    if hasattr(child, hooks):
+                        setattr(new, hooks, getattr(child, hooks))
+                replaced[id(child)] = new
+            setattr(parent, name, replaced[id(child)])
     if skipped:
-        warnings.warn("swap_norms left these norms as they are: " + "; ".join(skipped), stacklevel=2)
-    return swapped
+        warnings.warn("swap_norms left these norms as they are: " + "; ".join(skipped.values()), stacklevel=2)
+    return len(replaced)
