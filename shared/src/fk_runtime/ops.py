@@ -65,17 +65,17 @@ def resolve_negated(args) -> tuple:
 _is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
 
 
-def _legacy_batched(a) -> bool:
-    return isinstance(a, torch.Tensor) and _is_legacy_batched(a)
-
-
 _AUTOCAST_FROM = (torch.float32, torch.float16, torch.bfloat16)
+# One call for "no autocast anywhere" (the usual case), before the per-device question.
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def autocast(*tensors) -> tuple:
     """`tensors` as torch's autocast hands them to its lower-precision ops (matmuls, SDPA): under
     `torch.autocast` for the first tensor's device, every fp32/fp16/bf16 tensor in autocast's dtype;
     otherwise (or for non-tensors, fp8 and the like) as given."""
+    if not _any_autocast():
+        return tensors
     first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
     if first is None or not torch.is_autocast_enabled(first.device.type):
         return tensors
@@ -88,15 +88,16 @@ def _own(outputs, inputs):
     (B, H, N, D), a row of a partial-sum buffer) as tensors of their own, same storage and strides:
     autograd refuses in-place changes of a custom Function's view outputs, which torch's own ops
     allow. Views of an input stay views (autograd must see that aliasing)."""
-    def own(o):
-        if not isinstance(o, torch.Tensor) or not o._is_view():
-            return o
-        base = o._base
-        if any(isinstance(i, torch.Tensor) and (base is i or base is i._base) for i in inputs):
-            return o
-        return o.detach()
-
-    return tuple(own(o) for o in outputs) if isinstance(outputs, tuple) else own(outputs)
+    if isinstance(outputs, tuple):
+        if not any(o._is_view() for o in outputs if isinstance(o, torch.Tensor)):
+            return outputs
+        return tuple(_own(o, inputs) if isinstance(o, torch.Tensor) else o for o in outputs)
+    if not outputs._is_view():
+        return outputs
+    base = outputs._base
+    if any(isinstance(i, torch.Tensor) and (base is i or base is i._base) for i in inputs):
+        return outputs
+    return outputs.detach()
 
 
 def not_differentiable_message(name: str) -> str:
@@ -191,12 +192,6 @@ def define(
     def run_backward(*args):
         if traced(args):
             return traced_backward(*args)
-        if any(_legacy_batched(a) for a in args):
-            raise RuntimeError(f"{backward_name} does not run under autograd's legacy vmap "
-                               "(`autograd.grad(..., is_grads_batched=True)`, "
-                               "`autograd.functional.jacobian(..., vectorize=True)`): use torch.func "
-                               "(`vmap` over `vjp`, `jacrev`), which fk ops support")
-        args = resolve_negated(args)
         if not torch.is_grad_enabled() and not _functorch_active():
             return backward(*args)
         return BackwardFunction.apply(*args)
@@ -212,6 +207,18 @@ def define(
             ctx.set_materialize_grads(False)
 
     def compute_grads(ctx, *grads):
+        # The upstream gradients are the backward's only inputs that did not pass the forward's checks.
+        negated = False
+        for g in () if torch.compiler.is_compiling() else grads:  # (traced: the registered ops see them)
+            if g is not None:
+                if _is_legacy_batched(g):
+                    raise RuntimeError(f"{backward_name} does not run under autograd's legacy vmap "
+                                       "(`autograd.grad(..., is_grads_batched=True)`, "
+                                       "`autograd.functional.jacobian(..., vectorize=True)`): use torch.func "
+                                       "(`vmap` over `vjp`, `jacrev`), which fk ops support")
+                negated = negated or g.is_neg()
+        if negated:
+            grads = resolve_negated(grads)
         args = backward_args(ctx.saved_tensors, ctx.fk_other, grads)
         return tuple(input_grads(ctx.fk_other, run_backward(*args), ctx.needs_input_grad))
 
