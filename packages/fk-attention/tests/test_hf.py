@@ -129,6 +129,33 @@ def test_cached_generation(name):
     check(f"{name} generation", out, ref, base, dtype)
 
 
+def test_static_cache_without_padding():
+    """A static cache (keys past the current position unfilled) and no mask: fk attends to the
+    filled rows only (it attended to the whole buffer: wrong logits from the prefill on), in a
+    forward against the same forward without a cache, and in greedy generation against one forward
+    of each generated row."""
+    dtype = DTYPES[0]
+    fk, baseline, reference = models("llama", dtype)
+    ids = torch.randint(1, 128, (2, 10), device=testing.device())
+    with torch.no_grad():
+        cache = transformers.StaticCache(config=fk.config, max_cache_len=32)
+        out = fk(ids, past_key_values=cache).logits
+        check("static cache forward", out, reference(ids).logits, baseline(ids).logits, dtype)
+        gen = fk.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static",
+                          output_logits=True, return_dict_in_generate=True)
+        # The logits that chose each generated token, from one forward of each whole row.
+        steps = gen.sequences.shape[1] - ids.shape[1]
+        ref, base = (m(gen.sequences).logits[:, -steps - 1:-1] for m in (reference, baseline))
+    check("static cache generation", torch.stack(gen.logits, dim=1), ref, base, dtype)
+
+
+def test_output_attentions_warns():
+    """fk computes no attention weights: asked for them, it says so (it returned none silently)."""
+    fk, _, _ = models("llama", DTYPES[0])
+    with pytest.warns(UserWarning, match="output_attentions gives none"):
+        fk(torch.randint(1, 128, (1, 6), device=testing.device()), output_attentions=True)
+
+
 class _Layer(torch.nn.Module):
     is_causal = True
 

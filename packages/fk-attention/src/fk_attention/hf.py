@@ -13,16 +13,20 @@ aligned lower-right (a KV cache's queries are its last rows), GQA runs natively,
 W keeps the keys of the last W positions (transformers' `kv_idx > q_idx - W`), `softcap` is
 Gemma 2's logit softcapping. Refused with a ValueError: dropout, attention sinks (`s_aux`),
 position biases, 4-D masks, and masks with model-specific overlays (or/and mask functions, e.g.
-bidirectional image tokens). transformers is imported by this module only.
+bidirectional image tokens). A cache without a mask (a static one holds unfilled rows) is
+read to the last position through `attention_with_kvcache`. transformers is imported by this
+module only.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from .ops import attention, attention_varlen
+from .ops import attention, attention_varlen, attention_with_kvcache
 
 NAME = "fk"
 # Attention-function arguments some models pass that fk's kernels have no term for.
@@ -148,6 +152,9 @@ def fk_attention_forward(
     for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"attn_implementation 'fk' does not support {name}")
+    if kwargs.get("output_attentions"):  # as transformers' sdpa and flash paths say it
+        warnings.warn("attn_implementation 'fk' computes no attention weights: output_attentions gives none "
+                      "(use attn_implementation='eager' to get them)", stacklevel=2)
     if attention_mask is not None and attention_mask.ndim != 2:
         raise ValueError(f"attn_implementation 'fk' takes a 2-D padding mask (batch, keys) or None, got "
                          f"attention_mask of shape {tuple(attention_mask.shape)}")
@@ -170,7 +177,25 @@ def fk_attention_forward(
         cu = _restarts(position_ids, b)
         if cu is not None:
             return _packed(query, key, value, cu, cu, n_q, n_q, **mask_args), None
+    if _cached_self_attention(query, key, value, position_ids, causal, sliding_window):
+        # A cache without a mask: a static one holds unfilled rows past the current position, which
+        # the lower-right dense call would attend to. The keys are the first (last position + 1),
+        # read on the device (no sync), as attention_with_kvcache takes them.
+        lengths = (position_ids[:, -1] + 1).to(torch.int32).expand(b).contiguous()
+        out = attention_with_kvcache(query, key, value, lengths, causal=True, sm_scale=scaling, softcap=softcap)
+        return out.transpose(1, 2), None
     return attention(query, key, value, **mask_args).transpose(1, 2), None
+
+
+def _cached_self_attention(query, key, value, position_ids, causal: bool, sliding_window) -> bool:
+    """Causal self-attention against a KV cache longer than the queries, with (B, Nq) position ids
+    (or (1, Nq)) that count its filled rows, outside autograd (attention_with_kvcache is forward
+    only; a cache in training keeps the dense call). Sliding-window caches, whose buffers roll, and
+    other position layouts (multimodal rope) keep the dense call too."""
+    b, n_q = query.shape[0], query.shape[2]
+    return (causal and sliding_window is None and key.shape[2] > n_q and position_ids is not None
+            and position_ids.dim() == 2 and position_ids.shape[0] in (1, b) and position_ids.shape[1] == n_q
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))))
 
 
 AttentionInterface.register(NAME, fk_attention_forward)
