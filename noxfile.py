@@ -17,6 +17,7 @@ from __future__ import annotations
 import configparser
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import nox
@@ -149,10 +150,14 @@ def _decoder_args(posargs: list[str]) -> list[str] | None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """The main job for every op: check and benchmark on the default device; then the end-to-end
-    decoder (e2e/decoder.py) into the same folder."""
+    decoder (e2e/decoder.py) into the same folder (without a GPU, one temporary folder for both
+    unless --out is given)."""
     install_packages(session, *OPS.values(), extras=BENCH_DEPS)
-    session.run("python", "-m", "fk_runtime", *session.posargs)
-    decoder_args = _decoder_args(session.posargs)
+    posargs = list(session.posargs)
+    if not gpu_present() and not any(a == "--out" or a.startswith("--out=") for a in posargs):
+        posargs += ["--out", str(Path(tempfile.mkdtemp(prefix="fk-bench-")) / "benchmarks")]
+    session.run("python", "-m", "fk_runtime", *posargs)
+    decoder_args = _decoder_args(posargs)
     if decoder_args is not None:
         session.run("python", str(ROOT / "e2e" / "decoder.py"), *decoder_args)
 

@@ -72,3 +72,28 @@ def test_tables_run_writes_their_own_sections(tmp_path):
     modules = {"attention": importlib.import_module("fk_attention.bench")}
     assert cli.check_tables(modules, ["attention"], False) is None
     assert "attention-nope" in cli.check_tables(modules, ["attention", "attention-nope"], False)
+
+
+def test_unknown_ops_and_missing_bench_modules_are_refused(monkeypatch, capsys):
+    """An op that is not installed (or the runtime) and benchmarks without their modules: a clear
+    message and exit code 2 (a traceback from the import before)."""
+    for op in ("nosuchop", "runtime"):
+        assert cli.main(["--ops", op, "--no-bench"]) == 2
+        assert f"unknown ops ['{op}']" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "BENCH_MODULES", ("fk_no_such_module",))
+    assert cli.main(["--ops", "softmax", "--no-check"]) == 2
+    assert "pip install 'fk-runtime[bench]'" in capsys.readouterr().err
+
+
+def test_another_out_folder_gathers_its_own_benchmarks_md(tmp_path):
+    """--out results: BENCHMARKS.md inside results/, plots linked beside it; the one beside the
+    folder (the tree's, run from its root) is not rewritten."""
+    beside = tmp_path / "BENCHMARKS.md"
+    beside.write_text("the committed numbers\n")
+    out = tmp_path / "results"
+    run = subprocess.run([sys.executable, "-m", "fk_runtime", "--ops", "softmax", "--small", "--no-check",
+                          "--no-host", "--out", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert beside.read_text() == "the committed numbers\n"
+    text = (out / "BENCHMARKS.md").read_text()
+    assert "## softmax" in text and "](softmax.png)" in text and (out / "softmax.png").exists()

@@ -5,7 +5,8 @@
 On a GPU it runs each op's full sweep; without one it runs the Triton interpreter at small sizes
 (the numbers then only show that everything runs). Each op's results land in
 `<out>/<op>.{json,md,png}`, the host time per call of every op in `<out>/host.{json,md}`, and
-`BENCHMARKS.md` beside `<out>` is rebuilt from every section in `<out>`. On the interpreter the
+`BENCHMARKS.md` is rebuilt from every section in `<out>`: beside it when the folder is named
+`benchmarks` (the committed layout), else inside it. On the interpreter the
 results go to a temporary folder unless `--out` is given, so that a CPU run never overwrites the
 committed GPU numbers.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import pkgutil
 import shlex
 import sys
@@ -33,6 +35,8 @@ HOST_SECTION = "host"
 # Sections that sum up across ops come first in BENCHMARKS.md (by file stem in <out>), the
 # per-op sections after them in name order.
 LEADING_SECTIONS = ("decoder", HOST_SECTION)
+# What the benchmarks import beyond torch and triton (fk-runtime's `bench` extra).
+BENCH_MODULES = ("matplotlib", "tqdm")
 
 
 def discover_ops() -> list[str]:
@@ -62,7 +66,8 @@ def run_checks(op: str, bench_module, full: bool) -> bool:
     return ok
 
 
-def section(op: str, results, ceilings, meta: dict, plot_names: list[str]) -> str:
+def section(op: str, results, ceilings, meta: dict, plot_names: list[str],
+            plot_dir: str = f"{DEFAULT_OUT}/") -> str:
     from . import bench
 
     lines = [
@@ -84,7 +89,7 @@ def section(op: str, results, ceilings, meta: dict, plot_names: list[str]) -> st
     ]
     for name in dict.fromkeys(r.op for r in results):  # an op package may bench several ops
         lines += [f"### {name}", "", bench.markdown_table(results, name), ""]
-    lines += [f"![{name}](benchmarks/{name})" for name in plot_names] + [""]
+    lines += [f"![{name}]({plot_dir}{name})" for name in plot_names] + [""]
     return "\n".join(lines)
 
 
@@ -126,11 +131,23 @@ def resolve_out(out: str | None) -> Path:
     return Path(DEFAULT_OUT)
 
 
+def benchmarks_md(out: Path) -> Path:
+    """Where the sections of `out` are gathered: BENCHMARKS.md beside a folder named `benchmarks`
+    (the committed layout), else inside `out` (so that `--out results` never rewrites the tree's
+    BENCHMARKS.md)."""
+    return out.parent / "BENCHMARKS.md" if out.name == DEFAULT_OUT else out / "BENCHMARKS.md"
+
+
+def plot_dir(out: Path) -> str:
+    """The plots' folder as BENCHMARKS.md links it."""
+    return f"{DEFAULT_OUT}/" if out.name == DEFAULT_OUT else ""
+
+
 def rebuild_benchmarks_md(out: Path) -> Path:
-    target = out.parent / "BENCHMARKS.md"
+    target = benchmarks_md(out)
     order = lambda p: (p.stem not in LEADING_SECTIONS,  # noqa: E731
                        LEADING_SECTIONS.index(p.stem) if p.stem in LEADING_SECTIONS else 0, p.stem)
-    sections = [p.read_text() for p in sorted(out.glob("*.md"), key=order)]
+    sections = [p.read_text() for p in sorted(out.glob("*.md"), key=order) if p != target]
     header = (
         "# Benchmarks\n\nThe latest run of each op, written by the main job, `python -m fk_runtime` "
         "(`nox -s bench`; on a GPU box without network `bash shared/from-source.sh python -m "
@@ -161,7 +178,7 @@ def run_sweeps(modules: dict, out: Path, meta: dict, full: bool, tables: list[st
         if tables is None:
             bench.write_json(results, ceilings, meta, out / f"{op}.json")
             (out / f"{op}.md").write_text(
-                section(op, results, ceilings, meta, [p.name for p in plots.values() if p]))
+                section(op, results, ceilings, meta, [p.name for p in plots.values() if p], plot_dir(out)))
             for name in (n for n in names if n != op):  # stale sections of a `--tables` run
                 for suffix in (".md", ".json"):
                     (out / f"{name}{suffix}").unlink(missing_ok=True)
@@ -170,7 +187,7 @@ def run_sweeps(modules: dict, out: Path, meta: dict, full: bool, tables: list[st
                 mine = [r for r in results if r.op == name]
                 bench.write_json(mine, ceilings, meta, out / f"{name}.json")
                 (out / f"{name}.md").write_text(
-                    section(name, mine, ceilings, meta, [plots[name].name] if plots[name] else []))
+                    section(name, mine, ceilings, meta, [plots[name].name] if plots[name] else [], plot_dir(out)))
             print(f"\n{name}\n" + bench.markdown_table(results, name))
 
 
@@ -218,13 +235,24 @@ def main(argv: list[str] | None = None) -> int:
     from . import bench
 
     full = not backend.is_interpreter() and not args.small
-    ops = args.ops or discover_ops()
+    installed = discover_ops()
+    ops = args.ops or installed
     if not ops:
         print("no fk ops installed (looked for importable fk_* modules)", file=sys.stderr)
         return 2
     print(f"fk main job: ops {', '.join(ops)}; backend {backend.backend().value}; "
           f"{'full' if full else 'small'} sizes")
 
+    unknown = [op for op in ops if op not in installed]
+    if unknown:
+        print(f"unknown ops {unknown}; installed: {installed}", file=sys.stderr)
+        return 2
+    if not args.no_bench:
+        missing = [m for m in BENCH_MODULES if importlib.util.find_spec(m) is None]
+        if missing:
+            print(f"the benchmarks need {', '.join(missing)}: pip install 'fk-runtime[bench]' "
+                  "(or --no-bench for the checks alone)", file=sys.stderr)
+            return 2
     modules = {op: importlib.import_module(f"{OP_PREFIX}{op}.bench") for op in ops}
     if args.tables is not None:
         why = check_tables(modules, args.tables, full)
