@@ -82,29 +82,27 @@ def check_shape(name: str, value: torch.Tensor, expected: tuple[int, ...]) -> No
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(value.shape)}")
 
 
+def _finite_real(value, low: float, inclusive: bool) -> bool:
+    """A finite real (Python or NumPy scalar; not a bool) above `low` (or equal to it)."""
+    if type(value) is float:  # the usual case, without the ABC check
+        return (low <= value if inclusive else low < value) and value < math.inf
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and (value >= low if inclusive else value > low)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def check_positive(name: str, value) -> None:
     """A finite real number above 0 (Python or NumPy scalars; not a bool)."""
-    if type(value) is float and 0.0 < value < math.inf:  # the usual case, without the ABC check
-        return
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    try:
-        ok = ok and math.isfinite(value) and value > 0
-    except OverflowError:  # an int too large for a float
-        ok = False
-    if not ok:
+    if not _finite_real(value, 0.0, False):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
 def check_nonnegative(name: str, value) -> None:
     """A finite real number of at least 0 (Python or NumPy scalars; not a bool)."""
-    if type(value) is float and 0.0 <= value < math.inf:
-        return
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    try:
-        ok = ok and math.isfinite(value) and value >= 0
-    except OverflowError:
-        ok = False
-    if not ok:
+    if not _finite_real(value, 0.0, True):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 

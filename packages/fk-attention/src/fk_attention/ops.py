@@ -86,13 +86,14 @@ def _packing(cu_q: torch.Tensor, max_q: int, max_k: int) -> table.Packing:
 
 
 def _index(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
-    """An int32 index tensor (sequence bounds, lengths, page ids) as the kernels read it: with unit
-    strides. The registered ops take them from callers that skip the public functions' checks."""
+    """An int32 index tensor (sequence bounds, lengths, page ids) as the kernels read it: unit
+    strides along its last dim (a page table's rows may stride). The registered ops, which every
+    call reaches, make them so: the public functions' callers and direct callers alike."""
     if t is None:
         return None
     if t.dtype != torch.int32:
         raise TypeError(f"{name} must have dtype int32, got {t.dtype}")
-    return t.contiguous()
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _forward_varlen(
@@ -251,14 +252,12 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
     return (out, lse) if return_lse else out
 
 
-def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """cu, contiguous: the kernels read entry i at cu + i."""
+def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor) -> None:
     checks.check_tensor(name, cu, dtypes=(torch.int32,), min_dim=1, max_dim=1)
     if cu.shape[0] < 1:
         raise ValueError(f"{name} must hold at least one entry (0), got shape {tuple(cu.shape)}")
     if cu.device != q.device:
         raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
-    return cu.contiguous()
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal=False,
@@ -286,8 +285,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_tensor(name, t, dtypes=ATTENTION_DTYPES, min_dim=3, max_dim=3)
     _check_heads(q, k, v, 1)
-    cu_seqlens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
-    cu_seqlens_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one shape (sequences + 1), got "
                          f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
@@ -393,11 +392,6 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
         raise ValueError("attention_with_kvcache aligns causal masks lower-right (the cache's end): "
                          "pass causal=True or 'lower_right'")
     return_lse = checks.check_flag("return_lse", return_lse)
-    # The kernels read lengths and page ids with unit strides.
-    if cache_seqlens.stride(0) != 1:
-        cache_seqlens = cache_seqlens.contiguous()
-    if block_table is not None and block_table.stride(1) != 1:
-        block_table = block_table.contiguous()
     args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, _scale(sm_scale, d), left, right, cap)
     # Plain eager calls skip the registered op's dispatch (tens of microseconds); tracers and
     # torch.func transforms take the op.

@@ -33,7 +33,6 @@ from fk_runtime.bench import environment
 from .ops import attention
 from .ring import gather_sequence, ring_attention, shard_sequence
 
-NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -145,7 +144,7 @@ def _fwd_bwd(fn, q, k, v, grad_out):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    for name, value in NVLINK_MULTICAST_OFF.items():  # read when NCCL starts
+    for name, value in testing.NCCL_ENV.items():  # read when NCCL starts
         os.environ.setdefault(name, value)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -188,7 +187,7 @@ def main(argv=None) -> dict:
             seqlen=n, world=world, batch=b, heads=args.heads, kv_heads=args.kv_heads, head_dim=d,
             dtype=args.dtype, causal=args.causal, layout=args.layout, reps=args.reps, t1_ms=t1, tn_ms=tn,
             efficiency=t1 / (world * tn), rel_errors=errors,
-            env={name: os.environ.get(name) for name in NVLINK_MULTICAST_OFF}, **environment(),
+            env={name: os.environ.get(name) for name in testing.NCCL_ENV}, **environment(),
         )
         mask = "causal" if args.causal else "full"
         print(f"ring attention fwd+bwd, N={n} B={b} H={args.heads}/{args.kv_heads} D={d} {args.dtype} {mask} "
