@@ -98,6 +98,97 @@ def test_bound_launch_reuses_its_compiled_kernel(monkeypatch):
     assert any(len(c._compiled) == 2 for run in plan.BOUND.values() for c in _launches(run))
 
 
+# Triton 3.6's `make_tensordesc_arg` / `wrap_handle_tensordesc` (triton/backends/nvidia/driver.py),
+# as that version expands host TMA descriptors before its C launcher: the reference for `_expand`.
+TMA_DTYPE_DEVICE_TO_HOST = dict((i, i) for i in range(16)) | {8: 10, 9: 8, 10: 9}
+BASE_ARGS = 13
+
+
+_FILL = []  # the tensor-map filler that `_make_tensordesc_arg` calls (Triton's is the driver's)
+
+
+def _make_tensordesc_arg(arg, metadata):
+    padding = 1 if arg.padding == "nan" else 0
+    tensor_map = _FILL[0](arg.base.data_ptr(), metadata["swizzle"], metadata["elem_size"],
+                          TMA_DTYPE_DEVICE_TO_HOST[metadata["elem_type"]], metadata["block_size"], arg.shape,
+                          arg.strides, padding)
+    return [tensor_map, *arg.shape, *arg.strides]
+
+
+def _triton36_wrapper(launcher, signature, tensordesc_meta):
+    tensordesc_indices = {i for i, sig in enumerate(signature.values()) if sig.startswith("tensordesc")}
+
+    def inner(*args):
+        final_args = list(args[:BASE_ARGS])
+        tensordesc_idx = 0
+        for i, arg in enumerate(args[BASE_ARGS:]):
+            if i in tensordesc_indices:
+                final_args.extend(_make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                tensordesc_idx += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+
+    return inner
+
+
+def test_descriptor_arguments_expand_as_triton_36_does():
+    """`launch._expand` hands the C launcher what Triton 3.6's per-call wrapper would: each
+    descriptor's filled tensor map, shape and strides in place, other arguments untouched."""
+    signature = {"q": "tensordesc<bf16[1,1,64,128]>", "x": "*fp32", "k": "tensordesc<fp16[1,1,32,64]>",
+                 "scale": "fp32", "n": "i32", "BLOCK": "constexpr"}
+    metas = [dict(swizzle=3, elem_size=2, elem_type=9, block_size=[1, 1, 64, 128], fp4_padded=False),
+             dict(swizzle=2, elem_size=2, elem_type=8, block_size=[1, 1, 32, 64], fp4_padded=False)]
+    filled = []
+
+    def fill(*args):  # a tensor map that shows what it was filled from
+        filled.append(args)
+        return ("map", args[0], *args[1:5])
+
+    calls = []
+    _FILL[:] = [fill]
+    wrapper = _triton36_wrapper(lambda *a: calls.append(a), signature, metas)
+    wrapper.__module__ = __name__  # where `_tensordesc_fast_path` finds the dtype table
+    q, k = torch.zeros(2, 3, 64, 128), torch.zeros(1, 1, 32, 64)
+    head = [launch.Descriptor(q, [2, 3, 64, 128], [24576, 8192, 128, 1], [1, 1, 64, 128]), 12345,
+            launch.Descriptor(k, [1, 1, 32, 64], [2048, 2048, 64, 1], [1, 1, 32, 64], padding="nan"), 0.5]
+    base, tail = list(range(BASE_ARGS)), [7, 64]
+    wrapper(*base, *head, *tail)
+    raw, expansions = launch._tensordesc_fast_path(wrapper, len(head), fill)
+    raw(*base, *launch._expand(head, expansions), *tail)
+    assert len(calls) == 2 and len(filled) == 4
+    assert calls[0] == calls[1] and filled[:2] == filled[2:]
+    q_map, k_map = ("map", q.data_ptr(), 3, 2, 8, [1, 1, 64, 128]), ("map", k.data_ptr(), 2, 2, 10, [1, 1, 32, 64])
+    assert calls[1][BASE_ARGS:] == (q_map, 2, 3, 64, 128, 24576, 8192, 128, 1, 12345, k_map, 1, 1, 32, 64, 2048,
+                                    2048, 64, 1, 0.5, 7, 64)
+    assert filled[3][-1] == 1 and filled[2][3] == 8 and filled[3][3] == 10
+    # Other wrappers (other Triton versions), fp4 padding or a descriptor past the head: no fast path.
+    assert launch._tensordesc_fast_path(lambda *a: None, len(head), fill) is None
+    assert launch._tensordesc_fast_path(wrapper, 1, fill) is None
+    metas[0]["fp4_padded"] = True
+    assert launch._tensordesc_fast_path(wrapper, len(head), fill) is None
+
+
+def test_descriptor_launches_skip_tritons_wrapper():
+    """On a GPU whose Triton has the 3.6 wrapper, bound launches with TMA descriptors go to the C
+    launcher with fk's own expansion (and still give the right answer)."""
+    if not testing.on_gpu() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("host TMA descriptors: Hopper or newer GPUs")
+    import triton
+
+    if not triton.__version__.startswith("3.6"):
+        pytest.skip("the fast path mirrors Triton 3.6's wrapper")
+    import fk_attention.plan as plan
+
+    q, k, v = (testing.randn((1, 4, 256, 128), torch.bfloat16) for _ in range(3))
+    attention(q, k, v, causal=True)
+    out = attention(q, k, v, causal=True)
+    expanded = [e for run in plan.BOUND.values() for c in _launches(run) for e in c._compiled.values() if e[3]]
+    assert expanded, "no bound launch expands its own descriptors"
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    testing.assert_close("attention", out, ref, torch.bfloat16)
+
+
 def _launches(run):
     """The Launch objects a bound plan's closure holds."""
     found = []

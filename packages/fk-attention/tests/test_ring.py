@@ -25,15 +25,17 @@ CASES = {
     "w4-causal-contiguous": (4, 1, 2, 2, 64, 16, torch.float32, True, "contiguous", False),
     "w4-full-gqa-fp32": (4, 1, 2, 1, 64, 16, torch.float32, False, "zigzag", False),
 }
-# Where two GPUs are: the two-rank cases, and at sizes the GPU kernels tile as in training.
-GPU_CASES = {
-    **{case: spec for case, spec in CASES.items() if spec[0] == 2},
+# Where GPUs are, also at sizes the GPU kernels tile as in training; four GPUs run every case as
+# the CPU ranks do (the 2-rank ones on PAIR), two GPUs the 2-rank cases.
+BIG_CASES = {
     "w2-causal-gqa-bf16-d128-lse": (2, 2, 8, 2, 4096, 128, torch.bfloat16, True, "zigzag", True),
     "w2-full-fp16-d64": (2, 1, 4, 4, 2048, 64, torch.float16, False, "contiguous", False),
+    "w4-causal-gqa-bf16-d128-lse": (4, 1, 8, 2, 8192, 128, torch.bfloat16, True, "zigzag", True),
 }
-ALL_CASES = {**CASES, **GPU_CASES}
+ALL_CASES = {**CASES, **BIG_CASES}
 WORLD = 4
-GPU_WORLD = 2
+GPU_WORLD = 4 if testing.gpu_ranks_available(4) else 2
+GPU_CASES = {case: spec for case, spec in ALL_CASES.items() if spec[0] <= GPU_WORLD}
 # The 2-rank cases run on a subgroup of global ranks 1 and 3: not adjacent, and without rank 0.
 PAIR = (1, 3)
 GRADS = ("dq", "dk", "dv")
@@ -73,32 +75,31 @@ def gathered_run(case: str, full: list[torch.Tensor], group, device: torch.devic
     return {name: gather_sequence(t, 2, group, layout).cpu() for name, t in local.items()}
 
 
-def rank_main(rank: int, store: str, inputs: dict, result: str) -> None:
-    """One of WORLD CPU ranks: each case on its shards, over every rank or over PAIR; rank 1, which
-    is in both, saves what it gathered."""
-    device = testing.init_rank(rank, WORLD, store)
-    pair = dist.new_group(PAIR)  # every rank takes part in making it
+def rank_main(rank: int, store: str, inputs: dict, result: str, world: int = WORLD, backend: str = "gloo") -> None:
+    """One of `world` ranks (gloo: CPU processes; nccl: one GPU each): each case on its shards, over
+    every rank or, for 2-rank cases among 4, over PAIR; rank 1, which is in every case, saves what
+    it gathered."""
+    device = testing.init_rank(rank, world, store, backend)
+    pair = dist.new_group(PAIR) if world == WORLD else None  # every rank takes part in making it
     gathered = {}
     for case, full in inputs.items():
-        group = None if CASES[case][0] == WORLD else pair
+        group = None if ALL_CASES[case][0] == world else pair
         if group is not None and rank not in PAIR:
             with pytest.raises(ValueError, match="group does not hold this rank"):
                 ring_attention(*full[:3], group=pair)
             continue
         gathered[case] = gathered_run(case, full, group, device)
     with pytest.raises(ValueError, match="must divide into 8 chunks"):
-        shard_sequence(torch.zeros(1, 1, 6, 16))
+        shard_sequence(torch.zeros(1, 1, 6, 16, device=device))
+    # A group of one rank: the whole sequence is local, the ring one fk attention.
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    full = [t.to(device) for t in next(iter(inputs.values()))]
+    for causal in (False, True):
+        got, want = (forward_backward(functools.partial(fn, causal=causal, return_lse=True), *full, True)
+                     for fn in (functools.partial(ring_attention, group=alone), attention))
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
     if rank == 1:
-        torch.save(gathered, result)
-    dist.barrier()  # no rank leaves while another still finishes a collective with it
-    dist.destroy_process_group()
-
-
-def gpu_rank_main(rank: int, store: str, inputs: dict, result: str) -> None:
-    """One of GPU_WORLD NCCL ranks, one GPU each: every case over all of them; rank 0 saves."""
-    device = testing.init_rank(rank, GPU_WORLD, store, "nccl")
-    gathered = {case: gathered_run(case, full, None, device) for case, full in inputs.items()}
-    if rank == 0:
         torch.save(gathered, result)
     dist.barrier()  # no rank leaves while another still finishes a collective with it
     dist.destroy_process_group()
@@ -114,12 +115,12 @@ def expected(case: str, full: list[torch.Tensor]) -> tuple[dict, dict]:
     return fk, exact
 
 
-def _runs(folder, cases: dict, main, world: int, backend: str) -> dict:
+def _runs(folder, cases: dict, world: int, backend: str) -> dict:
     """{case: (what the ranks gathered, fk attention's results, float64 results)} from one spawn of
     `world` ranks, the references computed here meanwhile."""
     inputs = {case: new_inputs(case) for case in cases}
-    ranks = testing.spawn_ranks(main, world, (str(folder / "store"), inputs, str(folder / "result.pt")),
-                                join=False, backend=backend)
+    ranks = testing.spawn_ranks(rank_main, world, (str(folder / "store"), inputs, str(folder / "result.pt"),
+                                                   world, backend), join=False, backend=backend)
     try:
         references = {case: expected(case, full) for case, full in inputs.items()}
     finally:
@@ -131,12 +132,12 @@ def _runs(folder, cases: dict, main, world: int, backend: str) -> dict:
 
 @pytest.fixture(scope="module")
 def ring_runs(tmp_path_factory):
-    return _runs(tmp_path_factory.mktemp("ring"), CASES, rank_main, WORLD, "gloo")
+    return _runs(tmp_path_factory.mktemp("ring"), CASES, WORLD, "gloo")
 
 
 @pytest.fixture(scope="module")
 def gpu_ring_runs(tmp_path_factory):
-    return _runs(tmp_path_factory.mktemp("ring-nccl"), GPU_CASES, gpu_rank_main, GPU_WORLD, "nccl")
+    return _runs(tmp_path_factory.mktemp("ring-nccl"), GPU_CASES, GPU_WORLD, "nccl")
 
 
 def _check(gathered, fk, exact, dtype):
@@ -151,7 +152,7 @@ def test_ring_matches_full_sequence(case, ring_runs):
     _check(*ring_runs[case], CASES[case][6])
 
 
-@pytest.mark.skipif(not testing.gpu_ranks_available(GPU_WORLD), reason="NCCL ranks need two GPUs")
+@pytest.mark.skipif(not testing.gpu_ranks_available(2), reason="NCCL ranks need two GPUs")
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_ring_matches_full_sequence_on_gpus(case, gpu_ring_runs):
     _check(*gpu_ring_runs[case], GPU_CASES[case][6])

@@ -142,17 +142,72 @@ def _compiled_launcher(compiled) -> bool:
     return all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata"))
 
 
-def _launcher_entry(compiled) -> tuple:
-    """(launch, function, arguments between the function and the kernel's own): the C launcher
-    itself where the kernel needs no scratch memory (Triton's Python wrapper only allocates that),
-    else the wrapper. Launch hooks are None: `Launch` takes this path only when none is set."""
+# The closure of Triton 3.6's per-call descriptor wrapper (`wrap_handle_tensordesc`'s `inner`).
+_TENSORDESC_WRAPPER_CELLS = ("launcher", "tensordesc_indices", "tensordesc_meta")
+
+
+def _fill_tma_descriptor():
+    import triton
+
+    return triton.runtime.driver.active.utils.fill_tma_descriptor
+
+
+def _tensordesc_fast_path(wrapper, n_head: int, fill=None) -> tuple | None:
+    """(C launcher, descriptor expansions) where `wrapper` is Triton 3.6's Python wrapper that
+    expands host TMA descriptors on every launch (a loop over every argument: about 10 µs of
+    Python per launch on a server CPU): `_expand` does the same for fk's descriptors, which all
+    lie in the head. None where the wrapper is another one (other Triton versions): it is used."""
+    import sys
+
+    code, closure = getattr(wrapper, "__code__", None), getattr(wrapper, "__closure__", None)
+    if code is None or closure is None or tuple(sorted(code.co_freevars)) != _TENSORDESC_WRAPPER_CELLS:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure), strict=True))
+    to_host = getattr(sys.modules.get(wrapper.__module__), "TMA_DTYPE_DEVICE_TO_HOST", None)
+    indices, metas = sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"]
+    if to_host is None or not metas or len(metas) != len(indices) or indices[-1] >= n_head:
+        return None
+    fill = fill or _fill_tma_descriptor()
+    expansions = []
+    for i, m in zip(indices, metas, strict=True):
+        if m is None or m.get("fp4_padded"):
+            return None
+        expansions.append((i, m["swizzle"], m["elem_size"], to_host[m["elem_type"]], m["block_size"], fill))
+    return cells["launcher"], tuple(expansions)
+
+
+def _expand(args: list, expansions: tuple) -> list:
+    """`args` as Triton 3.6's launcher takes them: each descriptor (at an expansion's position)
+    becomes its filled CUtensorMap, then its shape and strides."""
+    out, start = [], 0
+    for i, swizzle, elem_size, dtype, block, fill in expansions:
+        d = args[i]
+        out += args[start:i]
+        out.append(fill(d.base.data_ptr(), swizzle, elem_size, dtype, block, d.shape, d.strides,
+                        1 if d.padding == "nan" else 0))
+        out += d.shape
+        out += d.strides
+        start = i + 1
+    out += args[start:]
+    return out
+
+
+def _launcher_entry(compiled, n_head: int) -> tuple:
+    """(launch, function, arguments between the function and the kernel's own, descriptor
+    expansions): the C launcher itself where the kernel needs no scratch memory (Triton's Python
+    wrapper only allocates that), else the wrapper. Launch hooks are None: `Launch` takes this
+    path only when none is set."""
     runner = compiled.run
     direct = getattr(runner, "launch", None)
     plain = all(getattr(runner, name, None) == 0 for name in ("global_scratch_size", "profile_scratch_size"))
     if direct is not None and plain and hasattr(runner, "launch_cooperative_grid") and hasattr(runner, "launch_pdl"):
-        return direct, compiled.function, (runner.launch_cooperative_grid, runner.launch_pdl, None, None,
-                                           compiled.packed_metadata, None, None, None)
-    return runner, compiled.function, (compiled.packed_metadata, None, None, None)
+        middle = (runner.launch_cooperative_grid, runner.launch_pdl, None, None, compiled.packed_metadata, None,
+                  None, None)
+        fast = _tensordesc_fast_path(direct, n_head)
+        if fast is not None:
+            return fast[0], compiled.function, middle, fast[1]
+        return direct, compiled.function, middle, ()
+    return runner, compiled.function, (compiled.packed_metadata, None, None, None), ()
 
 
 class Launch:
@@ -189,7 +244,9 @@ class Launch:
                     bits |= 1 << bit
             entry = self._compiled.get(bits)
             if entry is not None:
-                launch, function, middle = entry
+                launch, function, middle, expansions = entry
+                if expansions:
+                    args = _expand(args, expansions)
                 launch(*self.grid, _current_stream(self.device), function, *middle, *args, *self._tail)
                 return
         self._slow(head)
@@ -218,7 +275,7 @@ class Launch:
             if head[i].data_ptr() % POINTER_ALIGN:
                 bits |= 1 << bit
         if len(self._compiled) < MAX_SPECIALIZATIONS:
-            self._compiled[bits] = _launcher_entry(compiled)
+            self._compiled[bits] = _launcher_entry(compiled, len(head))
 
     def _on_device(self):
         if self.device is None or backend.is_interpreter() or _current_device() == self.device:

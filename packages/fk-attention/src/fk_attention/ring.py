@@ -105,41 +105,44 @@ def _block(ring: _Ring, step: int, n_local: int, causal: bool, layout: str):
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Folds a block's (out, lse) into the fp32 accumulators `out`, `lse` (views, in place)."""
+    """Folds a block's (out, lse) into the fp32 accumulators `out`, `lse` (views, in place): two
+    passes over out (the big tensor), block_out read as it is."""
     merged = torch.logaddexp(lse, block_lse)
     # Rows that no key has reached yet (both -inf) keep weight 0 instead of exp(-inf + inf) = NaN.
     base = torch.where(merged == -math.inf, 0.0, merged)
-    out.mul_(torch.exp(lse - base).unsqueeze(-1))
-    out.add_(block_out.float() * torch.exp(block_lse - base).unsqueeze(-1))
+    out.mul_(torch.exp(lse - base).unsqueeze(-1)).addcmul_(block_out, torch.exp(block_lse - base).unsqueeze(-1))
     lse.copy_(merged)
 
 
-def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, sm_scale: float):
-    b, hq, n, d = q.shape
-    out = q.new_zeros((b, hq, n, d), dtype=torch.float32)
-    lse = q.new_full((b, hq, n), -math.inf, dtype=torch.float32)
-    kv = torch.stack((k, v))  # one buffer: one send and one receive per step
+def _ring_forward(q, kv, ring: _Ring, causal: bool, layout: str, sm_scale: float):
+    """out, lse; kv the stacked (k, v): one buffer, one send and one receive per step."""
+    out = lse = None
+    n_k = kv.shape[3]
     for step in range(ring.world):
         arriving = ring.pass_on(kv, KV_TAG) if step + 1 < ring.world else None
-        block = _block(ring, step, k.shape[2], causal, layout)
+        block = _block(ring, step, n_k, causal, layout)
         if block is not None:
             rows, cols, masked = block
             block_out, block_lse = attention(q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols],
                                              causal=masked, sm_scale=sm_scale, return_lse=True)
-            _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            if step == 0:  # the own shard, every row and key: the accumulators start from it
+                if ring.world == 1:
+                    return block_out, block_lse
+                out, lse = block_out.float(), block_lse
+            else:
+                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         if arriving is not None:
             kv = arriving()
     return out.to(q.dtype), lse
 
 
-def _ring_backward(grad_out, grad_lse, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str,
+def _ring_backward(grad_out, grad_lse, q, kv, out, lse, ring: _Ring, causal: bool, layout: str,
                    sm_scale: float):
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v))
-    arriving_grad = None
+    """dq, dk, dv; kv the forward's stacked (k, v)."""
+    dq = grad_kv = arriving_grad = None
     for step in range(ring.world):
         arriving = ring.pass_on(kv, KV_TAG) if step + 1 < ring.world else None
-        block = _block(ring, step, k.shape[2], causal, layout)
+        block = _block(ring, step, kv.shape[3], causal, layout)
         if block is not None:
             rows, cols, masked = block
             # The merged out and lse: each block's backward recomputes exact global probabilities.
@@ -147,38 +150,46 @@ def _ring_backward(grad_out, grad_lse, q, k, v, out, lse, ring: _Ring, causal: b
                 grad_out[:, :, rows], None if grad_lse is None else grad_lse[:, :, rows],
                 q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], out[:, :, rows],
                 lse[:, :, rows].contiguous(), sm_scale, *mask_args(masked, None, None))
-            dq[:, :, rows] += dq_block
-        # dK/dV of the shard held now: what the ranks before added (none at step 0), plus this block's.
-        if arriving_grad is None:
-            grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        else:
+            if step == 0:  # the own shard, every row and key
+                if ring.world == 1:
+                    return dq_block, dk_block, dv_block
+                dq = dq_block.float()
+                # dK/dV of the shard held now: this block's (no rank before has added to it).
+                grad_kv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+                grad_kv[0].copy_(dk_block)
+                grad_kv[1].copy_(dv_block)
+            else:
+                dq[:, :, rows] += dq_block
+        if step > 0:  # dK/dV of the shard held now: what the ranks before added, plus this block's
             grad_kv = arriving_grad()
-        if block is not None:
-            grad_kv[0, :, :, cols] += dk_block
-            grad_kv[1, :, :, cols] += dv_block
-        arriving_grad = ring.pass_on(grad_kv, GRAD_TAG) if ring.world > 1 else None
+            if block is not None:
+                grad_kv[0, :, :, cols] += dk_block
+                grad_kv[1, :, :, cols] += dv_block
+        # The last pass brings each rank its own shard's finished dK/dV: sent in the inputs' dtype
+        # (rounded once, as the owner would; half the bytes on a transfer nothing overlaps).
+        arriving_grad = ring.pass_on(grad_kv if arriving is not None else grad_kv.to(kv.dtype), GRAD_TAG)
         if arriving is not None:
             kv = arriving()
-    if arriving_grad is not None:  # the last pass brings each rank its own shard's dK/dV
-        grad_kv = arriving_grad()
-    return dq.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype)
+    grad_kv = arriving_grad()
+    return dq.to(q.dtype), grad_kv[0], grad_kv[1]
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, causal, layout, sm_scale):
-        out, lse = _ring_forward(q, k, v, ring, causal, layout, sm_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        kv = torch.stack((k, v))
+        out, lse = _ring_forward(q, kv, ring, causal, layout, sm_scale)
+        ctx.save_for_backward(q, kv, out, lse)  # the backward passes the same buffer around
         ctx.args = ring, causal, layout, sm_scale
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, kv, out, lse = ctx.saved_tensors
         if grad_out is None:  # only the log-sum-exp was used
             grad_out = torch.zeros_like(out)
-        return (*_ring_backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.args), None, None, None, None)
+        return (*_ring_backward(grad_out, grad_lse, q, kv, out, lse, *ctx.args), None, None, None, None)
 
 
 def ring_attention(q, k, v, group=None, causal: bool = False, sm_scale: float | None = None,

@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="skip comparing the ring's output and gradients with the one-GPU run")
     parser.add_argument("--out", type=Path, default=Path("ring_bench.json"), help="JSON written by rank 0")
+    parser.add_argument("--profile", type=int, default=0, metavar="K",
+                        help="also profile one ring fwd+bwd and print each rank's K costliest GPU kernels")
     parser.add_argument("--benchmarks", type=Path, default=None,
                         help="also keep the result in this folder's ring section and rebuild BENCHMARKS.md beside it")
     args = parser.parse_args(argv)
@@ -142,6 +144,23 @@ def _fwd_bwd(fn, q, k, v, grad_out):
     return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
 
 
+def _profile(step, top: int, rank: int, world: int) -> None:
+    """Each rank in turn prints the `top` kernels of one call of `step` by their summed device time,
+    with the call's wall time beside the time its kernels ran (compute and communication overlap)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        wall = _elapsed_ms(step)
+    table = prof.key_averages().table(sort_by="self_device_time_total" if torch.cuda.is_available()
+                                      else "self_cpu_time_total", row_limit=top)
+    for turn in range(world):
+        if turn == rank:
+            print(f"rank {rank}: one ring fwd+bwd, {wall:.2f} ms\n{table}", flush=True)
+        dist.barrier()
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     for name, value in testing.NCCL_ENV.items():  # read when NCCL starts
@@ -175,6 +194,8 @@ def main(argv=None) -> dict:
         return ring_attention(q, k, v, causal=args.causal, layout=args.layout)
 
     tn = _median_ms(lambda: _fwd_bwd(ring, q, k, v, grad_out), args.warmup, args.reps, dist.group.WORLD)
+    if args.profile:
+        _profile(lambda: _fwd_bwd(ring, q, k, v, grad_out), args.profile, rank, world)
     errors = None
     if args.check:
         gathered = [gather_sequence(t, 2, layout=args.layout) for t in _fwd_bwd(ring, q, k, v, grad_out)]
