@@ -2,7 +2,7 @@
 descriptor expansion and with Triton 3.6's per-call wrapper, plans rebuilt at each switch, rounds
 interleaved in one process; SDPA beside them. GPU only (Hopper, triton 3.6):
 
-    bash shared/from-source.sh python packages/fk-attention/tuning/host_descriptors.py
+    bash shared/from-source.sh python shared/tuning/host_descriptors.py
 """
 import time
 
