@@ -70,6 +70,8 @@ def test_bound_launch_reuses_its_compiled_kernel(monkeypatch):
     aligned takes the slow path once, for a kernel of its own, and gets the right answer."""
     if not testing.on_gpu():
         pytest.skip("compiled kernels exist on a GPU only (the interpreter runs each call)")
+    if not launch.launcher_layout_known():
+        pytest.skip("this Triton's launcher is not called directly: every call takes kernel[grid]")
     import fk_weightedsum.plan as plan
 
     slow = []
@@ -167,6 +169,14 @@ def test_descriptor_arguments_expand_as_triton_36_does():
     assert launch._tensordesc_fast_path(wrapper, 1, fill) is None
     metas[0]["fp4_padded"] = True
     assert launch._tensordesc_fast_path(wrapper, len(head), fill) is None
+
+
+def test_direct_launches_only_under_checked_triton_versions():
+    """The compiled launcher's argument layout differs across Triton versions (3.4: 12 leading
+    arguments; 3.7 on: another layout): `Launch` calls it directly only under the checked ones."""
+    assert launch.launcher_layout_known("3.6.0") and launch.launcher_layout_known("3.5.1")
+    for version in ("3.4.0", "3.7.0", "3.9.0", "4.0.0", "3.6", "nightly", "3"):
+        assert launch.launcher_layout_known(version) == (version == "3.6"), version
 
 
 def test_descriptor_launches_skip_tritons_wrapper():

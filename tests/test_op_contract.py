@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from fk_runtime import testing
 
-from fk_attention import attention, attention_varlen
+from fk_attention import attention, attention_varlen, attention_with_kvcache
 from fk_layernorm import layer_norm, rms_norm
 from fk_softmax import log_softmax, softmax
 from fk_weightedsum import weighted_sum
@@ -76,12 +76,16 @@ def test_registered_ops_check_their_inputs():
     mixed dtypes: a plan bound for one dtype is never reused for another."""
     x, w = _x(4, 8), _x(8)
     torch.ops.fk.weighted_sum(x, w)
-    with pytest.raises(TypeError, match="one dtype"):
+    with pytest.raises(TypeError, match="dtype"):
         torch.ops.fk.weighted_sum(x, w.double())
+    with pytest.raises(TypeError, match="one dtype"):
+        torch.ops.fk.weighted_sum(x, w.half())
     q, k, v = _qkv()
     torch.ops.fk.attention(q, k, v, 0.25, -1, -1, False, 0.0)
-    with pytest.raises(TypeError, match="one dtype"):
+    with pytest.raises(TypeError, match="dtype"):
         torch.ops.fk.attention(q, k.double(), v, 0.25, -1, -1, False, 0.0)
+    with pytest.raises(TypeError, match="one dtype"):
+        torch.ops.fk.attention(q, k.half(), v, 0.25, -1, -1, False, 0.0)
     # Index tensors: int32 only, read through their strides (the public functions' checks skipped).
     qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, k))
     cu_q = torch.tensor([0, 4, 9], dtype=torch.int32, device=q.device)
@@ -100,6 +104,56 @@ def test_registered_ops_check_their_inputs():
                                                                    *kv_args))
     with pytest.raises(TypeError, match="cache_seqlens must have dtype int32"):
         torch.ops.fk.attention_with_kvcache(q[:, :, :1], cache, cache, lengths.long(), *kv_args)
+
+
+def test_registered_ops_refuse_malformed_inputs():
+    """torch.ops.fk.* called directly get the public functions' shape checks (once per bound plan):
+    a short weight, mismatched batches, heads or lengths, too few bounds or lengths are refused
+    with an error naming the argument, never read past their end (the kernels read raw memory)."""
+    x, w = _x(3, 8), _x(8)
+    cases = {
+        "weight short": (lambda: torch.ops.fk.weighted_sum(x, _x(16)[:4]), "weight"),
+        "weight 2-D": (lambda: torch.ops.fk.weighted_sum(x, _x(2, 4)), "weight"),
+        "grad_y shape": (lambda: torch.ops.fk.weighted_sum_backward(_x(5), x, w), "grad_y"),
+        "softmax causal dim 0": (lambda: torch.ops.fk.softmax(x, 0, True, False), "dim"),
+        "softmax dim range": (lambda: torch.ops.fk.softmax(x, 5, False, False), "dim"),
+        "softmax int": (lambda: torch.ops.fk.softmax(torch.ones(3, 8, dtype=torch.int32, device=x.device), 1,
+                                                     False, False), "x"),
+        "softmax grad_y": (lambda: torch.ops.fk.softmax_backward(x, _x(3, 4), 1, False), "grad_y"),
+        "norm weight": (lambda: torch.ops.fk.norm(x, _x(4), None, 1e-5, True, False, True), "weight"),
+        "norm eps": (lambda: torch.ops.fk.norm(x, None, None, -1.0, True, False, True), "eps"),
+        "norm stats": (lambda: torch.ops.fk.norm_backward(x, x, w, None, _x(1, 2), True, False), "stats"),
+    }
+    q, k, v = _qkv()
+    long_q = _x(1, 4, 80, 16)  # past the decode path's query rows: the dense plan
+    args = (0.25, -1, -1, False, 0.0)
+    for name, query in (("decode", q), ("dense", long_q)):
+        cases |= {
+            f"{name} batch": (lambda query=query: torch.ops.fk.attention(torch.cat([query] * 2), k, v, *args), "batch"),
+            f"{name} v short": (lambda query=query: torch.ops.fk.attention(query, k, v[:, :, :5], *args), "k and v"),
+            f"{name} heads": (lambda query=query: torch.ops.fk.attention(query[:, :3], k, v, *args), "heads"),
+            f"{name} head dim": (lambda query=query: torch.ops.fk.attention(query, _x(1, 2, 11, 32), _x(1, 2, 11, 32),
+                                                                           *args), "head dim"),
+        }
+    out, lse = torch.ops.fk.attention(q, k, v, *args)
+    cases["attention lse"] = (lambda: torch.ops.fk.attention_backward(out, None, q, k, v, out, lse[:, :, :4], 0.25,
+                                                                      -1, -1, False, 0.0), "lse")
+    cases["attention grad_out"] = (lambda: torch.ops.fk.attention_backward(out[:, :, :4], None, q, k, v, out, lse,
+                                                                           0.25, -1, -1, False, 0.0), "grad_out")
+    qp, kp = (t[0].transpose(0, 1).contiguous() for t in (q, k))
+    cu_q, cu_k = (torch.tensor(b, dtype=torch.int32, device=q.device) for b in ([0, 4, 9], [0, 5, 11]))
+    cases["cu_seqlens_k short"] = (lambda: torch.ops.fk.attention_varlen(qp, kp, kp, cu_q, cu_k[:2], 5, 6, *args),
+                                   "cu_seqlens_k")
+    cache, lengths = _x(1, 2, 8, 16), torch.tensor([5], dtype=torch.int32, device=q.device)
+    kv = (None, None, None, 0.25, -1, 0, 0.0)
+    cases["kvcache lengths"] = (lambda: torch.ops.fk.attention_with_kvcache(q[:, :, :1], cache, cache,
+                                                                            lengths[:0], *kv), "cache_seqlens")
+    cases["kvcache new rows"] = (lambda: torch.ops.fk.attention_with_kvcache(
+        q[:, :, :1], cache, cache, lengths, _x(1, 1, 1, 16), _x(1, 1, 1, 16), *kv[2:]), "k must be")
+    for name, (call, argument) in cases.items():
+        with pytest.raises((ValueError, TypeError), match=argument):
+            call()
+        print("refused:", name)
 
 
 def _flag_calls():
@@ -273,6 +327,89 @@ def test_outputs_are_not_views():
     out.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def test_outputs_without_autograd_are_not_views():
+    """With autograd recording nothing (no_grad), outputs are tensors of their own too: an in-place
+    change later, with grad enabled, is allowed as on torch's outputs (it raised "a view was
+    created in no_grad mode")."""
+    bias = _x(requires_grad=True)
+    q = testing.randn((1, 8, 2, 16), torch.float32).transpose(1, 2)
+    k = _x(1, 2, 8, 16)
+    cache, lengths = _x(1, 2, 8, 16), torch.tensor([5], dtype=torch.int32, device=k.device)
+    with torch.no_grad():
+        outs = [weighted_sum(_x(4, 16), _x(16)), softmax(_x()), attention(q, k, k),
+                attention(q[:, :, :1], k, k),
+                attention_with_kvcache(q[:, :, :1], cache, cache.clone(), lengths, causal=True)]
+    for out in outs:
+        assert not out._is_view()
+        out.add_(bias)
+
+
+def test_vmap_over_an_empty_batch():
+    """vmap over a batch of 0 gives an empty batch of results, as torch's ops do (it raised IndexError)."""
+    x, w = _x(0, 3, 8), _x(8)
+    assert torch.func.vmap(softmax)(x).shape == (0, 3, 8)
+    assert torch.func.vmap(weighted_sum, (0, None))(x, w).shape == (0, 3)
+    assert torch.func.vmap(rms_norm)(x).shape == (0, 3, 8)
+
+
+def test_saved_tensors_in_other_strides_give_the_same_gradients():
+    """A saved-tensor hook may hand the backward its statistics (attention's log-sum-exp, the
+    norms' rows) in other strides: the gradients do not change (they were read as contiguous)."""
+
+    def relayout(t):  # same values, transposed storage
+        return t.mT.contiguous().mT if t.dim() >= 2 else t
+
+    q, k, v = _qkv(requires_grad=True)
+    x, w = _x(6, 24, requires_grad=True), _x(24, requires_grad=True)
+    for fn, inputs in ((lambda q, k, v: attention(q, k, v, causal=True, return_lse=True)[1].exp().sum()
+                        + attention(q, k, v).sum(), (q, k, v)),
+                       (lambda x, w: (layer_norm(x, w) * x).sum(), (x, w))):
+        plain = torch.autograd.grad(fn(*inputs), inputs)
+        with torch.autograd.graph.saved_tensors_hooks(relayout, lambda t: t):
+            hooked = torch.autograd.grad(fn(*inputs), inputs)
+        for a, b in zip(plain, hooked, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_compiled_calls_with_one_tensor_twice():
+    """An input passed twice (`attention(q, kv, kv)`, `cu_seqlens` for both sides, `layer_norm(x, w,
+    w)`) compiles under fullgraph with inputs that require grad (Dynamo refused one tensor as two
+    Function inputs) and matches torch's values and gradients."""
+    torch._dynamo.reset()
+    q, kv = _x(1, 2, 8, 16, requires_grad=True), _x(1, 2, 8, 16, requires_grad=True)
+    out = torch.compile(lambda q, kv: attention(q, kv, kv, causal=True), backend="aot_eager", fullgraph=True)(q, kv)
+    q64, kv64 = (t.detach().double().requires_grad_() for t in (q, kv))
+    want = F.scaled_dot_product_attention(q64, kv64, kv64, is_causal=True)
+    testing.assert_close("out", out, want, torch.float32)
+    for got, exact in zip(torch.autograd.grad(out.sum(), (q, kv)), torch.autograd.grad(want.sum(), (q64, kv64)),
+                          strict=True):
+        testing.assert_close("grad", got, exact, torch.float32)
+    x, w = _x(3, 8, requires_grad=True), _x(8, requires_grad=True)
+    y = torch.compile(lambda x, w: layer_norm(x, w, w), backend="aot_eager", fullgraph=True)(x, w)
+    testing.assert_close("layer_norm", y, F.layer_norm(x.double(), (8,), w.double(), w.double()), torch.float32)
+
+
+def test_strict_export_keeps_the_gradients():
+    """torch.export with strict=True records the registered ops with their autograd formula: the
+    exported module's parameters get gradients (they came back None: the Function ran under
+    no-grad tracing)."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.scale = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return rms_norm(self.lin(x), self.scale) + x
+
+    block = Block().to(testing.device())
+    exported = torch.export.export(block, (_x(3, 8),), strict=True).module()
+    exported(_x(3, 8)).sum().backward()
+    grads = dict(exported.named_parameters())
+    assert all(p.grad is not None for p in grads.values()), [n for n, p in grads.items() if p.grad is None]
 
 
 def test_autocast_takes_inputs_as_torch_does():

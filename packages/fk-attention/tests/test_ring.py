@@ -99,6 +99,23 @@ def rank_main(rank: int, store: str, inputs: dict, result: str, world: int = WOR
                      for fn in (functools.partial(ring_attention, group=alone), attention))
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    # Under autocast a group of one gives the inputs' dtype, as larger groups do, and differentiates.
+    q, k, v = (t.float().requires_grad_() for t in full[:3])
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = ring_attention(q, k, v, group=alone, causal=True)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in (q, k, v))
+    # With only k requiring grad, dK comes back equal to the full run's, in storage of its own.
+    case = next(c for c in inputs if ALL_CASES[c][0] == world)
+    *_, causal, layout, _ = ALL_CASES[case]
+    shards = [shard_sequence(t.to(device), 2, None, layout) for t in inputs[case][:4]]
+    both = forward_backward(functools.partial(ring_attention, causal=causal, layout=layout, return_lse=True),
+                            *shards[:3], shards[3], None, False)
+    q, k, v = (t.detach().requires_grad_(i == 1) for i, t in enumerate(shards[:3]))
+    torch.autograd.backward(ring_attention(q, k, v, causal=causal, layout=layout), shards[3])
+    assert k.grad._base is None and q.grad is None and v.grad is None
+    torch.testing.assert_close(k.grad, both["dk"], rtol=0, atol=0)
     if rank == 1:
         torch.save(gathered, result)
     dist.barrier()  # no rank leaves while another still finishes a collective with it
@@ -218,6 +235,8 @@ def test_bench_arguments():
     assert ring_bench.parse_args(["--kv-heads", "4", "--no-causal"]).kv_heads == 4
     with pytest.raises(SystemExit):
         ring_bench.parse_args(["--heads", "16", "--kv-heads", "3"])
+    with pytest.raises(SystemExit):
+        ring_bench.parse_args(["--profile", "-1"])
 
 
 def test_bench_section(tmp_path):

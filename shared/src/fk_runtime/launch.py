@@ -14,20 +14,27 @@ constexpr), and a `Launch` keys its compiled kernels on the 16-byte alignment of
 is given (Triton's pointer specialization). The stream is read at every call (CUDA graphs and
 side streams see their own).
 
-On the interpreter, with a launch hook set (profilers), or where a Triton version's compiled
-kernel lacks the launcher this relies on, every call takes `kernel[grid](...)`.
+The compiled launcher's argument layout is Triton's internal business: the direct path is taken
+only under the Triton versions whose layout was read and checked (`LAUNCHER_VERSIONS`). On the
+interpreter, with a launch hook set (profilers), or under any other Triton version, every call
+takes `kernel[grid](...)` (right everywhere, tens of microseconds slower).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 
 import torch
 
 from . import backend
 
+# (major, minor) Triton versions whose compiled launcher takes the arguments `_launcher_entry`
+# passes (13 leading arguments) and whose descriptor wrapper `_tensordesc_fast_path` mirrors: 3.4
+# passes 12 and expands only its own descriptor classes; 3.7 on lay them out otherwise.
+LAUNCHER_VERSIONS = ((3, 5), (3, 6))
 # Triton specializes pointers on this alignment (bytes).
 POINTER_ALIGN = 16
 # Compiled kernels one Launch keeps (one per alignment pattern of its tensors).
@@ -140,6 +147,20 @@ def _trailing_constexprs(kernel, meta: dict) -> tuple | None:
 
 def _compiled_launcher(compiled) -> bool:
     return all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata"))
+
+
+@functools.cache
+def launcher_layout_known(version: str | None = None) -> bool:
+    """Whether this Triton's (or `version`'s) compiled launcher is one `Launch` may call directly."""
+    if version is None:
+        import triton
+
+        version = triton.__version__
+    parts = version.split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) in LAUNCHER_VERSIONS
+    except (IndexError, ValueError):
+        return False
 
 
 # The closure of Triton 3.6's per-call descriptor wrapper (`wrap_handle_tensordesc`'s `inner`).
@@ -261,7 +282,7 @@ class Launch:
         with self._on_device():
             bind_context(self.device)
             compiled = self.kernel[self.grid](*real, *self.tail, **self.meta)  # compiles on first use
-        if backend.is_interpreter() or not _compiled_launcher(compiled):
+        if backend.is_interpreter() or not launcher_layout_known() or not _compiled_launcher(compiled):
             return
         if self._tensors is None:
             constexprs = _trailing_constexprs(self.kernel, self.meta)

@@ -100,6 +100,21 @@ def _own(outputs, inputs):
     return outputs.detach()
 
 
+def _distinct(inputs) -> tuple:
+    """`inputs` with a tensor passed a second time replaced by an alias view of it: Dynamo refuses
+    one tensor as two inputs of an autograd.Function (one tensor given for two operands)."""
+    seen = []
+    out = []
+    for a in inputs:
+        if isinstance(a, torch.Tensor):
+            if any(a is s for s in seen):
+                a = a.view_as(a)
+            else:
+                seen.append(a)
+        out.append(a)
+    return tuple(out)
+
+
 def not_differentiable_message(name: str) -> str:
     return (f"{name} computes first-order gradients only: differentiating through them "
             "(create_graph=True and a second backward, e.g. a gradient penalty) is not supported")
@@ -109,6 +124,12 @@ def _slice_rule(apply):
     """A vmap rule for any op: the op on each slice of the batch, the results stacked on dim 0."""
 
     def rule(info, in_dims, *args):
+        if info.batch_size == 0:  # nothing to run: one slice of zeros gives the results' shapes, none kept
+            probe = apply(*[a if d is None else a.new_zeros(a.shape[:d] + a.shape[d + 1:])
+                            for a, d in zip(args, in_dims, strict=True)])
+            if not isinstance(probe, tuple):
+                return probe.new_empty((0, *probe.shape)), 0
+            return tuple(p.new_empty((0, *p.shape)) for p in probe), (0,) * len(probe)
         results = [apply(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims, strict=True)])
                    for i in range(info.batch_size)]
         if not isinstance(results[0], tuple):
@@ -263,6 +284,10 @@ def define(
     def apply(*inputs):
         # torch.func, compiling and forward-mode AD take torch's own apply (the last raises: no jvp).
         if _functorch_active() or torch.compiler.is_compiling() or _forward_ad_active():
+            if torch.compiler.is_exporting():  # strict export keeps the registered op's autograd, not a Function's
+                return op(*inputs)
+            if torch.compiler.is_compiling():
+                inputs = _distinct(inputs)
             return function.apply(*inputs)
         grad_mode = torch.is_grad_enabled()
         records = False
@@ -274,7 +299,7 @@ def define(
                 records = records or (grad_mode and a.requires_grad)
             elif isinstance(a, torch.Tensor):
                 return function.apply(*inputs)
-        return c_apply(*inputs) if records else forward(*inputs)
+        return c_apply(*inputs) if records else _own(forward(*inputs), inputs)
 
     apply.__name__ = name
     return Op(apply, op, backward_op, function)

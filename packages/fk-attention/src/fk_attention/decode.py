@@ -117,10 +117,12 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     dense (B, Hk, capacity, D) or paged (pages, Hk, page_size, D) with the (B, pages per
     sequence) int32 page table; sequence b holds seqlens[b] + cache.n_new keys. `descriptors`
     forces K/V through TMA on or off (tests; None: `kv_descriptors`)."""
+    if cache is None:  # the registered ops can be called unchecked: once per plan, here
+        table.check_inputs(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_kernel_device(name, t)
     checks.check_same_device(q=q, k=k, v=v)
-    checks.check_same_dtype(q=q, k=k, v=v)  # the registered op can be called unchecked
+    checks.check_same_dtype(q=q, k=k, v=v)
     b, hq, n_q, d = q.shape
     hk = k.shape[1]
     group = hq // hk
@@ -219,23 +221,69 @@ def forward(q, k, v, mask: table.Mask, sm_scale: float, slices: int | None = Non
         return out.to(q.dtype), lse
     if slices is not None or descriptors is not None:
         return _bind(q, k, v, mask, sm_scale, None, slices, descriptors=descriptors)(q, k, v)
-    key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+    key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), mask, sm_scale)
     run = table.BOUND.get(key) or table.BOUND.get_or_build(key, lambda: _bind(q, k, v, mask, sm_scale, None, None))
     return run(q, k, v)
 
 
+def check_cache(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> None:
+    """The layouts `attention_with_kvcache` documents: q (B, Hq, Nq, D), dense caches (B, Hk,
+    capacity, D) or paged ones (pages, Hk, page_size, D) with an int32 (B, pages) table, int32 (B,)
+    lengths, new rows k, v (B, Hk, Nnew, D) or None; one dtype and device."""
+    checks.check_tensor("q", q, dtypes=DECODE_DTYPES, min_dim=4, max_dim=4)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.check_tensor(name, t, dtypes=DECODE_DTYPES, min_dim=4, max_dim=4)
+    checks.check_tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), min_dim=1, max_dim=1)
+    b = q.shape[0]
+    if cache_seqlens.shape[0] != b:
+        raise ValueError(f"cache_seqlens must hold one length per batch row ({b}), got shape "
+                         f"{tuple(cache_seqlens.shape)}")
+    table.check_heads(q, k_cache, v_cache, 1, same=False)  # dtypes and devices: with k, v, lengths below
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new rows for both caches) or both be None")
+    hk, d = k_cache.shape[1], q.shape[-1]
+    if block_table is not None:
+        checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), min_dim=2, max_dim=2)
+        if block_table.shape[0] != b:
+            raise ValueError(f"block_table must hold one row of pages per batch row ({b}), got shape "
+                             f"{tuple(block_table.shape)}")
+        if k_cache.shape[0] == 0 or k_cache.shape[2] == 0:
+            raise ValueError(f"a paged k_cache (pages, Hk, page_size, D) needs pages and rows, got shape "
+                             f"{tuple(k_cache.shape)}")
+    elif k_cache.shape[0] != b:
+        raise ValueError(f"k_cache must be (B, Hk, capacity, D) with B = q's batch ({b}), got shape "
+                         f"{tuple(k_cache.shape)} (a paged cache needs block_table)")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            checks.check_tensor(name, t, dtypes=DECODE_DTYPES, min_dim=4, max_dim=4)
+            if t.shape[0] != b or t.shape[1] != hk or t.shape[3] != d:
+                raise ValueError(f"{name} must be (B, Hk, Nnew, D) = ({b}, {hk}, Nnew, {d}), got shape "
+                                 f"{tuple(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    checks.check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+    checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k=k, v=v,
+                             block_table=block_table)
+
+
 def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float):
     """(out, lse) of q against a KV cache after writing k_new / v_new (may be None) into it at
-    each sequence's length (checks done by the caller, `ops.attention_with_kvcache`)."""
+    each sequence's length. The public call checks first; for callers of the registered op the
+    binds check the layouts again, once per plan."""
     cache = Cache(0 if k_new is None else k_new.shape[2], 0 if block_table is None else k_cache.shape[2])
     if k_new is not None:
-        key = ("kv_append", cache, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), k_new.shape,
-               k_new.stride(), v_new.stride(),
+        key = ("kv_append", cache, q.shape, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
+               k_new.shape, k_new.stride(), v_new.shape, v_new.stride(), seqlens.shape,
                None if block_table is None else (block_table.shape, block_table.stride()),
-               k_cache.dtype, k_cache.get_device())
-        append = table.BOUND.get(key) or table.BOUND.get_or_build(
-            key, lambda: _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache))
+               q.dtype, k_cache.dtype, v_cache.dtype, k_new.dtype, v_new.dtype,
+               *(t.get_device() for t in (q, k_cache, v_cache, k_new, v_new, seqlens)))
+
+        def build():
+            check_cache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
+            return _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache)
+
+        append = table.BOUND.get(key) or table.BOUND.get_or_build(key, build)
         append(k_cache, v_cache, seqlens, k_new, v_new, block_table)
     return _attend_cache(q, k_cache, v_cache, seqlens, block_table, cache, mask, sm_scale)
 
@@ -246,10 +294,15 @@ def _attend_cache(q, k_cache, v_cache, seqlens, block_table, cache: Cache, mask:
                                  sm_scale)
         return out.to(q.dtype), lse
     key = ("kvcache", cache, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
-           None if block_table is None else (block_table.shape, block_table.stride()),
-           q.dtype, k_cache.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(), mask, sm_scale)
-    run = table.BOUND.get(key) or table.BOUND.get_or_build(
-        key, lambda: _bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table))
+           seqlens.shape, None if block_table is None else (block_table.shape, block_table.stride()),
+           q.dtype, k_cache.dtype, v_cache.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(),
+           seqlens.get_device(), None if block_table is None else block_table.get_device(), mask, sm_scale)
+
+    def build():
+        check_cache(q, k_cache, v_cache, seqlens, None, None, block_table)
+        return _bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table)
+
+    run = table.BOUND.get(key) or table.BOUND.get_or_build(key, build)
     return run(q, k_cache, v_cache, seqlens, block_table)
 
 

@@ -23,7 +23,7 @@ from fk_runtime import ops as fk_ops
 from . import decode
 from . import plan as table
 
-ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *table.FP8_DTYPES)
+ATTENTION_DTYPES = table.DTYPES
 CAUSAL_ALIGNMENTS = ("upper_left", "lower_right")
 
 
@@ -136,30 +136,19 @@ ATTENTION_VARLEN = fk_ops.define(
 )
 
 
-def _check_heads(q, k, v, head_axis: int, same: bool = True) -> None:
-    if same:  # one dtype and device (callers that check more tensors together pass False)
-        checks.check_same_dtype(q=q, k=k, v=v)
-        checks.check_same_device(q=q, k=k, v=v)
-    d = q.shape[-1]
-    if k.shape[-1] != d or v.shape[-1] != d:
-        raise ValueError(f"q, k, v must share the head dim, got {d}, {k.shape[-1]}, {v.shape[-1]}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    hq, hk = q.shape[head_axis], k.shape[head_axis]
-    if hk == 0 or hq % hk != 0:
-        raise ValueError(f"q's heads ({hq}) must be a multiple of k's and v's heads ({hk})")
-    table.check_head_dim(d)
+def _forward_only_fp8(q, k, v) -> None:
     if q.dtype in table.FP8_DTYPES and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise ValueError("fp8 attention is forward-only (inference): q, k, v must not require grad")
 
 
+def _check_heads(q, k, v, head_axis: int, same: bool = True) -> None:
+    table.check_heads(q, k, v, head_axis, same)
+    _forward_only_fp8(q, k, v)
+
+
 def _check(q, k, v, dtypes=ATTENTION_DTYPES) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.check_tensor(name, t, dtypes=dtypes, min_dim=4, max_dim=4)
-    b = q.shape[0]
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-    _check_heads(q, k, v, 1)
+    table.check_inputs(q, k, v, dtypes=dtypes)
+    _forward_only_fp8(q, k, v)
 
 
 def _window_side(name: str, value) -> int:
@@ -350,40 +339,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
     Returns out like q, and with `return_lse=True` also lse (B, Hq, Nq) fp32 (natural log). Under
     `torch.autocast` q and the new rows are taken in its dtype (the caches' must match it)."""
     q, k, v = fk_ops.autocast(q, k, v)
-    checks.check_tensor("q", q, dtypes=KVCACHE_DTYPES, min_dim=4, max_dim=4)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        checks.check_tensor(name, t, dtypes=KVCACHE_DTYPES, min_dim=4, max_dim=4)
-    checks.check_tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), min_dim=1, max_dim=1)
-    b = q.shape[0]
-    if cache_seqlens.shape[0] != b:
-        raise ValueError(f"cache_seqlens must hold one length per batch row ({b}), got shape "
-                         f"{tuple(cache_seqlens.shape)}")
-    _check_heads(q, k_cache, v_cache, 1, same=False)  # dtypes and devices: with k, v, lengths below
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (new rows for both caches) or both be None")
-    hk, d = k_cache.shape[1], q.shape[-1]
-    if block_table is not None:
-        checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), min_dim=2, max_dim=2)
-        if block_table.shape[0] != b:
-            raise ValueError(f"block_table must hold one row of pages per batch row ({b}), got shape "
-                             f"{tuple(block_table.shape)}")
-        if k_cache.shape[0] == 0 or k_cache.shape[2] == 0:
-            raise ValueError(f"a paged k_cache (pages, Hk, page_size, D) needs pages and rows, got shape "
-                             f"{tuple(k_cache.shape)}")
-    elif k_cache.shape[0] != b:
-        raise ValueError(f"k_cache must be (B, Hk, capacity, D) with B = q's batch ({b}), got shape "
-                         f"{tuple(k_cache.shape)} (a paged cache needs block_table)")
-    if k is not None:
-        for name, t in (("k", k), ("v", v)):
-            checks.check_tensor(name, t, dtypes=KVCACHE_DTYPES, min_dim=4, max_dim=4)
-            if t.shape[0] != b or t.shape[1] != hk or t.shape[3] != d:
-                raise ValueError(f"{name} must be (B, Hk, Nnew, D) = ({b}, {hk}, Nnew, {d}), got shape "
-                                 f"{tuple(t.shape)}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    checks.check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
-    checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k=k, v=v,
-                             block_table=block_table)
+    decode.check_cache(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
     if any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
         raise ValueError("attention_with_kvcache is forward-only (inference): its inputs must not require grad")
     left, right, _, cap = mask_args(causal, window, softcap)
@@ -392,7 +348,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
         raise ValueError("attention_with_kvcache aligns causal masks lower-right (the cache's end): "
                          "pass causal=True or 'lower_right'")
     return_lse = checks.check_flag("return_lse", return_lse)
-    args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, _scale(sm_scale, d), left, right, cap)
+    args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, _scale(sm_scale, q.shape[-1]), left, right, cap)
     # Plain eager calls skip the registered op's dispatch (tens of microseconds); tracers and
     # torch.func transforms take the op.
     if fk_ops.transforms_active() or fk_ops.traced((q, k_cache, v_cache, cache_seqlens)):
@@ -403,6 +359,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
                 raise ValueError(f"{name} must not be a lazily negated view (is_neg()): written in place, "
                                  f"it would hold -values; pass a real tensor")
         out, lse = _forward_kvcache(*fk_ops.resolve_negated(args))
+        if out._is_view():  # a (B, N, H, D) buffer seen as q's layout: a tensor of its own, as torch's
+            out = out.detach()
         if k is not None:  # as the registered op would: autograd sees the caches written
             torch.autograd.graph.increment_version(k_cache)
             torch.autograd.graph.increment_version(v_cache)

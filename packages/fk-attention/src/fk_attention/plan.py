@@ -58,6 +58,8 @@ FP8_MIN_CAPABILITY = (8, 9)
 FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e5m2", "float8_e4m3fn") if hasattr(torch, name)
 )
+# What q, k, v may hold (fp8: forward only).
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
 # fp8 attention writes its output in this dtype (P @ V accumulates in fp32).
 FP8_OUTPUT_DTYPE = torch.bfloat16
 # 8-bit dots need K >= 32: fp8 pads head dims (and the forward's BLOCK_N is >= 32) to this.
@@ -210,6 +212,57 @@ def check_head_dim(head_dim: int) -> None:
             f"head dim must be a multiple of {HEAD_DIM_STEP} from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}, "
             f"got {head_dim}"
         )
+
+
+def check_heads(q, k, v, head_axis: int, same: bool = True) -> None:
+    """q, k, v share a head dim the kernels take, k and v one shape, and q's heads are a multiple
+    of k's; with `same`, one dtype and device (callers that check more tensors together pass False)."""
+    if same:
+        checks.check_same_dtype(q=q, k=k, v=v)
+        checks.check_same_device(q=q, k=k, v=v)
+    d = q.shape[-1]
+    if k.shape[-1] != d or v.shape[-1] != d:
+        raise ValueError(f"q, k, v must share the head dim, got {d}, {k.shape[-1]}, {v.shape[-1]}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    hq, hk = q.shape[head_axis], k.shape[head_axis]
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of k's and v's heads ({hk})")
+    check_head_dim(d)
+
+
+def check_inputs(q, k, v, packed: bool = False, dtypes=None) -> None:
+    """What the kernels take: q (B, Hq, Nq, D), k and v (B, Hk, Nk, D) (packed: (total, H, D)) as
+    `check_heads` wants them. The public calls check these before launching; the binds check
+    again, once per plan, for callers of the registered ops (`torch.ops.fk.attention*`)."""
+    dims = 3 if packed else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_tensor(name, t, dtypes=dtypes or DTYPES, min_dim=dims, max_dim=dims)
+    if not packed and (k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]):
+        raise ValueError(f"q, k, v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    check_heads(q, k, v, 1)
+
+
+def _check_bounds(cu_q, cu_k, packing) -> None:
+    """Packed sequences' bounds: int32 (S + 1,) each, S the packing's sequences."""
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        checks.check_tensor(name, cu, dtypes=(torch.int32,), min_dim=1, max_dim=1)
+        if cu.shape[0] != packing.sequences + 1:
+            raise ValueError(f"{name} must hold {packing.sequences + 1} bounds (sequences + 1), got shape "
+                             f"{tuple(cu.shape)}")
+
+
+def _check_backward(grad_out, grad_lse, q, k, v, out, lse, packed: bool) -> None:
+    """The backward's inputs as the forward made them (registered-op callers: once per plan)."""
+    check_inputs(q, k, v, packed)
+    for name, t in (("out", out), ("grad_out", grad_out)):
+        checks.check_tensor(name, t, dtypes=DTYPES)
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    rows = (q.shape[1], q.shape[0]) if packed else tuple(q.shape[:3])
+    for name, t in (("lse", lse), ("grad_lse", grad_lse)):
+        if t is not None and tuple(t.shape) != rows:
+            raise ValueError(f"{name} must have shape {rows} (a row per query and head), got {tuple(t.shape)}")
 
 
 def padded_head_dim(head_dim: int, dtype: torch.dtype | None = None) -> int:
@@ -657,6 +710,7 @@ def _bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors
                   packing: Packing | None = None):
     """The forward of one key: run(q, k, v, cu_q, cu_k) -> (out, lse). Dense: (B, H, N, D) inputs,
     out like q, lse (B, H, N). Packed: (total, H, D) inputs, out (total, H, D), lse (H, total)."""
+    check_inputs(q, k, v, packing is not None)
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_kernel_device(name, t)
     checks.check_same_device(q=q, k=k, v=v)
@@ -750,7 +804,7 @@ def forward(q, k, v, mask: Mask, sm_scale: float, config: Config | None = None,
         return out.to(q.dtype), lse
     if config is not None or descriptors is not None:
         return _bind_forward(q, k, v, mask, sm_scale, config, descriptors)(q, k, v)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
            k.get_device(), v.get_device(), mask, sm_scale)
     run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(q, k, v, mask, sm_scale))
     return run(q, k, v)
@@ -767,10 +821,15 @@ def forward_packed(q, k, v, cu_q, cu_k, packing: Packing, mask: Mask, sm_scale: 
         checks.check_kernel_device(name, t)
     if config is not None:
         return _bind_forward(q, k, v, mask, sm_scale, config, None, packing)(q, k, v, cu_q, cu_k)
-    key = ("packed", packing, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-           q.get_device(), k.get_device(), v.get_device(), cu_q.get_device(), cu_k.get_device(), mask, sm_scale)
-    run = BOUND.get(key) or BOUND.get_or_build(
-        key, lambda: _bind_forward(q, k, v, mask, sm_scale, packing=packing))
+    key = ("packed", packing, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype,
+           v.dtype, q.get_device(), k.get_device(), v.get_device(), cu_q.shape, cu_k.shape, cu_q.get_device(),
+           cu_k.get_device(), mask, sm_scale)
+
+    def build():
+        _check_bounds(cu_q, cu_k, packing)
+        return _bind_forward(q, k, v, mask, sm_scale, packing=packing)
+
+    run = BOUND.get(key) or BOUND.get_or_build(key, build)
     return run(q, k, v, cu_q, cu_k)
 
 
@@ -778,6 +837,7 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
                    configs=None, descriptors=None, packing: Packing | None = None):
     """The backward of one key: run(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k) -> (dq, dk, dv),
     the gradients laid out like the inputs (packed: (total, H, D))."""
+    _check_backward(grad_out, grad_lse, q, k, v, out, lse, packing is not None)
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("grad_out", grad_out), ("lse", lse)):
         checks.check_kernel_device(name, t)
     checks.check_same_device(q=q, k=k, v=v, out=out, grad_out=grad_out, lse=lse, grad_lse=grad_lse)
@@ -914,11 +974,13 @@ def backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: float,
         wide = [t.float() for t in (grad_out, q, k, v, out)]
         grads = backward(wide[0], grad_lse, *wide[1:], lse, mask, sm_scale, configs, descriptors)
         return tuple(g.to(q.dtype) for g in grads)
+    lse = lse.contiguous()  # the kernels read it as (B, H, N) rows (a saved-tensor hook may hand back other strides)
     if configs is not None or descriptors is not None:
         return _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, configs,
                               descriptors)(grad_out, grad_lse, q, k, v, out, lse)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), grad_out.stride(), lse.stride(),
-           None if grad_lse is None else (grad_lse.stride(), grad_lse.dtype, grad_lse.get_device()),
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride(), grad_out.shape,
+           grad_out.stride(), lse.shape, lse.stride(),
+           None if grad_lse is None else (grad_lse.shape, grad_lse.stride(), grad_lse.dtype, grad_lse.get_device()),
            q.dtype, k.dtype, v.dtype, out.dtype, grad_out.dtype, lse.dtype,
            tuple(t.get_device() for t in (q, k, v, out, grad_out, lse)), mask, sm_scale)
     run = BOUND.get(key) or BOUND.get_or_build(
@@ -933,14 +995,19 @@ def backward_packed(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, packing: 
         wide = [t.float() for t in (grad_out, q, k, v, out)]
         grads = backward_packed(wide[0], grad_lse, *wide[1:], lse, cu_q, cu_k, packing, mask, sm_scale, configs)
         return tuple(g.to(q.dtype) for g in grads)
+    lse = lse.contiguous()  # the kernels read it as (H, total) rows
     if configs is not None:
         return _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, configs, None,
                               packing)(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k)
-    key = ("packed", packing, q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(),
-           grad_out.stride(), lse.stride(),
-           None if grad_lse is None else (grad_lse.stride(), grad_lse.dtype, grad_lse.get_device()),
-           q.dtype, k.dtype, v.dtype, out.dtype, grad_out.dtype, lse.dtype,
+    key = ("packed", packing, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape,
+           out.stride(), grad_out.shape, grad_out.stride(), lse.shape, lse.stride(),
+           None if grad_lse is None else (grad_lse.shape, grad_lse.stride(), grad_lse.dtype, grad_lse.get_device()),
+           q.dtype, k.dtype, v.dtype, out.dtype, grad_out.dtype, lse.dtype, cu_q.shape, cu_k.shape,
            tuple(t.get_device() for t in (q, k, v, out, grad_out, lse, cu_q, cu_k)), mask, sm_scale)
-    run = BOUND.get(key) or BOUND.get_or_build(
-        key, lambda: _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, packing=packing))
+
+    def build():
+        _check_bounds(cu_q, cu_k, packing)
+        return _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, packing=packing)
+
+    run = BOUND.get(key) or BOUND.get_or_build(key, build)
     return run(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k)

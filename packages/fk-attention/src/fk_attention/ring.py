@@ -114,10 +114,13 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(merged)
 
 
-def _ring_forward(q, kv, ring: _Ring, causal: bool, layout: str, sm_scale: float):
-    """out, lse; kv the stacked (k, v): one buffer, one send and one receive per step."""
+def _ring_forward(q, k, v, ring: _Ring, causal: bool, layout: str, sm_scale: float):
+    if ring.world == 1:  # the whole sequence is local
+        out, lse = attention(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=True)
+        return out.to(q.dtype), lse  # (under autocast, attention's dtype)
     out = lse = None
-    n_k = kv.shape[3]
+    n_k = k.shape[2]
+    kv = torch.stack((k, v))  # one buffer: one send and one receive per step
     for step in range(ring.world):
         arriving = ring.pass_on(kv, KV_TAG) if step + 1 < ring.world else None
         block = _block(ring, step, n_k, causal, layout)
@@ -126,8 +129,6 @@ def _ring_forward(q, kv, ring: _Ring, causal: bool, layout: str, sm_scale: float
             block_out, block_lse = attention(q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols],
                                              causal=masked, sm_scale=sm_scale, return_lse=True)
             if step == 0:  # the own shard, every row and key: the accumulators start from it
-                if ring.world == 1:
-                    return block_out, block_lse
                 out, lse = block_out.float(), block_lse
             else:
                 _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
@@ -136,9 +137,12 @@ def _ring_forward(q, kv, ring: _Ring, causal: bool, layout: str, sm_scale: float
     return out.to(q.dtype), lse
 
 
-def _ring_backward(grad_out, grad_lse, q, kv, out, lse, ring: _Ring, causal: bool, layout: str,
+def _ring_backward(grad_out, grad_lse, q, k, v, out, lse, ring: _Ring, causal: bool, layout: str,
                    sm_scale: float):
-    """dq, dk, dv; kv the forward's stacked (k, v)."""
+    if ring.world == 1:  # the whole sequence is local
+        return torch.ops.fk.attention_backward(grad_out, grad_lse, q, k, v, out, lse, sm_scale,
+                                               *mask_args(causal, None, None))
+    kv = torch.stack((k, v))  # stacked again, not saved: the forward keeps the caller's k and v only
     dq = grad_kv = arriving_grad = None
     for step in range(ring.world):
         arriving = ring.pass_on(kv, KV_TAG) if step + 1 < ring.world else None
@@ -151,8 +155,6 @@ def _ring_backward(grad_out, grad_lse, q, kv, out, lse, ring: _Ring, causal: boo
                 q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], out[:, :, rows],
                 lse[:, :, rows].contiguous(), sm_scale, *mask_args(masked, None, None))
             if step == 0:  # the own shard, every row and key
-                if ring.world == 1:
-                    return dq_block, dk_block, dv_block
                 dq = dq_block.float()
                 # dK/dV of the shard held now: this block's (no rank before has added to it).
                 grad_kv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
@@ -177,19 +179,23 @@ def _ring_backward(grad_out, grad_lse, q, kv, out, lse, ring: _Ring, causal: boo
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, causal, layout, sm_scale):
-        kv = torch.stack((k, v))
-        out, lse = _ring_forward(q, kv, ring, causal, layout, sm_scale)
-        ctx.save_for_backward(q, kv, out, lse)  # the backward passes the same buffer around
+        out, lse = _ring_forward(q, k, v, ring, causal, layout, sm_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = ring, causal, layout, sm_scale
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, kv, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         if grad_out is None:  # only the log-sum-exp was used
             grad_out = torch.zeros_like(out)
-        return (*_ring_backward(grad_out, grad_lse, q, kv, out, lse, *ctx.args), None, None, None, None)
+        dq, dk, dv = _ring_backward(grad_out, grad_lse, q, k, v, out, lse, *ctx.args)
+        need_k, need_v = ctx.needs_input_grad[1:3]
+        if dk._base is not None and need_k != need_v:
+            # dK and dV share one received buffer: the one kept gets storage of its own.
+            dk, dv = (dk.clone() if need_k else None), (dv.clone() if need_v else None)
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(q, k, v, group=None, causal: bool = False, sm_scale: float | None = None,

@@ -56,13 +56,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="skip comparing the ring's output and gradients with the one-GPU run")
     parser.add_argument("--out", type=Path, default=Path("ring_bench.json"), help="JSON written by rank 0")
     parser.add_argument("--profile", type=int, default=0, metavar="K",
-                        help="also profile one ring fwd+bwd and print each rank's K costliest GPU kernels")
+                        help="also profile one ring fwd+bwd and print each rank's K costliest GPU kernels "
+                             "(CPU ops without a GPU)")
     parser.add_argument("--benchmarks", type=Path, default=None,
                         help="also keep the result in this folder's ring section and rebuild BENCHMARKS.md beside it")
     args = parser.parse_args(argv)
     for name in ("seqlen", "batch", "heads", "head_dim", "reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.profile < 0:
+        parser.error("--profile must be at least 0 (0: no profile)")
     args.kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     if args.kv_heads < 1 or args.heads % args.kv_heads:
         parser.error(f"--kv-heads ({args.kv_heads}) must divide --heads ({args.heads})")

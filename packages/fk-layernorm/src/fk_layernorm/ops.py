@@ -64,20 +64,6 @@ NORM = fk_ops.define(
 )
 
 
-def _check(x, weight, bias, eps):
-    checks.check_tensor("x", x, min_dim=1)
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None:
-            checks.check_tensor(name, p, min_dim=1, max_dim=1)
-            if p.shape[0] != x.shape[-1]:
-                raise ValueError(
-                    f"{name} must have x's last dim ({x.shape[-1]}) elements, got shape {tuple(p.shape)}"
-                )
-    checks.check_same_device(x=x, weight=weight, bias=bias)
-    checks.check_same_dtype(weight=weight, bias=bias)
-    checks.check_nonnegative("eps", eps)  # torch's norms take 0 (a constant row then gives NaN, as theirs)
-
-
 def _needs_stats(*tensors) -> bool:
     """Whether autograd will call the backward (which reads the statistics)."""
     if fk_ops.transforms_active():
@@ -98,7 +84,7 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, stable: bool = Fals
     but for eps, and no sum overflows. fp32 statistics for every dtype; a row whose sums overflow
     fp32 is normalised again from x / max|x| where the row fits in registers, else comes back NaN
     (see `fk_layernorm.kernels`)."""
-    _check(x, weight, bias, eps)
+    plan.check_inputs(x, weight, bias, eps)
     return _norm(x, weight, bias, eps, False, checks.check_flag("stable", stable))
 
 
@@ -113,5 +99,5 @@ def rms_norm(x, weight=None, eps: float | None = 1e-6) -> torch.Tensor:
     `eps=None` is torch's default (`default_rms_eps`)."""
     if eps is None and isinstance(x, torch.Tensor):
         eps = default_rms_eps(x)
-    _check(x, weight, None, eps)
+    plan.check_inputs(x, weight, None, eps)
     return _norm(x, weight, None, eps, True, False)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 
@@ -201,9 +202,40 @@ def _stat_rows(stats: torch.Tensor, is_rms: bool, stable: bool) -> tuple:
     return (rstd if is_rms else stats[1]), rstd, (stats[-1] if stable else rstd)
 
 
+def check_inputs(x, weight, bias, eps) -> None:
+    """What the kernels take: x (..., D) of a float dtype, weight and bias (D,) or None of one dtype,
+    all on one device, eps >= 0. The public calls check before launching; the binds check again,
+    once per plan, for callers of the registered ops (`torch.ops.fk.norm`)."""
+    checks.check_tensor("x", x, min_dim=1)
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            checks.check_tensor(name, p, min_dim=1, max_dim=1)
+            if p.shape[0] != x.shape[-1]:
+                raise ValueError(
+                    f"{name} must have x's last dim ({x.shape[-1]}) elements, got shape {tuple(p.shape)}"
+                )
+    checks.check_same_device(x=x, weight=weight, bias=bias)
+    checks.check_same_dtype(weight=weight, bias=bias)
+    checks.check_nonnegative("eps", eps)  # torch's norms take 0 (a constant row then gives NaN, as theirs)
+
+
+def _check_backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool) -> None:
+    """The backward's inputs as the forward made them (registered-op callers: once per plan)."""
+    check_inputs(x, weight, bias, 0.0)
+    checks.check_tensor("grad_y", grad_y)
+    if grad_y.shape != x.shape:
+        raise ValueError(f"grad_y must have x's shape {tuple(x.shape)}, got {tuple(grad_y.shape)}")
+    checks.check_tensor("stats", stats, dtypes=(torch.float32,))
+    n_rows = math.prod(x.shape[:-1])
+    if tuple(stats.shape) != stats_shape(n_rows, is_rms, stable, True):
+        raise ValueError(f"stats must have shape {stats_shape(n_rows, is_rms, stable, True)} (the forward's "
+                         f"statistics), got {tuple(stats.shape)}")
+
+
 def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: bool):
     """The forward of one key: run(x, w, b) -> (y, stats); w, b contiguous (x's rows stand in
     for an absent one: no load reaches it)."""
+    check_inputs(x, w, b, eps)
     for name, t in (("x", x), ("weight", w), ("bias", b)):
         if t is not None:
             checks.check_kernel_device(name, t)
@@ -347,8 +379,8 @@ def forward(x, weight, bias, eps: float, is_rms: bool, stable: bool, save_stats:
     """(y, stats): y like x (contiguous), stats as `stats_shape` gives them."""
     w = weight.contiguous() if weight is not None else None  # the kernels read contiguous vectors
     b = bias.contiguous() if bias is not None else None
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), None if w is None else (w.dtype, w.get_device()),
-           None if b is None else (b.dtype, b.get_device()), eps, is_rms, stable, save_stats)
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), None if w is None else (w.shape, w.dtype, w.get_device()),
+           None if b is None else (b.shape, b.dtype, b.get_device()), eps, is_rms, stable, save_stats)
     run = BOUND.get(key) or BOUND.get_or_build(
         key, lambda: _bind_forward(x, w, b, eps, is_rms, stable, save_stats))
     return run(x, w, b)
@@ -357,10 +389,16 @@ def forward(x, weight, bias, eps: float, is_rms: bool, stable: bool, save_stats:
 def backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
     """(grad_x, grad_weight, grad_bias); an absent parameter's gradient is an empty tensor."""
     w = weight.contiguous() if weight is not None else None
+    stats = stats.contiguous()  # read as rows (a saved-tensor hook may hand back other strides)
     w_dtype = None if weight is None else weight.dtype
     b_dtype = None if bias is None else bias.dtype
-    key = (x.shape, x.stride(), grad_y.stride(), x.dtype, grad_y.dtype, x.get_device(), grad_y.get_device(),
-           w_dtype, None if weight is None else weight.get_device(), b_dtype, is_rms, stable, "backward")
-    run = BOUND.get(key) or BOUND.get_or_build(
-        key, lambda: _bind_backward(grad_y, x, w_dtype, b_dtype, is_rms, stable))
+    key = (x.shape, x.stride(), grad_y.shape, grad_y.stride(), x.dtype, grad_y.dtype, x.get_device(),
+           grad_y.get_device(), None if weight is None else (weight.shape, w_dtype, weight.get_device()),
+           None if bias is None else (bias.shape, b_dtype), stats.shape, is_rms, stable, "backward")
+
+    def build():
+        _check_backward(grad_y, x, weight, bias, stats, is_rms, stable)
+        return _bind_backward(grad_y, x, w_dtype, b_dtype, is_rms, stable)
+
+    run = BOUND.get(key) or BOUND.get_or_build(key, build)
     return run(grad_y, x, w, stats)

@@ -8,7 +8,6 @@ The backward saves only the output: softmax's gradient needs y, log-softmax's ne
 from __future__ import annotations
 
 import torch
-from fk_runtime import checks
 from fk_runtime import ops as fk_ops
 
 from . import plan
@@ -39,22 +38,11 @@ SOFTMAX = fk_ops.define(
 )
 
 
-def _checked_dim(x, dim, causal) -> int:
-    checks.check_tensor("x", x)
-    checks.check_flag("causal", causal)
-    d = checks.normalize_dim("dim", dim, x.dim())
-    if causal:
-        if x.dim() < 2:
-            raise ValueError(f"causal=True needs x with at least 2 dims, got shape {tuple(x.shape)}")
-        if d != x.dim() - 1:
-            raise ValueError(f"causal=True needs dim=-1 (the last dim), got dim={dim}")
-    return d
-
-
 def _apply(x: torch.Tensor, dim, causal, log: bool) -> torch.Tensor:
-    d = _checked_dim(x, dim, causal)
+    d = plan.check_dim(x, dim, causal)
     if x.dim() == 0:
-        return SOFTMAX.apply(x.reshape(1), 0, False, log).reshape(())
+        y = SOFTMAX.apply(x.reshape(1), 0, False, log).reshape(())
+        return y if y.requires_grad else y.detach()  # a tensor of its own, as torch's (not a view)
     return SOFTMAX.apply(x, d, bool(causal), log)
 
 
@@ -62,7 +50,8 @@ def softmax(x: torch.Tensor, dim: int = -1, causal: bool = False) -> torch.Tenso
     """`torch.softmax(x, dim)`, optionally masking x[..., i, j] for j > i (`causal`, last dim only).
 
     fp32/fp16/bf16 with fp32 math, any row length, any dim, strided inputs; the output is
-    contiguous in x's shape; the backward saves only the output."""
+    contiguous in x's shape, in x's dtype (also under `torch.autocast`, where torch's CUDA softmax
+    returns fp32); the backward saves only the output."""
     return _apply(x, dim, causal, False)
 
 

@@ -85,8 +85,25 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, backward: bool = False) -
 BOUND = PlanCache()
 
 
+def check_dim(x: torch.Tensor, dim, causal) -> int:
+    """x's dim to normalize over, as a non-negative int, after the checks the kernels need (a float
+    tensor; `causal` masks x[..., i, j] for j > i: the last dim of a tensor of at least 2). The
+    public calls check before launching; the binds check again, once per plan, for callers of the
+    registered ops (`torch.ops.fk.softmax`)."""
+    checks.check_tensor("x", x)
+    checks.check_flag("causal", causal)
+    d = checks.normalize_dim("dim", dim, x.dim())
+    if causal:
+        if x.dim() < 2:
+            raise ValueError(f"causal=True needs x with at least 2 dims, got shape {tuple(x.shape)}")
+        if d != x.dim() - 1:
+            raise ValueError(f"causal=True needs dim=-1 (the last dim), got dim={dim}")
+    return d
+
+
 def _bind_forward(x: torch.Tensor, dim: int, causal: bool, log: bool):
     """The forward of one (shape, strides, dtype, device, dim, causal, log): run(x) -> y."""
+    dim = check_dim(x, dim, causal)
     checks.check_kernel_device("x", x)
     shape, dtype, device = x.shape, x.dtype, x.device
     if x.numel() == 0:
@@ -136,6 +153,11 @@ def _bind_forward(x: torch.Tensor, dim: int, causal: bool, log: bool):
 
 def _bind_backward(y: torch.Tensor, grad_y: torch.Tensor, dim: int, log: bool):
     """The backward of one (shapes, strides, dtype, device, dim, log): run(y, grad_y) -> grad_x."""
+    checks.check_tensor("y", y)
+    checks.check_tensor("grad_y", grad_y)
+    if grad_y.shape != y.shape:
+        raise ValueError(f"grad_y must have y's shape {tuple(y.shape)}, got {tuple(grad_y.shape)}")
+    dim = check_dim(y, dim, False)
     checks.check_kernel_device("y", y)
     checks.check_same_device(y=y, grad_y=grad_y)
     checks.check_same_dtype(y=y, grad_y=grad_y)
@@ -199,7 +221,7 @@ def forward(x: torch.Tensor, dim: int, causal: bool, log: bool) -> torch.Tensor:
 
 def backward(y: torch.Tensor, grad_y: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     """grad_x (contiguous, y's shape) from the forward's output y and its gradient."""
-    key = (y.shape, y.stride(), grad_y.stride(), y.dtype, grad_y.dtype, y.get_device(), grad_y.get_device(),
-           dim, log, "backward")
+    key = (y.shape, y.stride(), grad_y.shape, grad_y.stride(), y.dtype, grad_y.dtype, y.get_device(),
+           grad_y.get_device(), dim, log, "backward")
     run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_backward(y, grad_y, dim, log))
     return run(y, grad_y)

@@ -44,11 +44,5 @@ def weighted_sum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     checks.check_tensor("x", x, min_dim=1)
     checks.check_tensor("weight", weight, min_dim=1, max_dim=1)
     x, weight = fk_ops.autocast(x, weight)
-    checks.check_tensor("weight", weight, min_dim=1, max_dim=1)
-    checks.check_same_dtype(x=x, weight=weight)
-    checks.check_same_device(x=x, weight=weight)
-    if weight.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"weight must have x's last dim ({x.shape[-1]}) elements, got shape {tuple(weight.shape)}"
-        )
+    plan.check_inputs(x, weight)
     return WEIGHTED_SUM.apply(x, weight)

@@ -152,11 +152,22 @@ def backward_2d(grad_y, x2, weight, plan: Plan | None = None):
     return bind_backward_2d(grad_y, x2, weight, plan)(grad_y, x2, weight)
 
 
+def check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """What the kernels take: x (..., D) and weight (D,) of one float dtype and device. The public
+    call checks before autocast; the binds check again, once per plan, for callers of the
+    registered ops (`torch.ops.fk.weighted_sum`)."""
+    checks.check_tensor("x", x, min_dim=1)
+    checks.check_tensor("weight", weight, min_dim=1, max_dim=1)
+    checks.check_same_dtype(x=x, weight=weight)
+    checks.check_same_device(x=x, weight=weight)
+    if weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must have x's last dim ({x.shape[-1]}) elements, got shape {tuple(weight.shape)}")
+
+
 def _bind_forward(x: torch.Tensor, weight: torch.Tensor):
+    check_inputs(x, weight)
     checks.check_kernel_device("x", x)
     checks.check_kernel_device("weight", weight)
-    checks.check_same_device(x=x, weight=weight)
-    checks.check_same_dtype(x=x, weight=weight)
     x2 = views.rows(x)
     is_view = views.in_place(x2, x)
     run2d = bind_forward_2d(x2, weight)
@@ -165,6 +176,10 @@ def _bind_forward(x: torch.Tensor, weight: torch.Tensor):
 
 
 def _bind_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    check_inputs(x, weight)
+    checks.check_tensor("grad_y", grad_y)
+    if grad_y.shape != x.shape[:-1]:
+        raise ValueError(f"grad_y must have shape x.shape[:-1] = {tuple(x.shape[:-1])}, got {tuple(grad_y.shape)}")
     for name, t in (("grad_y", grad_y), ("x", x), ("weight", weight)):
         checks.check_kernel_device(name, t)
     checks.check_same_device(grad_y=grad_y, x=x, weight=weight)
@@ -183,14 +198,15 @@ def _bind_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
 
 def forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight over the last dim, shape x.shape[:-1]."""
-    key = (x.shape, x.stride(), x.dtype, weight.stride(), weight.dtype, x.get_device(), weight.get_device())
+    key = (x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype, x.get_device(),
+           weight.get_device())
     run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(x, weight))
     return run(x, weight)
 
 
 def backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
     """(grad_x like x, contiguous; grad_weight)."""
-    key = (x.shape, x.stride(), grad_y.stride(), x.dtype, grad_y.dtype, weight.stride(), weight.dtype,
-           x.get_device(), grad_y.get_device(), weight.get_device(), "backward")
+    key = (x.shape, x.stride(), grad_y.shape, grad_y.stride(), x.dtype, grad_y.dtype, weight.shape, weight.stride(),
+           weight.dtype, x.get_device(), grad_y.get_device(), weight.get_device(), "backward")
     run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_backward(grad_y, x, weight))
     return run(grad_y, x, weight)
