@@ -22,8 +22,8 @@ on the same weights and tokens are compared; a gap past bf16 rounding stops the 
     python e2e/decoder.py [--small] [--out benchmarks]
     bash shared/from-source.sh python e2e/decoder.py      # a GPU box without network
 
-Writes `<out>/decoder.{json,md}` and rebuilds BENCHMARKS.md beside `<out>`, as the main job
-does. `--small`: 2 layers of width 256, B = 1, N = 64, fp32 on the interpreter (a CPU check that
+Writes `<out>/decoder.{json,md}` and rebuilds BENCHMARKS.md as the main job does (beside an `<out>`
+named benchmarks, else inside it). `--small`: 2 layers of width 256, B = 1, N = 64, fp32 on the interpreter (a CPU check that
 it runs; its numbers mean nothing). Reported: ms per step and torch's ms over fk's (above 1: the
 model on fk's ops is faster).
 """

@@ -97,3 +97,31 @@ def test_another_out_folder_gathers_its_own_benchmarks_md(tmp_path):
     assert beside.read_text() == "the committed numbers\n"
     text = (out / "BENCHMARKS.md").read_text()
     assert "## softmax" in text and "](softmax.png)" in text and (out / "softmax.png").exists()
+
+
+def test_tables_run_after_a_whole_op_run_keeps_every_table_once(tmp_path):
+    """A `--tables` run after a whole run of the op: a table run alone leaves the op's section
+    (no table twice in BENCHMARKS.md); the op's main table run alone leaves the op's other tables
+    sections of their own (they disappeared)."""
+    from fk_runtime import bench
+
+    out = tmp_path / "benchmarks"
+    out.mkdir()
+    rows = [bench.Result(name, "fwd", "4", "float32", v, bench.GBPS, 1.0, 1.0, 50.0)
+            for name in ("norm", "rms") for v in ("fk", "peer")]
+    meta = dict(device="dev", torch="t", triton="t", date="d", command="c")
+    ceilings = bench.Ceilings(1000.0, 100.0)
+
+    def whole_run():
+        bench.write_json(rows, ceilings, meta, out / "norm.json")
+        (out / "norm.md").write_text(cli.section("norm", rows, ceilings, meta, []))
+
+    whole_run()
+    cli._take_tables_out_of_op_section(out, "norm", {"rms"})
+    assert {r["op"] for r in json.loads((out / "norm.json").read_text())["results"]} == {"norm"}
+    assert "### rms" not in (out / "norm.md").read_text()
+    whole_run()
+    cli._take_tables_out_of_op_section(out, "norm", {"norm"})
+    assert not (out / "norm.json").exists() and not (out / "norm.md").exists()
+    assert {r["op"] for r in json.loads((out / "rms.json").read_text())["results"]} == {"rms"}
+    assert "## rms" in (out / "rms.md").read_text()

@@ -346,6 +346,25 @@ def test_outputs_without_autograd_are_not_views():
         out.add_(bias)
 
 
+def test_meta_tensors_give_shapes():
+    """Tensors on the meta device (a model built there, a shape-only dry run) go to the registered
+    ops' fakes, forward and backward, as torch's ops take them (they were refused: "must be on a
+    cpu device")."""
+    def meta(*shape, grad=False):
+        return torch.randn(*shape, device="meta", requires_grad=grad)
+
+    x, w = meta(4, 16, grad=True), meta(16, grad=True)
+    layer_norm(x, w).sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    q = meta(1, 4, 80, 16, grad=True)
+    attention(q, meta(1, 2, 80, 16), meta(1, 2, 80, 16), causal=True).sum().backward()
+    assert q.grad.shape == q.shape and q.grad.is_meta
+    assert softmax(meta(2, 8), causal=True).shape == (2, 8)
+    assert weighted_sum(meta(2, 8), meta(8)).shape == (2,)
+    lengths = torch.zeros(1, dtype=torch.int32, device="meta")
+    assert attention_with_kvcache(meta(1, 2, 1, 16), meta(1, 2, 8, 16), meta(1, 2, 8, 16), lengths).is_meta
+
+
 def test_vmap_over_an_empty_batch():
     """vmap over a batch of 0 gives an empty batch of results, as torch's ops do (it raised IndexError)."""
     x, w = _x(0, 3, 8), _x(8)

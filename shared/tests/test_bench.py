@@ -88,3 +88,26 @@ def test_host_section_leads_benchmarks_md(tmp_path):
         (out / f"{name}.md").write_text(f"## {name}\n")
     text = cli.rebuild_benchmarks_md(out).read_text()
     assert text.index("## decoder") < text.index("## host") < text.index("## a")
+
+
+def test_a_one_op_host_run_keeps_the_other_ops_rows(tmp_path, monkeypatch):
+    """`--ops X` re-measures X's host rows and keeps the other ops' rows of the last run on the same
+    device (it rewrote the section with X's rows alone); rows from another device are dropped."""
+    def module(op):
+        case = bench.HostCase(op, "4", torch.float32, lambda: [testing.randn((4,), requires_grad=True)],
+                              {"fk": lambda x: x * 2, "peer": lambda x: x + x})
+        return type("M", (), {"host_cases": staticmethod(lambda: [case])})
+
+    monkeypatch.setattr(bench, "run_host_cases", lambda cases, progress=True: [
+        bench.HostResult(c.op, c.shape, "float32", v, m, 1.0) for c in cases for v in c.variants
+        for m in bench.HOST_MODES])
+    meta = dict(device="dev", torch="t", triton="t", date="first", command="c")
+    cli.run_host({"a": module("a"), "b": module("b")}, tmp_path, meta)
+    cli.run_host({"a": module("a")}, tmp_path, dict(meta, date="second"))
+    rows = json.loads((tmp_path / "host.json").read_text())["results"]
+    assert sorted({r["op"] for r in rows}) == ["a", "b"] and len(rows) == 8
+    text = (tmp_path / "host.md").read_text()
+    assert "| b | 4 |" in text and "kept from the run of first" in text
+    cli.run_host({"a": module("a")}, tmp_path, dict(meta, device="other", date="third"))
+    assert {r["op"] for r in json.loads((tmp_path / "host.json").read_text())["results"]} == {"a"}
+    assert "kept from" not in (tmp_path / "host.md").read_text()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import pkgutil
 import shlex
 import sys
@@ -93,10 +94,12 @@ def section(op: str, results, ceilings, meta: dict, plot_names: list[str],
     return "\n".join(lines)
 
 
-def host_section(results, meta: dict) -> str:
+def host_section(results, meta: dict, kept_from: str | None = None) -> str:
     from . import bench
 
     warmup, count, repeats = bench.host_settings()
+    kept = (f" Rows of ops this run did not measure are kept from the run of {kept_from} (same device)."
+            if kept_from else "")
     return "\n".join([
         "## Host time per call",
         "",
@@ -108,7 +111,7 @@ def host_section(results, meta: dict) -> str:
         "`fwd+bwd`: that and `torch.autograd.grad` of every input. `device µs`: the kernels' "
         f"durations of one call (torch.profiler, mean of {bench.PROFILED_CALLS} calls); the gap to "
         "the eager time is host work. `fk ÷ peer` is fk's time over the peer's (below 1: fk "
-        "costs less).",
+        "costs less)." + kept,
         "",
         f"Command: `{meta['command']}`",
         "",
@@ -182,6 +185,8 @@ def run_sweeps(modules: dict, out: Path, meta: dict, full: bool, tables: list[st
             for name in (n for n in names if n != op):  # stale sections of a `--tables` run
                 for suffix in (".md", ".json"):
                     (out / f"{name}{suffix}").unlink(missing_ok=True)
+        if tables is not None:
+            _take_tables_out_of_op_section(out, op, set(names))
         for name in names:
             if tables is not None:
                 mine = [r for r in results if r.op == name]
@@ -189,6 +194,37 @@ def run_sweeps(modules: dict, out: Path, meta: dict, full: bool, tables: list[st
                 (out / f"{name}.md").write_text(
                     section(name, mine, ceilings, meta, [plots[name].name] if plots[name] else [], plot_dir(out)))
             print(f"\n{name}\n" + bench.markdown_table(results, name))
+
+
+def _take_tables_out_of_op_section(out: Path, op: str, names: set[str]) -> None:
+    """Before a `--tables` run writes sections of its own: the op's full section (from its last
+    whole run) gives up those tables (no table twice in BENCHMARKS.md); if its main table is among
+    them, the tables left get sections of their own (none disappears)."""
+    from . import bench
+
+    path = out / f"{op}.json"
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    results = [bench.Result(**r) for r in old["results"]]
+    left = [r for r in results if r.op not in names]
+    if len(left) == len(results):
+        return
+    ceilings, meta = bench.Ceilings(**old["ceilings"]), old["meta"]
+
+    def write(name: str, rows: list) -> None:
+        tables = list(dict.fromkeys(r.op for r in rows))
+        plots = [f"{t}.png" for t in tables if (out / f"{t}.png").exists()]
+        bench.write_json(rows, ceilings, meta, out / f"{name}.json")
+        (out / f"{name}.md").write_text(section(name, rows, ceilings, meta, plots, plot_dir(out)))
+
+    if op in names:  # the op's own section becomes its main table's: the others stand alone
+        path.unlink()
+        (out / f"{op}.md").unlink(missing_ok=True)
+        for name in dict.fromkeys(r.op for r in left):
+            write(name, [r for r in left if r.op == name])
+    else:
+        write(op, left)
 
 
 def check_tables(modules: dict, tables: list[str], full: bool) -> str | None:
@@ -210,9 +246,28 @@ def run_host(modules: dict, out: Path, meta: dict) -> None:
     if not cases:
         return
     results = bench.run_host_cases(cases)
-    bench.write_host_json(results, meta, out / f"{HOST_SECTION}.json")
-    (out / f"{HOST_SECTION}.md").write_text(host_section(results, meta))
+    path = out / f"{HOST_SECTION}.json"
+    kept, kept_from = _other_ops_host_rows(path, meta, {r.op for r in results})
+    bench.write_host_json(kept + results, meta, path)
+    (out / f"{HOST_SECTION}.md").write_text(host_section(kept + results, meta, kept_from))
     print("\nhost time per call\n" + bench.host_markdown_table(results))
+
+
+def _other_ops_host_rows(path: Path, meta: dict, ran: set[str]) -> tuple[list, str | None]:
+    """The rows of ops this run did not measure, from the section's last run on the same device
+    (a one-op run must not drop the other ops' rows), and that run's date."""
+    from . import bench
+
+    if not path.exists():
+        return [], None
+    try:
+        old = json.loads(path.read_text())
+        if old["meta"]["device"] != meta["device"]:
+            return [], None
+        rows = [bench.HostResult(**r) for r in old["results"] if r["op"] not in ran]
+    except (ValueError, KeyError, TypeError):  # an unreadable or older file: start afresh
+        return [], None
+    return rows, (old["meta"].get("date") if rows else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,10 @@ def traced(args) -> bool:
         return True
     for a in args:
         kind = type(a)
-        if kind is not torch.Tensor and kind is not torch.nn.Parameter and isinstance(a, torch.Tensor):
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            if a.is_meta:  # shapes only (a model on the meta device): the registered op's fake
+                return True
+        elif isinstance(a, torch.Tensor):
             return True
     return False
 
@@ -296,6 +299,8 @@ def define(
             if kind is torch.Tensor or kind is torch.nn.Parameter:
                 if a.is_neg():
                     return apply(*resolve_negated(inputs))
+                if a.is_meta:  # shapes only: the registered op's fake, through torch's apply
+                    return function.apply(*inputs)
                 records = records or (grad_mode and a.requires_grad)
             elif isinstance(a, torch.Tensor):
                 return function.apply(*inputs)

@@ -9,7 +9,8 @@ slowest rank's median). Printed and written to --out (JSON, rank 0): T(1), T(n) 
 efficiency T(1) / (n T(n)); with the check on (default), also the relative errors of the gathered
 ring output and gradients against the one-GPU run on the same inputs. `--benchmarks benchmarks`
 also keeps the result as `benchmarks/ring-<n>.json`, writes the `ring` section (`ring.md`, a row per
-`ring-*.json` there) and rebuilds BENCHMARKS.md beside the folder, as the main job does. NVLink multicast stays off
+`ring-*.json` there) and rebuilds BENCHMARKS.md as the main job does (beside a folder named
+`benchmarks`, else inside it). NVLink multicast stays off
 (the two variables above; set here too when unset). Without a GPU it runs on gloo and the Triton
 interpreter: a smoke test at tiny sizes (TRITON_INTERPRET=1 in the environment, e.g.
 --seqlen 64 --heads 2 --head-dim 16 --dtype float32).
@@ -59,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also profile one ring fwd+bwd and print each rank's K costliest GPU kernels "
                              "(CPU ops without a GPU)")
     parser.add_argument("--benchmarks", type=Path, default=None,
-                        help="also keep the result in this folder's ring section and rebuild BENCHMARKS.md beside it")
+                        help="also keep the result in this folder's ring section and rebuild BENCHMARKS.md "
+                             "(beside a folder named benchmarks, else inside it)")
     args = parser.parse_args(argv)
     for name in ("seqlen", "batch", "heads", "head_dim", "reps"):
         if getattr(args, name) < 1:
@@ -101,7 +103,7 @@ def section(results: list[dict]) -> str:
 
 
 def write_section(folder: Path) -> Path:
-    """folder/ring.md from every folder/ring-*.json; BENCHMARKS.md beside the folder rebuilt."""
+    """folder/ring.md from every folder/ring-*.json; BENCHMARKS.md rebuilt as the main job does."""
     from fk_runtime import cli
 
     results = [json.loads(p.read_text()) for p in sorted(folder.glob("ring-*.json"))]

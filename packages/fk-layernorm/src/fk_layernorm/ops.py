@@ -95,8 +95,9 @@ def default_rms_eps(x: torch.Tensor) -> float:
 
 
 def rms_norm(x, weight=None, eps: float | None = 1e-6) -> torch.Tensor:
-    """RMSNorm over the last dim (`torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)`);
-    `eps=None` is torch's default (`default_rms_eps`)."""
+    """RMSNorm over the last dim (`torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)`).
+    The default eps is 1e-6 (Llama's), not torch's functional default: `eps=None` gives that
+    (`default_rms_eps`, as the `RMSNorm` module and torch's do by default)."""
     if eps is None and isinstance(x, torch.Tensor):
         eps = default_rms_eps(x)
     plan.check_inputs(x, weight, None, eps)
