@@ -129,24 +129,65 @@ def test_cached_generation(name):
     check(f"{name} generation", out, ref, base, dtype)
 
 
-def test_static_cache_without_padding():
+@pytest.mark.parametrize("name", MODELS)
+def test_static_cache_without_padding(name):
     """A static cache (keys past the current position unfilled) and no mask: fk attends to the
-    filled rows only (it attended to the whole buffer: wrong logits from the prefill on), in a
-    forward against the same forward without a cache, and in greedy generation against one forward
-    of each generated row."""
+    filled rows only (it attended to the whole buffer: wrong logits from the prefill on), sliding
+    layers too (a window longer than the prompt), with autograd on or off, in a forward against the
+    same forward without a cache, and in greedy generation against one forward of each generated row."""
     dtype = DTYPES[0]
-    fk, baseline, reference = models("llama", dtype)
+    fk, baseline, reference = models(name, dtype)
     ids = torch.randint(1, 128, (2, 10), device=testing.device())
+    want, base = reference(ids).logits, baseline(ids).logits
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            cache = transformers.StaticCache(config=fk.config, max_cache_len=32)
+            check(f"static cache forward (grad {grad})", fk(ids, past_key_values=cache).logits, want, base, dtype)
     with torch.no_grad():
-        cache = transformers.StaticCache(config=fk.config, max_cache_len=32)
-        out = fk(ids, past_key_values=cache).logits
-        check("static cache forward", out, reference(ids).logits, baseline(ids).logits, dtype)
         gen = fk.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static",
                           output_logits=True, return_dict_in_generate=True)
         # The logits that chose each generated token, from one forward of each whole row.
         steps = gen.sequences.shape[1] - ids.shape[1]
         ref, base = (m(gen.sequences).logits[:, -steps - 1:-1] for m in (reference, baseline))
     check("static cache generation", torch.stack(gen.logits, dim=1), ref, base, dtype)
+
+
+def test_bidirectional_models_with_padding():
+    """Bidirectional attention (an encoder; a decoder with is_causal=False) with a padding mask runs
+    (every bidirectional mask was refused as an overlay) and matches eager on the kept tokens."""
+    dtype = DTYPES[0]
+    bert = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    for config in (bert, transformers.LlamaConfig(**COMMON, is_causal=False)):
+        reference = transformers.AutoModel.from_config(config, attn_implementation="eager").to(testing.device())
+        reference = reference.to(torch.float64).eval()
+        fk = copy.deepcopy(reference).to(dtype)
+        fk.set_attn_implementation("fk")
+        ids = torch.randint(3, 128, (2, 12), device=testing.device())
+        mask = torch.ones_like(ids)
+        mask[1, -4:] = 0
+        with torch.no_grad():
+            out = fk(ids, attention_mask=mask).last_hidden_state
+            want = reference(ids, attention_mask=mask).last_hidden_state
+        keep = mask.bool()
+        testing.assert_close(type(config).__name__, out[keep], want[keep], dtype)
+
+
+@pytest.mark.parametrize("n_q", [6, 14])
+def test_cross_attention_to_a_padded_encoder(n_q):
+    """Non-causal attention with a padding mask over the keys only (cross-attention: decoder queries,
+    encoder keys): every query is kept (they were taken from the mask's last columns: zeroed rows,
+    or a refusal with more queries than encoder tokens)."""
+    q = testing.randn((2, 4, n_q, 16))
+    k, v = testing.randn((2, 2, 12, 16)), testing.randn((2, 2, 12, 16))
+    mask = torch.ones(2, 12, dtype=torch.bool, device=q.device)
+    mask[1, 9:] = False
+    layer = _Layer()
+    layer.is_causal = False
+    out, _ = hf.fk_attention_forward(layer, q, k, v, mask)
+    k64, v64 = (t.double().repeat_interleave(2, 1) for t in (k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k64, v64, attn_mask=mask[:, None, None, :])
+    testing.assert_close("cross-attention", out.transpose(1, 2), want, torch.float32)
 
 
 def test_output_attentions_warns():

@@ -142,6 +142,19 @@ def test_swap_keeps_shared_norms_shared_and_their_hooks():
     assert len(calls) == 2
 
 
+def test_swap_probe_runs_no_hooks():
+    """swap_norms tries each norm on its own rows without the norm's hooks: a hook that changes the
+    output (or records calls) neither sees the probe nor makes the norm look like another one."""
+    norm = LlamaStyleRMSNorm(D).to(testing.device())  # a class fk tries before it swaps
+    seen = []
+    norm.register_forward_hook(lambda module, args, out: seen.append(1) or out * 2)
+    net = torch.nn.Sequential(norm)
+    assert swap_norms(net) == 1 and isinstance(net[0], RMSNorm) and seen == []
+    x = testing.randn((2, D))
+    want = 2 * torch.nn.functional.rms_norm(x, (D,), norm.weight, norm.variance_epsilon)
+    testing.assert_close("hooked", net(x), want, torch.float32)
+
+
 def test_swap_is_idempotent_and_checks_its_argument():
     net = torch.nn.Sequential(torch.nn.LayerNorm(D)).to(testing.device())
     assert swap_norms(net) == 1

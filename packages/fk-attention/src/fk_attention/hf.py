@@ -14,8 +14,10 @@ W keeps the keys of the last W positions (transformers' `kv_idx > q_idx - W`), `
 Gemma 2's logit softcapping. Refused with a ValueError: dropout, attention sinks (`s_aux`),
 position biases, 4-D masks, and masks with model-specific overlays (or/and mask functions, e.g.
 bidirectional image tokens). A cache without a mask (a static one holds unfilled rows) is
-read to the last position through `attention_with_kvcache`. transformers is imported by this
-module only.
+read to the last position through `attention_with_kvcache` (sliding layers too, their window
+passed; under autograd the filled rows are sliced, a host sync, for the dense call). Without a
+causal mask (bidirectional, cross-attention) a padding mask covers the keys and every query is
+kept. transformers is imported by this module only.
 """
 
 from __future__ import annotations
@@ -52,9 +54,11 @@ def fk_mask(*args, use_vmap: bool = False, **kwargs):
     if use_vmap:
         raise ValueError("attn_implementation 'fk' supports causal, sliding-window and padding masks only; "
                          "this model adds its own mask function (or_mask_function / and_mask_function)")
-    # Causal masks (their builders pass allow_is_causal_skip) may carry a blockwise overlay without
-    # use_vmap: probe them.
-    if not args and "allow_is_causal_skip" in kwargs and "mask_function" in kwargs and "q_length" in kwargs:
+    # Causal masks may carry a blockwise overlay without use_vmap (block_sequence_ids, packing); their
+    # builders then pass allow_is_causal_skip=False: probe those (a host sync), with more than one
+    # query. Bidirectional masks (allow_is_bidirectional_skip) see later keys by design.
+    if (not args and kwargs.get("allow_is_causal_skip") is False and kwargs.get("q_length", 1) > 1
+            and "mask_function" in kwargs and "allow_is_bidirectional_skip" not in kwargs):
         if _sees_next_key(**kwargs):
             raise ValueError("attn_implementation 'fk' supports causal, sliding-window and padding masks only; "
                              "this model's causal mask lets tokens see later ones (a bidirectional block, "
@@ -74,9 +78,20 @@ def _cu_seqlens(keep: torch.Tensor) -> torch.Tensor:
 
 def _padded(query, key, value, mask, **mask_args) -> torch.Tensor:
     """Attention of left- or right-padded rows: keys kept where the (B, Nk) mask is True, queries
-    where its last Nq columns are (every row's query when Nq = 1, as FlashAttention does)."""
+    where its last Nq columns are (every row's query when Nq = 1, as FlashAttention does). Without
+    a causal mask or a window every query is kept: the mask covers the keys only (cross-attention
+    to a padded encoder; a padded query of bidirectional attention is a don't-care)."""
     b, _, n_q, _ = query.shape
     n_k = mask.shape[1]
+    if not mask_args.get("causal") and mask_args.get("window") is None:
+        if key.shape[2] < n_k:
+            raise ValueError(f"attention_mask has {n_k} columns but there are only {key.shape[2]} keys")
+        rows_k, cols_k = mask.nonzero(as_tuple=True)
+        cu_q = torch.arange(0, (b + 1) * n_q, n_q, dtype=torch.int32, device=query.device)
+        out = attention_varlen(query.transpose(1, 2).flatten(0, 1), _gather(key[:, :, :n_k], rows_k, cols_k),
+                               _gather(value[:, :, :n_k], rows_k, cols_k), cu_q, _cu_seqlens(mask), n_q, n_k,
+                               **mask_args)
+        return out.view(b, n_q, *out.shape[1:])
     if n_q > n_k:
         raise ValueError(f"attention_mask has {n_k} columns, fewer than the {n_q} queries (a padding mask "
                          "covers the keys, the queries being its last columns)")
@@ -177,25 +192,32 @@ def fk_attention_forward(
         cu = _restarts(position_ids, b)
         if cu is not None:
             return _packed(query, key, value, cu, cu, n_q, n_q, **mask_args), None
-    if _cached_self_attention(query, key, value, position_ids, causal, sliding_window):
+    if _cached_self_attention(query, key, position_ids, causal):
         # A cache without a mask: a static one holds unfilled rows past the current position, which
-        # the lower-right dense call would attend to. The keys are the first (last position + 1),
-        # read on the device (no sync), as attention_with_kvcache takes them.
-        lengths = (position_ids[:, -1] + 1).to(torch.int32).expand(b).contiguous()
-        out = attention_with_kvcache(query, key, value, lengths, causal=True, sm_scale=scaling, softcap=softcap)
+        # the lower-right dense call would attend to. The keys are the first (last position + 1)
+        # (at most those returned: a sliding layer's buffer holds the last W), read on the device.
+        lengths = (position_ids[:, -1] + 1).clamp(max=key.shape[2]).to(torch.int32).expand(b).contiguous()
+        window = None if sliding_window is None else (sliding_window - 1, 0)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            # attention_with_kvcache is forward-only: the filled rows sliced (a host sync), the dense call.
+            filled = int(lengths.max())
+            out = attention(query, key[:, :, :filled], value[:, :, :filled], causal="lower_right",
+                            sm_scale=scaling, window=window, softcap=softcap)
+        else:
+            out = attention_with_kvcache(query, key, value, lengths, causal=True, sm_scale=scaling, window=window,
+                                         softcap=softcap)
         return out.transpose(1, 2), None
     return attention(query, key, value, **mask_args).transpose(1, 2), None
 
 
-def _cached_self_attention(query, key, value, position_ids, causal: bool, sliding_window) -> bool:
+def _cached_self_attention(query, key, position_ids, causal: bool) -> bool:
     """Causal self-attention against a KV cache longer than the queries, with (B, Nq) position ids
-    (or (1, Nq)) that count its filled rows, outside autograd (attention_with_kvcache is forward
-    only; a cache in training keeps the dense call). Sliding-window caches, whose buffers roll, and
-    other position layouts (multimodal rope) keep the dense call too."""
+    (or (1, Nq)) that count its filled rows and do not restart (packed sequences); other position
+    layouts (multimodal rope) keep the dense call."""
     b, n_q = query.shape[0], query.shape[2]
-    return (causal and sliding_window is None and key.shape[2] > n_q and position_ids is not None
-            and position_ids.dim() == 2 and position_ids.shape[0] in (1, b) and position_ids.shape[1] == n_q
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))))
+    return (causal and key.shape[2] > n_q and position_ids is not None and position_ids.dim() == 2
+            and position_ids.shape[0] in (1, b) and position_ids.shape[1] == n_q
+            and (n_q == 1 or _restarts(position_ids, b) is None))
 
 
 AttentionInterface.register(NAME, fk_attention_forward)

@@ -35,7 +35,7 @@ def _computes_alike(module: torch.nn.Module, fk_module: torch.nn.Module) -> bool
     x = torch.linspace(-3.0, 2.0, 2 * n, device=device).view(2, n).to(dtype)
     w = None if weight is None else weight.float()
     with torch.no_grad():
-        out = module(x).float()
+        out = module.forward(x).float()  # not module(x): the norm's own hooks must not see the probe
         if isinstance(fk_module, LayerNorm):
             ref = torch.nn.functional.layer_norm(x.float(), (n,), w, None if bias is None else bias.float(),
                                                  fk_module.eps)
