@@ -1,5 +1,5 @@
-"""Registers, spills and shared memory of the Gluon kernels (hopper.py, and the draft backward with
-atomic dQ under drafts/), from a compile for sm_90a on any machine: no GPU, Triton's bundled ptxas
+"""Registers, spills and shared memory of the Gluon kernels (hopper.py), from a compile for sm_90a
+on any machine: no GPU, Triton's bundled ptxas
 (TUNING.md: Hopper forward, Hopper backward). Needs a Triton in hopper.GLUON_TRITON (3.6).
 
     TRITON_INTERPRET=0 PYTHONPATH=shared/src:packages/fk-attention/src \\
@@ -9,7 +9,6 @@ A consumer warpgroup's registers are set by `setmaxnreg` at run time; ptxas repo
 count (168 with 12 warps) and the spills it had to place at the registers the code asks for.
 """
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -21,7 +20,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class OfflineHopper:
@@ -73,10 +71,6 @@ def usage(compiled) -> str:
 def main() -> None:
     q = torch.empty(B, H, N, D, dtype=torch.bfloat16)
     rows = torch.empty(B, H, N)
-    dq_sum = torch.empty(B, H, N, D)
-    spec = importlib.util.spec_from_file_location("draft", os.path.join(HERE, "drafts", "hopper_atomic_dq.py"))
-    draft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(draft)
     common = dict(HEAD_DIM=D, CONSUMER_REGISTERS=hopper.CONSUMER_REGISTERS,
                   PRODUCER_REGISTERS=hopper.PRODUCER_REGISTERS, num_warps=4, grid=(1,))
     print(f"triton {triton.__version__}, sm_90a, bf16, d{D}")
@@ -89,12 +83,7 @@ def main() -> None:
                                           hopper.KEYS)]
         dkdv = hopper.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N,
                                                          CAUSAL=causal, STAGES=hopper.BWD_STAGES, **common)
-        drafts = [(f"draft dK/dV + atomic dQ{', split' if split else ''}",
-                   draft.attn_bwd_hopper_kernel.warmup(*bwd, rows, rows, dq_sum, 0.1, 0.1, N, N, H, 1, 0, H * N, N,
-                                                       H * N * D, N * D, CAUSAL=causal, STAGES=hopper.BWD_STAGES,
-                                                       SPLIT=split, **common))
-                  for split in (False, True)]
-        for name, compiled in (("forward", fwd), ("dK/dV", dkdv), *drafts):
+        for name, compiled in (("forward", fwd), ("dK/dV", dkdv)):
             print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")
 
 
