@@ -150,6 +150,10 @@ def test_registered_ops_refuse_malformed_inputs():
                                                                             lengths[:0], *kv), "cache_seqlens")
     cases["kvcache new rows"] = (lambda: torch.ops.fk.attention_with_kvcache(
         q[:, :, :1], cache, cache, lengths, _x(1, 1, 1, 16), _x(1, 1, 1, 16), *kv[2:]), "k must be")
+    # A plan bound for good inputs is not reused for ones that differ where the check looks.
+    torch.ops.fk.norm_backward(x, x, w, None, _x(1, 3), True, False)
+    cases["norm stats dtype, plan bound"] = (
+        lambda: torch.ops.fk.norm_backward(x, x, w, None, _x(1, 3).half(), True, False), "stats")
     for name, (call, argument) in cases.items():
         with pytest.raises((ValueError, TypeError), match=argument):
             call()

@@ -152,6 +152,24 @@ def test_static_cache_without_padding(name):
     check("static cache generation", torch.stack(gen.logits, dim=1), ref, base, dtype)
 
 
+def test_cached_rows_at_different_positions_with_and_without_autograd():
+    """Queries against a cache longer than they are, rows at different positions, no mask: each row
+    reads its own filled keys, with autograd on (the dense path, rows sliced) as off (the kvcache
+    path); with autograd on all rows took the longest row's keys."""
+    q = testing.randn((2, 4, 2, 16))
+    k, v = testing.randn((2, 2, 8, 16)), testing.randn((2, 2, 8, 16))
+    positions = torch.tensor([[2, 3], [4, 5]], device=q.device)
+    with torch.no_grad():
+        off, _ = hf.fk_attention_forward(_Layer(), q, k, v, None, position_ids=positions)
+    on, _ = hf.fk_attention_forward(_Layer(), q.clone().requires_grad_(), k, v, None, position_ids=positions)
+    for row, n in enumerate((4, 6)):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[row:row + 1].double(), *(t[row:row + 1, :, :n].double().repeat_interleave(2, 1) for t in (k, v)),
+            attn_mask=torch.ones(2, n, dtype=torch.bool, device=q.device).tril(n - 2))
+        for got in (off, on):
+            testing.assert_close(f"row {row}", got[row:row + 1].transpose(1, 2), want, torch.float32)
+
+
 def test_bidirectional_models_with_padding():
     """Bidirectional attention (an encoder; a decoder with is_causal=False) with a padding mask runs
     (every bidirectional mask was refused as an overlay) and matches eager on the kept tokens."""

@@ -205,12 +205,15 @@ def _take_tables_out_of_op_section(out: Path, op: str, names: set[str]) -> None:
     path = out / f"{op}.json"
     if not path.exists():
         return
-    old = json.loads(path.read_text())
-    results = [bench.Result(**r) for r in old["results"]]
+    try:
+        old = json.loads(path.read_text())
+        results = [bench.Result(**r) for r in old["results"]]
+        ceilings, meta = bench.Ceilings(**old["ceilings"]), old["meta"]
+    except (ValueError, KeyError, TypeError):  # an unreadable or older file: the run's sections stand alone
+        return
     left = [r for r in results if r.op not in names]
     if len(left) == len(results):
         return
-    ceilings, meta = bench.Ceilings(**old["ceilings"]), old["meta"]
 
     def write(name: str, rows: list) -> None:
         tables = list(dict.fromkeys(r.op for r in rows))

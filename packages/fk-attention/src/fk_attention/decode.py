@@ -275,9 +275,9 @@ def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mas
     if k_new is not None:
         key = ("kv_append", cache, q.shape, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
                k_new.shape, k_new.stride(), v_new.shape, v_new.stride(), seqlens.shape,
-               None if block_table is None else (block_table.shape, block_table.stride()),
-               q.dtype, k_cache.dtype, v_cache.dtype, k_new.dtype, v_new.dtype,
-               *(t.get_device() for t in (q, k_cache, v_cache, k_new, v_new, seqlens)))
+               None if block_table is None else (block_table.shape, block_table.stride(), block_table.get_device()),
+               q.dtype, k_cache.dtype, v_cache.dtype, k_new.dtype, v_new.dtype, q.get_device(), k_cache.get_device(),
+               v_cache.get_device(), k_new.get_device(), v_new.get_device(), seqlens.get_device())
 
         def build():
             check_cache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)

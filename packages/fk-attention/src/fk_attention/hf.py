@@ -199,10 +199,13 @@ def fk_attention_forward(
         lengths = (position_ids[:, -1] + 1).clamp(max=key.shape[2]).to(torch.int32).expand(b).contiguous()
         window = None if sliding_window is None else (sliding_window - 1, 0)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-            # attention_with_kvcache is forward-only: the filled rows sliced (a host sync), the dense call.
-            filled = int(lengths.max())
-            out = attention(query, key[:, :, :filled], value[:, :, :filled], causal="lower_right",
-                            sm_scale=scaling, window=window, softcap=softcap)
+            # attention_with_kvcache is forward-only: the filled rows sliced (a host sync), the dense
+            # call (a row at a time where the rows' positions differ).
+            filled = lengths.tolist()
+            rows = [slice(None)] if len(set(filled)) == 1 else [slice(i, i + 1) for i in range(b)]
+            out = torch.cat([attention(query[r], key[r, :, :n], value[r, :, :n], causal="lower_right",
+                                       sm_scale=scaling, window=window, softcap=softcap)
+                             for r, n in zip(rows, filled, strict=False)])
         else:
             out = attention_with_kvcache(query, key, value, lengths, causal=True, sm_scale=scaling, window=window,
                                          softcap=softcap)

@@ -394,7 +394,8 @@ def backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
     b_dtype = None if bias is None else bias.dtype
     key = (x.shape, x.stride(), grad_y.shape, grad_y.stride(), x.dtype, grad_y.dtype, x.get_device(),
            grad_y.get_device(), None if weight is None else (weight.shape, w_dtype, weight.get_device()),
-           None if bias is None else (bias.shape, b_dtype), stats.shape, is_rms, stable, "backward")
+           None if bias is None else (bias.shape, b_dtype, bias.get_device()), stats.shape, stats.dtype,
+           stats.get_device(), is_rms, stable, "backward")
 
     def build():
         _check_backward(grad_y, x, weight, bias, stats, is_rms, stable)
