@@ -83,27 +83,23 @@ def _padded(query, key, value, mask, **mask_args) -> torch.Tensor:
     to a padded encoder; a padded query of bidirectional attention is a don't-care)."""
     b, _, n_q, _ = query.shape
     n_k = mask.shape[1]
-    if not mask_args.get("causal") and mask_args.get("window") is None:
-        if key.shape[2] < n_k:
-            raise ValueError(f"attention_mask has {n_k} columns but there are only {key.shape[2]} keys")
-        rows_k, cols_k = mask.nonzero(as_tuple=True)
-        cu_q = torch.arange(0, (b + 1) * n_q, n_q, dtype=torch.int32, device=query.device)
-        out = attention_varlen(query.transpose(1, 2).flatten(0, 1), _gather(key[:, :, :n_k], rows_k, cols_k),
-                               _gather(value[:, :, :n_k], rows_k, cols_k), cu_q, _cu_seqlens(mask), n_q, n_k,
-                               **mask_args)
-        return out.view(b, n_q, *out.shape[1:])
-    if n_q > n_k:
+    every_query = not mask_args.get("causal") and mask_args.get("window") is None
+    if n_q > n_k and not every_query:
         raise ValueError(f"attention_mask has {n_k} columns, fewer than the {n_q} queries (a padding mask "
                          "covers the keys, the queries being its last columns)")
     if key.shape[2] < n_k:
         raise ValueError(f"attention_mask has {n_k} columns but there are only {key.shape[2]} keys")
     # A static cache holds more key slots than the mask covers: the ones past it are unused.
-    key, value = key[:, :, :n_k], value[:, :, :n_k]
+    rows_k, cols_k = mask.nonzero(as_tuple=True)
+    kept_k = (_gather(key[:, :, :n_k], rows_k, cols_k), _gather(value[:, :, :n_k], rows_k, cols_k))
+    if every_query:  # the queries as they are, one sequence per batch row
+        cu_q = torch.arange(0, (b + 1) * n_q, n_q, dtype=torch.int32, device=query.device)
+        out = attention_varlen(query.transpose(1, 2).flatten(0, 1), *kept_k, cu_q, _cu_seqlens(mask), n_q, n_k,
+                               **mask_args)
+        return out.view(b, n_q, *out.shape[1:])
     keep_q = mask[:, -n_q:] if n_q > 1 else mask.new_ones(b, 1)
     rows_q, cols_q = keep_q.nonzero(as_tuple=True)
-    rows_k, cols_k = mask.nonzero(as_tuple=True)
-    out = attention_varlen(_gather(query, rows_q, cols_q), _gather(key, rows_k, cols_k),
-                           _gather(value, rows_k, cols_k), _cu_seqlens(keep_q), _cu_seqlens(mask),
+    out = attention_varlen(_gather(query, rows_q, cols_q), *kept_k, _cu_seqlens(keep_q), _cu_seqlens(mask),
                            n_q, n_k, **mask_args)
     return out.new_zeros(b, n_q, *out.shape[1:]).index_put((rows_q, cols_q), out)
 

@@ -153,7 +153,7 @@ def _ring_backward(grad_out, grad_lse, q, k, v, out, lse, ring: _Ring, causal: b
             dq_block, dk_block, dv_block = torch.ops.fk.attention_backward(
                 grad_out[:, :, rows], None if grad_lse is None else grad_lse[:, :, rows],
                 q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], out[:, :, rows],
-                lse[:, :, rows].contiguous(), sm_scale, *mask_args(masked, None, None))
+                lse[:, :, rows], sm_scale, *mask_args(masked, None, None))
             if step == 0:  # the own shard, every row and key
                 dq = dq_block.float()
                 # dK/dV of the shard held now: this block's (no rank before has added to it).
