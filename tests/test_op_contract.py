@@ -379,7 +379,9 @@ def test_vmap_over_an_empty_batch():
 
 def test_saved_tensors_in_other_strides_give_the_same_gradients():
     """A saved-tensor hook may hand the backward its statistics (attention's log-sum-exp, the
-    norms' rows) in other strides: the gradients do not change (they were read as contiguous)."""
+    norms' rows) in other strides: the gradients do not change (they were read as contiguous).
+    The hook relays out the saved inputs too, which may pick other kernels (on Hopper, the tl
+    ones for a head dim of stride > 1): equal to rounding, not bit for bit."""
 
     def relayout(t):  # same values, transposed storage
         return t.mT.contiguous().mT if t.dim() >= 2 else t
@@ -393,7 +395,7 @@ def test_saved_tensors_in_other_strides_give_the_same_gradients():
         with torch.autograd.graph.saved_tensors_hooks(relayout, lambda t: t):
             hooked = torch.autograd.grad(fn(*inputs), inputs)
         for a, b in zip(plain, hooked, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_compiled_calls_with_one_tensor_twice():

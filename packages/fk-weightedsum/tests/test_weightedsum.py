@@ -167,3 +167,21 @@ def test_compiled_graph_runs_the_fk_op():
     ops = testing.compiled_graph_ops(weighted_sum, testing.randn((4, 8), requires_grad=True),
                                      testing.randn((8,), requires_grad=True))
     assert "fk.weighted_sum.default" in ops, ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("needs", [(True, False), (False, True)], ids=["x only", "weight only"])
+def test_one_sided_gradients_compute_only_what_is_asked(needs, dtype):
+    """A frozen weight (or a frozen x) gets no gradient and the other one is still right, eager and
+    under torch.compile; the backward op hands back an empty tensor, uncomputed, for the frozen one."""
+    x = testing.randn((3, 37, 70), dtype, requires_grad=needs[0])
+    w = testing.randn((70,), dtype, requires_grad=needs[1])
+    gy = testing.randn((3, 37), dtype)
+    inputs = [t for t, need in zip((x, w), needs, strict=True) if need]
+    (grad,) = torch.autograd.grad(weighted_sum(x, w), inputs, gy)
+    want = gy.double()[..., None] * w.double() if needs[0] else torch.einsum("rn,rnd->d", gy.double(), x.double())
+    testing.assert_close("grad", grad, want, dtype)
+    (compiled,) = torch.autograd.grad(torch.compile(weighted_sum, fullgraph=True)(x, w), inputs, gy)
+    testing.assert_close("compiled grad", compiled, want, dtype)
+    gx, gw = torch.ops.fk.weighted_sum_backward(gy, x.detach(), w.detach(), *needs)
+    assert (gx.numel() > 0) == needs[0] and (gw.numel() > 0) == needs[1]

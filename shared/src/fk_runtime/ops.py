@@ -174,7 +174,8 @@ def define(
     `torch.library.custom_op`'s schema; forward_fake the same signature for shapes.
     backward(*args) -> tuple of tensors; backward_fake likewise (`fk::<name>_backward`).
     save(inputs, outputs) -> (tensors to save, anything else backward needs).
-    backward_args(saved tensors, other, grads) -> args of `backward`.
+    backward_args(saved tensors, other, grads, needs_input_grad) -> args of `backward` (which may
+    skip the gradients no input needs).
     input_grads(other, backward outputs, needs_input_grad) -> one gradient (or None) per input.
     non_differentiable: indexes of outputs without gradients (statistics, say).
     materialize_grads: False hands `backward_args` None for unused outputs' gradients.
@@ -243,7 +244,7 @@ def define(
                 negated = negated or g.is_neg()
         if negated:
             grads = resolve_negated(grads)
-        args = backward_args(ctx.saved_tensors, ctx.fk_other, grads)
+        args = backward_args(ctx.saved_tensors, ctx.fk_other, grads, ctx.needs_input_grad)
         return tuple(input_grads(ctx.fk_other, run_backward(*args), ctx.needs_input_grad))
 
     op = torch.library.custom_op(qualified, forward, mutates_args=())

@@ -59,7 +59,7 @@ def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, *mask):
     return table.fake_like(q), table.fake_like(k), table.fake_like(v)
 
 
-def _backward_args(saved, other, grads):
+def _backward_args(saved, other, grads, needs):
     *inputs, out, lse = saved
     grad_out, grad_lse = grads
     if grad_out is None:  # only the log-sum-exp was used

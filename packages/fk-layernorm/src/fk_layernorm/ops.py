@@ -58,7 +58,7 @@ NORM = fk_ops.define(
     "norm",
     forward=_forward, forward_fake=_forward_fake, backward=_backward, backward_fake=_backward_fake,
     save=_save,
-    backward_args=lambda saved, other, grads: (grads[0], *saved, other[0], other[1]),
+    backward_args=lambda saved, other, grads, needs: (grads[0], *saved, other[0], other[1]),
     input_grads=_input_grads,
     non_differentiable=(1,),
 )

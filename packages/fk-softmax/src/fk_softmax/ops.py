@@ -33,7 +33,7 @@ SOFTMAX = fk_ops.define(
     "softmax",
     forward=_forward, forward_fake=_forward_fake, backward=_backward, backward_fake=_backward_fake,
     save=lambda inputs, outputs: ((outputs[0],), (inputs[1], inputs[3])),
-    backward_args=lambda saved, other, grads: (saved[0], grads[0], *other),
+    backward_args=lambda saved, other, grads, needs: (saved[0], grads[0], *other),
     input_grads=lambda other, grad_x, needs: (grad_x, None, None, None),
 )
 

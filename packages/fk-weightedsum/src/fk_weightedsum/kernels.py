@@ -48,9 +48,10 @@ def weighted_sum_bwd_kernel(
     n_rows, n_cols,
     stride_xr, stride_xd, stride_w, stride_gy, stride_gxr,
     rows_per_group,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
 ):
-    """One pass over x: grad_x = grad_y[:, None] * w, and per-group partial grad_w.
+    """One pass over x: grad_x = grad_y[:, None] * w, and per-group partial grad_w (NEED_DX / NEED_DW:
+    only the gradients autograd asks for; without grad_w, x is not read).
 
     Program (g, j) walks the rows of group g in D tile j: it writes grad_x for them and sums
     x * grad_y over those rows into partial_grad_w[g, tile j]. The launcher reduces the groups in
@@ -72,10 +73,13 @@ def weighted_sum_bwd_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)[:, None]
         gy = tl.load(grad_y_ptr + rows.to(tl.int64) * stride_gy, mask=row_mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + rows64 * stride_xr + cols.to(tl.int64)[None, :] * stride_xd, mask=mask, other=0.0,
-                    eviction_policy="evict_first")
-        gx = gy[:, None] * w[None, :]
-        tl.store(grad_x_ptr + rows64 * stride_gxr + cols[None, :],
-                 gx.to(grad_x_ptr.dtype.element_ty), mask=mask)
-        acc += tl.sum(x.to(tl.float32) * gy[:, None], axis=0)
-    tl.store(partial_grad_w_ptr + group.to(tl.int64) * n_cols + cols, acc, mask=col_mask)
+        if NEED_DW:
+            x = tl.load(x_ptr + rows64 * stride_xr + cols.to(tl.int64)[None, :] * stride_xd, mask=mask, other=0.0,
+                        eviction_policy="evict_first")
+            acc += tl.sum(x.to(tl.float32) * gy[:, None], axis=0)
+        if NEED_DX:
+            gx = gy[:, None] * w[None, :]
+            tl.store(grad_x_ptr + rows64 * stride_gxr + cols[None, :],
+                     gx.to(grad_x_ptr.dtype.element_ty), mask=mask)
+    if NEED_DW:
+        tl.store(partial_grad_w_ptr + group.to(tl.int64) * n_cols + cols, acc, mask=col_mask)

@@ -2,7 +2,8 @@
 
 Path of a call: metadata checks -> `fk::weighted_sum` (eager: its autograd.Function straight into
 `plan.forward`, a bound launch cached per shape, strides, dtype and device) -> kernel. The
-backward saves x and weight (no copies) and reads x once for both gradients.
+backward saves x and weight (no copies) and reads x once for both gradients; it computes only the
+gradients autograd asks for (a frozen weight: x is not read at all).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ def _forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return plan.forward(x, weight)
 
 
-def _backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return plan.backward(grad_y, x, weight)
+def _backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool = True,
+              need_w: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    return plan.backward(grad_y, x, weight, need_x, need_w)
 
 
 WEIGHTED_SUM = fk_ops.define(
@@ -27,9 +29,10 @@ WEIGHTED_SUM = fk_ops.define(
     forward=_forward,
     forward_fake=lambda x, weight: x.new_empty(x.shape[:-1]),
     backward=_backward,
-    backward_fake=lambda grad_y, x, weight: (x.new_empty(x.shape), weight.new_empty(weight.shape)),
+    backward_fake=lambda grad_y, x, weight, need_x=True, need_w=True: (x.new_empty(x.shape if need_x else (0,)),
+                                                             weight.new_empty(weight.shape if need_w else (0,))),
     save=lambda inputs, outputs: (inputs, None),
-    backward_args=lambda saved, other, grads: (grads[0], *saved),
+    backward_args=lambda saved, other, grads, needs: (grads[0], *saved, bool(needs[0]), bool(needs[1])),
     input_grads=lambda other, grads, needs: tuple(g if need else None for g, need in zip(grads, needs, strict=True)),
 )
 

@@ -116,29 +116,31 @@ def bind_forward_2d(x2: torch.Tensor, weight: torch.Tensor, plan: Plan | None = 
     return run
 
 
-def bind_backward_2d(grad_y: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, plan: Plan | None = None):
-    """The backward of one key: run(grad_y (rows,), x2, weight) -> (grad_x (rows, D), grad_w)."""
+def bind_backward_2d(grad_y: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, plan: Plan | None = None,
+                     need_x: bool = True, need_w: bool = True):
+    """The backward of one key: run(grad_y (rows,), x2, weight) -> (grad_x (rows, D), grad_w); a
+    gradient not needed comes back empty (0 elements) and costs nothing (no grad_w: x is not read)."""
     n_rows, n_cols = x2.shape
     dtype, device = x2.dtype, x2.device
-    if n_rows == 0 or n_cols == 0:
-        return lambda grad_y, x2, weight: (alloc.empty((n_rows, n_cols), dtype=dtype, device=device),
-                                           torch.zeros_like(weight))
+    if n_rows == 0 or n_cols == 0 or not (need_x or need_w):
+        return lambda grad_y, x2, weight: (alloc.empty((n_rows, n_cols) if need_x else (0,), dtype=dtype, device=device),
+                                           torch.zeros_like(weight) if need_w else weight.new_empty(0))
     plan = plan or backward_plan(n_rows, n_cols, dtype)
     launch = Launch(kernels.weighted_sum_bwd_kernel, (plan.row_programs, plan.col_programs),
                     (n_rows, n_cols, x2.stride(0), x2.stride(1), weight.stride(0), grad_y.stride(0), n_cols,
                      plan.span),
-                    dict(BLOCK_R=plan.tile.block_rows, BLOCK_D=plan.tile.block_cols,
+                    dict(BLOCK_R=plan.tile.block_rows, BLOCK_D=plan.tile.block_cols, NEED_DX=need_x, NEED_DW=need_w,
                          **sizing.launch_options(plan.tile.num_warps, BACKWARD_NUM_STAGES)), device)
     # Row groups reduced in a fixed order: grad_w has the same bits every run.
-    sum_parts = partials.bind_sum_rows(1, plan.row_programs, n_cols, (weight.dtype,), device)
+    sum_parts = partials.bind_sum_rows(1, plan.row_programs, n_cols, (weight.dtype,), device) if need_w else None
 
     fp32 = torch.empty(0, dtype=torch.float32, device=device)
 
     def run(grad_y, x2, weight):
-        grad_x = alloc.new_empty(x2, (n_rows, n_cols))
-        partial = alloc.new_empty(fp32, (plan.row_programs, n_cols))
+        grad_x = alloc.new_empty(x2, (n_rows, n_cols) if need_x else (0,))
+        partial = alloc.new_empty(fp32, (plan.row_programs, n_cols) if need_w else (0,))
         launch(x2, weight, grad_y, grad_x, partial)
-        return grad_x, sum_parts(partial[None])[0]
+        return grad_x, sum_parts(partial[None])[0] if need_w else weight.new_empty(0)
 
     return run
 
@@ -148,8 +150,8 @@ def forward_2d(x2: torch.Tensor, weight: torch.Tensor, plan: Plan | None = None)
     return bind_forward_2d(x2, weight, plan)(x2, weight)
 
 
-def backward_2d(grad_y, x2, weight, plan: Plan | None = None):
-    return bind_backward_2d(grad_y, x2, weight, plan)(grad_y, x2, weight)
+def backward_2d(grad_y, x2, weight, plan: Plan | None = None, need_x: bool = True, need_w: bool = True):
+    return bind_backward_2d(grad_y, x2, weight, plan, need_x, need_w)(grad_y, x2, weight)
 
 
 def check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -175,7 +177,7 @@ def _bind_forward(x: torch.Tensor, weight: torch.Tensor):
     return lambda x, weight: run2d(x if is_view else views.rows(x), weight).reshape(out_shape)
 
 
-def _bind_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+def _bind_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool, need_w: bool):
     check_inputs(x, weight)
     checks.check_tensor("grad_y", grad_y)
     if grad_y.shape != x.shape[:-1]:
@@ -186,8 +188,8 @@ def _bind_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
     checks.check_same_dtype(grad_y=grad_y, x=x, weight=weight)
     x2 = views.rows(x)
     is_view = views.in_place(x2, x)
-    run2d = bind_backward_2d(grad_y.reshape(-1), x2, weight)
-    shape = x.shape
+    run2d = bind_backward_2d(grad_y.reshape(-1), x2, weight, None, need_x, need_w)
+    shape = x.shape if need_x else (0,)
 
     def run(grad_y, x, weight):
         grad_x, grad_w = run2d(grad_y.reshape(-1), x if is_view else views.rows(x), weight)
@@ -204,9 +206,10 @@ def forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return run(x, weight)
 
 
-def backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
-    """(grad_x like x, contiguous; grad_weight)."""
+def backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool = True, need_w: bool = True):
+    """(grad_x like x, contiguous; grad_weight); one not needed (need_x / need_w false) comes back
+    empty, uncomputed."""
     key = (x.shape, x.stride(), grad_y.shape, grad_y.stride(), x.dtype, grad_y.dtype, weight.shape, weight.stride(),
-           weight.dtype, x.get_device(), grad_y.get_device(), weight.get_device(), "backward")
-    run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_backward(grad_y, x, weight))
+           weight.dtype, x.get_device(), grad_y.get_device(), weight.get_device(), "backward", need_x, need_w)
+    run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_backward(grad_y, x, weight, need_x, need_w))
     return run(grad_y, x, weight)
