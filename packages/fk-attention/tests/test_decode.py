@@ -167,6 +167,7 @@ def test_kvcache_descriptors_never_read_rows_past_a_length(page_size, monkeypatc
     hold NaN must not reach the output (the masked steps zero them), with and without appends."""
     built = _descriptors_here(monkeypatch)
     monkeypatch.setattr(decode, "kv_descriptors", lambda k, v, grid: True)
+    monkeypatch.setattr(decode, "row_pages", lambda grid, device_index: False)  # the paged way TMA takes
     b, hq, hk, d, capacity = 3, 4, 2, 32, 4 * max(page_size, 16)
     k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, torch.float32, page_size)
     lengths = [0, capacity // 2 - 3, 5]
@@ -247,6 +248,29 @@ def test_kvcache_appends_then_attends(case, dtype):
     check("out", out, ref_out, dtype)
     check("lse", lse.where(lse.isfinite(), 0.0), ref_lse.where(ref_lse.isfinite(), 0.0), dtype)
     assert torch.equal(lse.isfinite().cpu(), ref_lse.isfinite().cpu())
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["pages preloaded", "page per row"])
+def test_paged_reads_both_ways(per_row, monkeypatch):
+    """Both ways a paged cache's blocks find their page (the slice's pages preloaded on grids of
+    few programs, a page index per row in the walk on full ones) read the right rows: shuffled
+    pages, ragged lengths, GQA, against float64; the launch took the asked-for way."""
+    monkeypatch.setattr(decode, "row_pages", lambda grid, device_index: per_row)
+    metas = []
+    real = decode.Launch
+    monkeypatch.setattr(decode, "Launch", lambda kernel, grid, args, meta, device: metas.append(meta)
+                        or real(kernel, grid, args, meta, device))
+    page = 64 if testing.on_gpu() else table.INTERPRETER_BLOCK  # whole key blocks a page
+    b, hq, hk, d, capacity = 3, 4, 2, 16, 3 * page
+    k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, torch.float32, page)
+    lengths = [capacity, 37, 1]
+    q = testing.randn((b, hq, 2, d), torch.float32)
+    out = attention_with_kvcache(q, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32, device=q.device),
+                                 block_table=block_table, causal=True)
+    ref_out, _ = cached_reference(q, logical(k_cache), logical(v_cache), lengths, True, None, None, 1 / math.sqrt(d))
+    check("out", out, ref_out, torch.float32)
+    attend = [m for m in metas if "ROW_PAGES" in m]
+    assert attend and all(m["ROW_PAGES"] == per_row and bool(m["SLICE_PAGES"]) != per_row for m in attend)
 
 
 @pytest.mark.parametrize("mask", [(False, None, None), (True, (4, None), None), (False, (6, 2), 2.0)])

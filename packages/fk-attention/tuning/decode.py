@@ -1,6 +1,6 @@
 """The decode path's sweeps behind `fk_attention.decode`'s tiles, slicing and paged reads (TUNING.md).
 
-    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|paged|descriptors]
+    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|paged|descriptors|rows]
 
 Times are `do_bench` medians of CUDA-graph replays (microseconds), bf16, one query row per head,
 the cache full; SDPA's cuDNN backend beside them on the dense cache.
@@ -86,6 +86,34 @@ def paged_sweep():
         print(shape, row, flush=True)
 
 
+ROW_SHAPES = [(16, 32, 8, 32768, 64), (1, 32, 32, 131072, 128), (64, 32, 8, 1024, 128), (16, 32, 32, 1024, 128),
+              (1, 32, 8, 131072, 128), (16, 32, 32, 8192, 64), (64, 32, 8, 8192, 128), (1, 32, 8, 8192, 128),
+              (1, 32, 32, 131072, 64), (16, 32, 8, 1024, 64), (1, 32, 8, 1024, 128), (64, 32, 32, 8192, 64)]
+
+
+def rows_sweep():
+    """Paged caches (the table's pages of 64, shuffled): each block's page from the slice's pages
+    preloaded, or read per row in the walk, whatever the grid (`decode.row_pages` forced)."""
+    rule = decode.row_pages
+    print("| B, Hq:Hk, KV, d | cuDNN | dense | paged preloaded | paged per row | per row / preloaded | cuDNN / per row |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for b, hq, hk, n, d in ROW_SHAPES:
+        q, k, v, lengths, kp, vp, pages = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16,
+                                                                       False).make_inputs()
+        row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v)),
+               "dense": graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))}
+        for per_row in (False, True):
+            decode.row_pages = lambda grid, device_index, per_row=per_row: per_row
+            table.BOUND = PlanCache()
+            row[per_row] = graph_us(functools.partial(attention_with_kvcache, q, kp, vp, lengths, block_table=pages,
+                                                      causal=True))
+        print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['dense']} | {row[False]} | {row[True]} | "
+              f"{row[False] / row[True]:.2f}x | {row['cudnn'] / row[True]:.2f}x |", flush=True)
+        del q, k, v, kp, vp
+        torch.cuda.empty_cache()
+    decode.row_pages = rule
+
+
 def _bound(paged: bool, descriptors: bool):
     """A decode-table variant bound with K/V through TMA or pointers, dense or paged."""
     def prepare(inputs):
@@ -109,10 +137,12 @@ def descriptors_sweep():
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["slices", "paged", "descriptors"]
+    which = sys.argv[1:] or ["slices", "paged", "descriptors", "rows"]
     if "slices" in which:
         slices_sweep()
     if "paged" in which:
         paged_sweep()
     if "descriptors" in which:
         descriptors_sweep()
+    if "rows" in which:
+        rows_sweep()

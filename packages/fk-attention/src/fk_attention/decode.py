@@ -46,8 +46,11 @@ MAX_SLICES = 64
 # one by one: slicing costs it time), so that tiny tests of one or two heads still slice and merge.
 INTERPRETER_SLICE_KEYS = 16
 INTERPRETER_SLICED_PROGRAMS = 8
-# Paged caches whose pages hold whole key blocks: each slice's page indices are read into
-# registers first (at most SLICE_PAGES, so a slice spans at most SLICE_PAGES - 1 pages).
+# Paged caches whose pages hold whole key blocks, on grids of few programs: each slice's page
+# indices are read into registers first (at most SLICE_PAGES, so a slice spans at most
+# SLICE_PAGES - 1 pages). Grids of at least SHALLOW_PIPELINE_GRID programs per multiprocessor
+# read each block's page per row in the walk instead: other programs hide its latency, and the
+# slices stay the dense cache's (TUNING.md: decode, paged reads).
 SLICE_PAGES = 128
 # K/V through TMA from this padded head dim, on grids below SHALLOW_PIPELINE_GRID programs per
 # SM: there it beat or matched pointers at d128; at d64 it lost up to 16% on paged caches, on
@@ -73,6 +76,12 @@ def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_in
     if programs >= SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index):
         stages = max(stages - 1, 1)
     return table.Config(block_m, block_n, warps, stages)
+
+
+def row_pages(grid: int, device_index: int) -> bool:
+    """Whether a paged cache's key blocks read their page index per row in the walk (full grids)
+    rather than from the slice's pages preloaded into registers."""
+    return grid >= SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index)
 
 
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int) -> bool:
@@ -146,7 +155,9 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     if slices is None:
         slices = key_slices(programs, n_k, d, index)
     tile = tiles(group * n_q, d, dtype, programs * slices, index)
-    slice_pages = SLICE_PAGES if paged and cache.page_size % tile.block_n == 0 else 0
+    # a page index per row: full grids, or pages smaller than a key block
+    per_row = paged and (cache.page_size % tile.block_n != 0 or row_pages(programs * slices, index))
+    slice_pages = SLICE_PAGES if paged and not per_row else 0
     if slice_pages:
         needed = sizing.cdiv(n_k, (slice_pages - 1) * cache.page_size)
         if needed <= MAX_SLICES:
@@ -156,6 +167,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     padded = table.padded_head_dim(d)
     meta = {"WINDOW": mask.windowed, "SOFTCAP": mask.softcap is not None, "SEQLENS": cache is not None,
             "PAGED": paged, "PAGE_SIZE": max(cache.page_size if paged else 1, 1), "SLICE_PAGES": slice_pages,
+            "ROW_PAGES": per_row,
             "HEAD_DIM": d,
             "HEAD_DIM_PADDED": padded, "PRECISION": table._precision(dtype), "BLOCK_M": tile.block_m,
             "BLOCK_N": tile.block_n, "num_warps": tile.num_warps, "num_stages": tile.num_stages}
@@ -163,7 +175,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     (k_, k_ok), (v_, v_ok) = table._fit(k), table._fit(v)
     # TMA where a key block lies in one page (the descriptor's box), K/V used as given.
     # TMA descriptors take no empty dim: no keys go through pointers (they read nothing).
-    use_desc = ((cache.page_size if paged else 0) % tile.block_n == 0 and k_ok and v_ok and k.numel() > 0
+    use_desc = (not per_row and k_ok and v_ok and k.numel() > 0
                 and (kv_descriptors(k, v, programs * slices) if descriptors is None else descriptors))
     kv_layouts = [(list(t.shape), table._descriptor_strides(t)) for t in (k, v)] if use_desc else []
     kv_block = [1, 1, tile.block_n, padded]

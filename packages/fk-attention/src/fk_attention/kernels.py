@@ -651,21 +651,20 @@ def fill_tail_kernel(a_ptr, b_ptr, cu_ptr, n_seq, total, a_cols, a_stride_r, a_s
 
 @triton.jit
 def _pages(table_row, slice_pages, first_page, start_n, n_k, last_page, BLOCK_N: tl.constexpr,
-           PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr):
-    """The cache pages of keys [start_n, start_n + BLOCK_N), clamped to the cache: one page when
-    the block lies in one (PAGE_SIZE a multiple of BLOCK_N), picked from the slice's pages held in
-    registers (SLICE_PAGES: a page-table load inside the walk would stall its pipeline), else one
-    per row; 0 unpaged."""
+           PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, ROW_PAGES: tl.constexpr):
+    """The cache pages of keys [start_n, start_n + BLOCK_N), clamped to the cache: one per row
+    (ROW_PAGES: full grids, or pages smaller than a block), else the block's one page, picked from
+    the slice's pages held in registers (SLICE_PAGES) or loaded; 0 unpaged."""
     if PAGED:
-        if SLICE_PAGES:
-            slot = start_n // PAGE_SIZE - first_page
-            page = tl.sum(tl.where(tl.arange(0, SLICE_PAGES) == slot, slice_pages, 0), 0)
-        elif PAGE_SIZE % BLOCK_N == 0:
-            page = tl.minimum(tl.maximum(tl.load(table_row + start_n // PAGE_SIZE), 0), last_page)
-        else:
+        if ROW_PAGES:
             rows = start_n + tl.arange(0, BLOCK_N)
             page = tl.load(table_row + rows // PAGE_SIZE, mask=rows < n_k, other=0)
             page = tl.minimum(tl.maximum(page, 0), last_page)
+        elif SLICE_PAGES:
+            slot = start_n // PAGE_SIZE - first_page
+            page = tl.sum(tl.where(tl.arange(0, SLICE_PAGES) == slot, slice_pages, 0), 0)
+        else:
+            page = tl.minimum(tl.maximum(tl.load(table_row + start_n // PAGE_SIZE), 0), last_page)
     else:
         page = 0
     return page
@@ -674,7 +673,7 @@ def _pages(table_row, slice_pages, first_page, start_n, n_k, last_page, BLOCK_N:
 @triton.jit
 def _kv_tile(src, page, b, hk, start_n, n_k, stride_n, stride_d, stride_page, BLOCK_N: tl.constexpr,
              HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-             MASKED: tl.constexpr, USE_DESC: tl.constexpr):
+             MASKED: tl.constexpr, USE_DESC: tl.constexpr, ROW_PAGES: tl.constexpr):
     """Keys (or values) [start_n, start_n + BLOCK_N) of one (sequence, KV head), zeros past n_k.
     `src` points at the head's row 0 (dense) or the cache's row 0 of the head (paged: `page` from
     `_pages`), or is the whole (B, Hk, N, D) / (pages, Hk, PAGE_SIZE, D) tensor's descriptor
@@ -689,7 +688,7 @@ def _kv_tile(src, page, b, hk, start_n, n_k, stride_n, stride_d, stride_page, BL
         if MASKED:  # a cache's rows past the sequence hold anything (NaN too): zeros, as pointer loads give
             tile = tl.where(rows[:, None] < n_k, tile, tl.zeros_like(tile))
     else:
-        if PAGED and PAGE_SIZE % BLOCK_N == 0:  # one page: a dense tile
+        if PAGED and not ROW_PAGES:  # one page: a dense tile
             ptrs = src + tl.cast(page, tl.int64) * stride_page + tl.cast(start_n % PAGE_SIZE, tl.int64) * stride_n \
                 + (tl.arange(0, BLOCK_N) * stride_n)[:, None] + cols[None, :] * stride_d
         elif PAGED:
@@ -708,20 +707,20 @@ def _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_
                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, PRECISION: tl.constexpr,
-                  USE_DESC: tl.constexpr):
+                  USE_DESC: tl.constexpr, ROW_PAGES: tl.constexpr):
     """`_fwd_steps` over dense or paged K/V; `pos` holds each row's query position."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         page = _pages(table_row, slice_pages, first_page, start_n, n_k, last_page, BLOCK_N, PAGED, PAGE_SIZE,
-                      SLICE_PAGES)
+                      SLICE_PAGES, ROW_PAGES)
         k = _kv_tile(k_src, page, b, hk, start_n, n_k, skn, skd, skp, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED,
-                     PAGE_SIZE, MASKED, USE_DESC)
+                     PAGE_SIZE, MASKED, USE_DESC, ROW_PAGES)
         s = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
         p, alpha, m_new = _softmax_step(s, m_i, pos, start_n, n_k, shift, left, right, qk_scale, WINDOW,
                                         MASKED, BLOCK_N)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _kv_tile(v_src, page, b, hk, start_n, n_k, svn, svd, svp, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED,
-                     PAGE_SIZE, MASKED, USE_DESC)
+                     PAGE_SIZE, MASKED, USE_DESC, ROW_PAGES)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
@@ -736,7 +735,7 @@ def attn_decode_kernel(
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, ROW_PAGES: tl.constexpr,
 ):
     """One slice of the keys seen by a block of a GQA group's query rows: with one slice the
     output and lse; with several (SLICED) the slice's fp32 partial output and log-sum-exp, to
@@ -815,15 +814,15 @@ def attn_decode_kernel(
     acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, s_lo,
                                   mid_lo, pos, n_k_b, shift, left, right, qk_scale, cap_scale, skn, skd, skb, svn,
                                   svd, svb, last_page, WINDOW, SOFTCAP, True, BLOCK_N, HEAD_DIM,
-                                  HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC)
+                                  HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
     acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, mid_lo,
                                   mid_hi, pos, n_k_b, shift, left, right, qk_scale, cap_scale, skn, skd, skb, svn,
                                   svd, svb, last_page, WINDOW, SOFTCAP, False, BLOCK_N, HEAD_DIM,
-                                  HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC)
+                                  HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
     acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, mid_hi,
                                   s_hi, pos, n_k_b, shift, left, right, qk_scale, cap_scale, skn, skd, skb, svn,
                                   svd, svb, last_page, WINDOW, SOFTCAP, True, BLOCK_N, HEAD_DIM,
-                                  HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC)
+                                  HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
