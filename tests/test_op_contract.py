@@ -3,6 +3,9 @@ on each registered op (schema, fake, autograd registration, AOT dispatch), and `
 `vmap` and `jacrev` over each public function agree with torch's own results (float64 reference
 on fresh random inputs)."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -465,3 +468,35 @@ def test_legacy_batched_gradients_raise_clearly(name):
     out = fk_fn(*inputs)
     with pytest.raises(RuntimeError, match="legacy vmap"):
         torch.autograd.grad(out, inputs, testing.randn((2, *out.shape), torch.float32), is_grads_batched=True)
+
+
+LEAK_CALLS = {  # inputs' shapes (int32 tensors given as lists), the call
+    "attention": ([(1, 2, 80, 16)] * 3, lambda q, k, v: attention(q, k, v, causal=True)),
+    "attention decode": ([(1, 2, 1, 16), (1, 2, 8, 16), (1, 2, 8, 16)], lambda q, k, v: attention(q, k, v)),
+    "attention_with_kvcache": ([(1, 2, 1, 16), (1, 2, 8, 16), (1, 2, 8, 16), [5]],
+                               lambda q, k, v, n: attention_with_kvcache(q, k, v, n, causal=True)),
+    "attention_varlen": ([(10, 2, 16)] * 3 + [[0, 4, 10]],
+                         lambda q, k, v, cu: attention_varlen(q, k, v, cu, cu, 6, 6, causal=True)),
+    "layer_norm": ([(4, 32), (32,)], lambda x, w: layer_norm(x, w)),
+    "rms_norm": ([(4, 32), (32,)], lambda x, w: rms_norm(x, w)),
+    "softmax": ([(4, 32)], lambda x: softmax(x)),
+    "weighted_sum": ([(4, 32), (32,)], lambda x, w: weighted_sum(x, w)),
+}
+
+
+@pytest.mark.parametrize("name", LEAK_CALLS)
+def test_bound_plans_keep_no_caller_tensor_alive(name):
+    """The plans an op binds on its first call, and keeps, hold no tensor of that call: one kept
+    alive leaks memory, and under torch.compile's CUDA graphs (mode="reduce-overhead", as
+    transformers' static-cache generation compiles) a plan first bound inside the graph left a
+    live pool allocation that the graph refused (the decode plan kept the first call's q)."""
+    shapes, call = LEAK_CALLS[name]
+    inputs = [torch.tensor(s, dtype=torch.int32, device=testing.device()) if isinstance(s, list)
+              else _x(*s, requires_grad=name != "attention_with_kvcache") for s in shapes]
+    alive = [weakref.ref(t) for t in inputs]
+    out = call(*inputs)
+    if out.requires_grad:
+        out.sum().backward()
+    del inputs, out
+    gc.collect()
+    assert [i for i, ref in enumerate(alive) if ref() is not None] == [], "a bound plan holds a caller's tensor"

@@ -143,8 +143,10 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     fp32 = torch.empty(0, dtype=torch.float32, device=device)
     bnhd = table._heads_inside_tokens(q)
 
+    q_shape = q.shape  # (the plan outlives this call's tensors: it holds none of them)
+
     def new_outputs():
-        out = table._new(q.shape, bnhd, functools.partial(alloc.new_empty, out_proto))
+        out = table._new(q_shape, bnhd, functools.partial(alloc.new_empty, out_proto))
         return out, alloc.new_empty(fp32, (b, hq, n_q))
 
     if q.numel() == 0:
