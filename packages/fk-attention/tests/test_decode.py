@@ -441,3 +441,25 @@ def test_huge_window_sides_are_unbounded():
     full = attention(q, k, v)
     for side in (2**31 - 1, 2**62):
         torch.testing.assert_close(attention(q, k, v, window=(side, side)), full)
+
+
+def test_kvcache_writes_into_inference_caches_only_in_inference_mode():
+    """Caches made under torch.inference_mode() take new rows inside it, and are refused outside it
+    as torch refuses any in-place update there (the kernel's write would bypass that rule): eager
+    before anything is written, compiled by torch's own check; reading them works anywhere."""
+    with torch.inference_mode():
+        k_cache, v_cache = testing.randn((1, 2, 8, 16)), testing.randn((1, 2, 8, 16))
+    q, k, v = testing.randn((1, 2, 1, 16)), testing.randn((1, 2, 1, 16)), testing.randn((1, 2, 1, 16))
+    lengths = torch.tensor([3], dtype=torch.int32, device=q.device)
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="k_cache is an inference tensor"):
+        attention_with_kvcache(q, k_cache, v_cache, lengths, k, v, causal=True)
+    assert torch.equal(k_cache, before), "a refused call wrote the cache"
+    compiled = torch.compile(lambda *args: attention_with_kvcache(*args, causal=True), backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(RuntimeError, match="inference tensor"):  # torch's own check, after the functional op ran
+        compiled(q, k_cache, v_cache, lengths, k, v)
+    attention_with_kvcache(q, k_cache, v_cache, lengths, causal=True)
+    with torch.inference_mode():
+        attention_with_kvcache(q, k_cache, v_cache, lengths, k, v, causal=True)
+    assert torch.equal(k_cache[:, :, 3:4], k)

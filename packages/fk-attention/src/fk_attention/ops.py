@@ -294,6 +294,12 @@ def _forward_kvcache(
     right: int, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cache_seqlens, block_table = _index("cache_seqlens", cache_seqlens), _index("block_table", block_table)
+    if k is not None and not torch.is_inference_mode_enabled():  # torch's rule, which the kernel's write bypasses
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.is_inference():
+                raise RuntimeError(f"{name} is an inference tensor and the new rows are written into it in place: "
+                                   f"inplace updates to inference tensors outside InferenceMode are not allowed; "
+                                   f"call under torch.inference_mode(), or allocate the cache outside it")
     return decode.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
                                   _mask(left, right, True, softcap), sm_scale)
 
