@@ -126,12 +126,10 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     dense (B, Hk, capacity, D) or paged (pages, Hk, page_size, D) with the (B, pages per
     sequence) int32 page table; sequence b holds seqlens[b] + cache.n_new keys. `descriptors`
     forces K/V through TMA on or off (tests; None: `kv_descriptors`)."""
-    if cache is None:  # the registered ops can be called unchecked: once per plan, here
+    if cache is None:  # the registered ops can be called unchecked: once per plan, here (caches: `check_cache`)
         table.check_inputs(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_kernel_device(name, t)
-    checks.check_same_device(q=q, k=k, v=v)
-    checks.check_same_dtype(q=q, k=k, v=v)
     b, hq, n_q, d = q.shape
     hk = k.shape[1]
     group = hq // hk

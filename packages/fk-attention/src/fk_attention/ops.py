@@ -141,13 +141,8 @@ def _forward_only_fp8(q, k, v) -> None:
         raise ValueError("fp8 attention is forward-only (inference): q, k, v must not require grad")
 
 
-def _check_heads(q, k, v, head_axis: int, same: bool = True) -> None:
-    table.check_heads(q, k, v, head_axis, same)
-    _forward_only_fp8(q, k, v)
-
-
-def _check(q, k, v, dtypes=ATTENTION_DTYPES) -> None:
-    table.check_inputs(q, k, v, dtypes=dtypes)
+def _check(q, k, v, dtypes=ATTENTION_DTYPES, packed: bool = False) -> None:
+    table.check_inputs(q, k, v, packed, dtypes)
     _forward_only_fp8(q, k, v)
 
 
@@ -271,9 +266,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     Returns out (total_q, Hq, D), and with `return_lse=True` also lse (Hq, total_q) fp32. Under
     `torch.autocast` q, k, v are taken in its dtype, as in `attention`."""
     q, k, v = fk_ops.autocast(q, k, v)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.check_tensor(name, t, dtypes=ATTENTION_DTYPES, min_dim=3, max_dim=3)
-    _check_heads(q, k, v, 1)
+    _check(q, k, v, packed=True)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
@@ -312,9 +305,6 @@ ATTENTION_KVCACHE = torch.library.custom_op("fk::attention_with_kvcache", _forwa
 @ATTENTION_KVCACHE.register_fake
 def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *args):
     return table.fake_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-KVCACHE_DTYPES = decode.DECODE_DTYPES
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, causal=False,

@@ -29,8 +29,8 @@ WEIGHTED_SUM = fk_ops.define(
     forward=_forward,
     forward_fake=lambda x, weight: x.new_empty(x.shape[:-1]),
     backward=_backward,
-    backward_fake=lambda grad_y, x, weight, need_x=True, need_w=True: (x.new_empty(x.shape if need_x else (0,)),
-                                                             weight.new_empty(weight.shape if need_w else (0,))),
+    backward_fake=lambda grad_y, x, weight, need_x=True, need_w=True: (
+        x.new_empty(x.shape if need_x else (0,)), weight.new_empty(weight.shape if need_w else (0,))),
     save=lambda inputs, outputs: (inputs, None),
     backward_args=lambda saved, other, grads, needs: (grads[0], *saved, bool(needs[0]), bool(needs[1])),
     input_grads=lambda other, grads, needs: tuple(g if need else None for g, need in zip(grads, needs, strict=True)),

@@ -123,7 +123,8 @@ def bind_backward_2d(grad_y: torch.Tensor, x2: torch.Tensor, weight: torch.Tenso
     n_rows, n_cols = x2.shape
     dtype, device = x2.dtype, x2.device
     if n_rows == 0 or n_cols == 0 or not (need_x or need_w):
-        return lambda grad_y, x2, weight: (alloc.empty((n_rows, n_cols) if need_x else (0,), dtype=dtype, device=device),
+        grad_x_shape = (n_rows, n_cols) if need_x else (0,)
+        return lambda grad_y, x2, weight: (alloc.empty(grad_x_shape, dtype=dtype, device=device),
                                            torch.zeros_like(weight) if need_w else weight.new_empty(0))
     plan = plan or backward_plan(n_rows, n_cols, dtype)
     launch = Launch(kernels.weighted_sum_bwd_kernel, (plan.row_programs, plan.col_programs),
