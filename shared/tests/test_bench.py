@@ -56,6 +56,15 @@ def test_benchmarks_md_is_rebuilt_from_sections(tmp_path):
     assert text.index("## a") < text.index("## b")
 
 
+def test_host_cases_time_only_their_modes():
+    """An inference op's case (forward only) times its forward alone: no failing backward row."""
+    case = bench.HostCase("toy", "4×64", torch.float32, lambda: [testing.randn((4, 64))],
+                          {"fk": lambda x: x * 2, "peer": lambda x: x + x}, modes=("fwd",))
+    results = bench.run_host_cases([case], progress=False)
+    assert {(r.variant, r.mode) for r in results} == {("fk", "fwd"), ("peer", "fwd")}
+    assert all(r.us > 0 and r.error is None for r in results)
+
+
 def test_host_time_per_call_is_measured_and_tabled(tmp_path):
     def failing(x, w):
         raise ValueError("peer refuses this input")

@@ -273,6 +273,35 @@ def test_paged_reads_both_ways(per_row, monkeypatch):
     assert attend and all(m["ROW_PAGES"] == per_row and bool(m["SLICE_PAGES"]) != per_row for m in attend)
 
 
+def test_slices_longer_than_the_preloaded_pages_read_a_page_per_row(monkeypatch):
+    """A slice spanning more pages than a program preloads (SLICE_PAGES) reads a page index per row
+    instead of forcing more slices, and on a grid of few programs takes ROW_PAGES_FILL times
+    the programs: the right rows, shuffled pages, a ragged length, GQA, against float64."""
+    monkeypatch.setattr(decode, "SLICE_PAGES", 2)
+    monkeypatch.setattr(decode, "row_pages", lambda grid, device_index: False)  # a grid of few programs
+    launches = []
+    real = decode.Launch
+    monkeypatch.setattr(decode, "Launch", lambda kernel, grid, args, meta, device: launches.append((grid, meta))
+                        or real(kernel, grid, args, meta, device))
+    # A few slices of more than one page each (the GPU slices (batch, KV head) programs up to
+    # about one per multiprocessor, the interpreter up to a handful)
+    b, hq, hk, d, page = (4, 16, 8, 128, 64) if testing.on_gpu() else (1, 4, 2, 16, table.INTERPRETER_BLOCK)
+    capacity = 10 * page
+    k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, torch.float32, page)
+    lengths = [capacity - 5, capacity, 1, 2 * page + 3][:b]
+    q = testing.randn((b, hq, 1, d), torch.float32)
+    out = attention_with_kvcache(q, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32, device=q.device),
+                                 block_table=block_table, causal=True)
+    ref_out, _ = cached_reference(q, logical(k_cache), logical(v_cache), lengths, True, None, None, 1 / math.sqrt(d))
+    check("out", out, ref_out, torch.float32)
+    attend = [(grid, meta) for grid, meta in launches if "ROW_PAGES" in meta]
+    programs = b * hk
+    slices = decode.key_slices(programs, capacity, d, q.device.index or 0, fill=decode.ROW_PAGES_FILL)
+    assert attend and all(meta["ROW_PAGES"] and not meta["SLICE_PAGES"] for _, meta in attend)
+    assert all(grid == (programs * slices,) for grid, _ in attend)
+    assert slices > decode.key_slices(programs, capacity, d, q.device.index or 0)  # the fill took more
+
+
 @pytest.mark.parametrize("mask", [(False, None, None), (True, (4, None), None), (False, (6, 2), 2.0)])
 @pytest.mark.parametrize("page_size", [0, 8])
 def test_kvcache_windows_softcap_and_scale(mask, page_size):
@@ -365,10 +394,16 @@ def test_kvcache_long_ragged_caches(case, dtype):
 
 
 def test_kvcache_refuses_bad_inputs_clearly():
+    """Also once a plan for the same shapes exists (eager calls check their inputs once per plan)."""
     dev = testing.device()
     q = torch.zeros(2, 4, 1, 16, device=dev)
     cache = torch.zeros(2, 2, 8, 16, device=dev)
     lens = torch.zeros(2, dtype=torch.int32, device=dev)
+    attention_with_kvcache(q, cache, cache, lens)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        attention_with_kvcache(q.tolist(), cache, cache, lens)
+    with pytest.raises(TypeError, match="k_cache must be a dense"):
+        attention_with_kvcache(q, cache.to_sparse(), cache, lens)
     with pytest.raises(TypeError, match="cache_seqlens"):
         attention_with_kvcache(q, cache, cache, lens.long())
     with pytest.raises(ValueError, match="cache_seqlens"):

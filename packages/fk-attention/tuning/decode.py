@@ -1,6 +1,6 @@
 """The decode path's sweeps behind `fk_attention.decode`'s tiles, slicing and paged reads (TUNING.md).
 
-    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|paged|descriptors|rows]
+    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|paged|descriptors|rows|fill]
 
 Times are `do_bench` medians of CUDA-graph replays (microseconds), bf16, one query row per head,
 the cache full; SDPA's cuDNN backend beside them on the dense cache.
@@ -114,6 +114,45 @@ def rows_sweep():
     decode.row_pages = rule
 
 
+FILL_SHAPES = [(16, 32, 8, 32768, 64), (1, 32, 32, 131072, 64), (16, 32, 8, 32768, 128), (1, 32, 32, 32768, 128),
+               (1, 32, 32, 131072, 128), (1, 32, 8, 131072, 128), (16, 32, 8, 8192, 128), (1, 32, 8, 32768, 64),
+               (16, 32, 8, 1024, 64), (1, 32, 8, 8192, 64), (1, 32, 8, 1024, 128)]
+
+
+def fill_sweep():
+    """Paged caches (pages of 64, shuffled) on grids of few programs: the slice's pages preloaded,
+    with as many slices as that needs (at most SLICE_PAGES pages a slice: the rule before
+    `ROW_PAGES_FILL`), against a page per row with the dense cache's slices and with
+    ROW_PAGES_FILL times them, and the plan."""
+    rule = decode.row_pages
+    mask = table.Mask(right=0, lower_right=True)
+    print("| B, Hq:Hk, KV, d | cuDNN | dense | preloaded, slices it needs | per row, slices x1 | per row, "
+          f"x{decode.ROW_PAGES_FILL} | plan | cuDNN / plan |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for b, hq, hk, n, d in FILL_SHAPES:
+        q, k, v, lengths, kp, vp, pages = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16,
+                                                                       False).make_inputs()
+        page = kp.shape[2]
+        row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v)),
+               "dense": graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))}
+        slices = decode.key_slices(b * hk, n, d, 0)
+        variants = {"preloaded": (False, max(slices, -(-n // (decode.SLICE_PAGES * page)))),
+                    "x1": (True, slices),
+                    "fill": (True, decode.key_slices(b * hk, n, d, 0, fill=decode.ROW_PAGES_FILL))}
+        for name, (per_row, s) in variants.items():
+            decode.row_pages = lambda grid, device_index, per_row=per_row: per_row
+            run = decode._bind(q, kp, vp, mask, d ** -0.5, decode.Cache(0, page), s, pages)
+            row[name] = graph_us(functools.partial(run, q, kp, vp, lengths, pages))
+        decode.row_pages = rule
+        table.BOUND = PlanCache()
+        row["plan"] = graph_us(functools.partial(attention_with_kvcache, q, kp, vp, lengths, block_table=pages,
+                                                 causal=True))
+        print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['dense']} | {row['preloaded']} | {row['x1']} | "
+              f"{row['fill']} | {row['plan']} | {row['cudnn'] / row['plan']:.2f}x |", flush=True)
+        del q, k, v, kp, vp
+        torch.cuda.empty_cache()
+
+
 def _bound(paged: bool, descriptors: bool):
     """A decode-table variant bound with K/V through TMA or pointers, dense or paged."""
     def prepare(inputs):
@@ -137,7 +176,7 @@ def descriptors_sweep():
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["slices", "paged", "descriptors", "rows"]
+    which = sys.argv[1:] or ["slices", "paged", "descriptors", "rows", "fill"]
     if "slices" in which:
         slices_sweep()
     if "paged" in which:
@@ -146,3 +185,5 @@ if __name__ == "__main__":
         descriptors_sweep()
     if "rows" in which:
         rows_sweep()
+    if "fill" in which:
+        fill_sweep()

@@ -485,7 +485,8 @@ class HostCase:
 
     `make_inputs()` returns the inputs, those that take a gradient with `requires_grad` set;
     every variant maps them to one output tensor (`fn(*inputs)`). `op` names the table's row,
-    `shape` and `dtype` describe the input.
+    `shape` and `dtype` describe the input; `modes` (of HOST_MODES) the calls timed: an
+    inference op has no backward.
     """
 
     op: str
@@ -493,6 +494,7 @@ class HostCase:
     dtype: torch.dtype
     make_inputs: Callable[[], Sequence]
     variants: dict[str, Callable[..., torch.Tensor]]
+    modes: tuple[str, ...] = HOST_MODES
 
 
 @dataclasses.dataclass
@@ -585,7 +587,7 @@ def run_host_cases(cases: Sequence[HostCase], progress: bool = True) -> list[Hos
         bar.set_postfix_str(f"{case.op} {case.shape} {case.dtype}")
         inputs = case.make_inputs()
         dtype = str(case.dtype).removeprefix("torch.")
-        for mode in HOST_MODES:
+        for mode in case.modes:
             calls, rows = {}, {}
             for name, fn in case.variants.items():
                 row = HostResult(case.op, case.shape, dtype, name, mode, None)

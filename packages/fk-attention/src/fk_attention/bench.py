@@ -41,6 +41,8 @@ SMALL_SHAPE = (2, 2, 32, 16)
 # Host time per call: (B, H, N, D), causal. fp32 on the interpreter, where bf16 tl.dot is unreliable
 # (and the numbers mean nothing anyway).
 HOST_SHAPE = (1, 8, 128, 64)
+# One decode step against a KV cache (B, Hq, Hk, cache length, D), and the interpreter's stand-in.
+HOST_DECODE, SMALL_HOST_DECODE = (1, 32, 8, 1024, 128), (1, 4, 2, 32, 16)
 # Backward flops per forward flop: five N x N x D matmuls (scores recomputed, dP, dV, dK, dQ)
 # against the forward's two, FlashAttention's convention (fk's split backward does seven).
 BACKWARD_FLOP_FACTOR = 2.5
@@ -353,7 +355,20 @@ def host_cases() -> list[bench.HostCase]:
     def make_inputs():
         return [testing.randn((b, h, n, d), dtype, requires_grad=True) for _ in range(3)]
 
+    db, dhq, dhk, dn, dd = HOST_DECODE if testing.on_gpu() else SMALL_HOST_DECODE
+
+    def decode_inputs():
+        lengths = torch.full((db,), dn, dtype=torch.int32, device=testing.device())
+        return [testing.randn((db, dhq, 1, dd), dtype), testing.randn((db, dhk, dn, dd), dtype),
+                testing.randn((db, dhk, dn, dd), dtype), lengths]
+
     return [bench.HostCase(op="attention", shape=f"B{b} H{h} N{n} d{d} causal", dtype=dtype,
                            make_inputs=make_inputs,
                            variants={"fk": functools.partial(attention, causal=True),
-                                     "torch": _sdpa(None, True)})]
+                                     "torch": _sdpa(None, True)}),
+            bench.HostCase(op="attention_with_kvcache", shape=f"B{db} KV{dn} H{dhq}:{dhk} d{dd} decode", dtype=dtype,
+                           make_inputs=decode_inputs, modes=("fwd",),
+                           variants={"fk": lambda q, k, v, lengths: attention_with_kvcache(q, k, v, lengths,
+                                                                                           causal=True),
+                                     "torch": lambda q, k, v, lengths: F.scaled_dot_product_attention(
+                                         q, k, v, enable_gqa=True)})]

@@ -47,11 +47,13 @@ MAX_SLICES = 64
 INTERPRETER_SLICE_KEYS = 16
 INTERPRETER_SLICED_PROGRAMS = 8
 # Paged caches whose pages hold whole key blocks, on grids of few programs: each slice's page
-# indices are read into registers first (at most SLICE_PAGES, so a slice spans at most
-# SLICE_PAGES - 1 pages). Grids of at least SHALLOW_PIPELINE_GRID programs per multiprocessor
-# read each block's page per row in the walk instead: other programs hide its latency, and the
-# slices stay the dense cache's (TUNING.md: decode, paged reads).
+# indices are read into registers first (at most SLICE_PAGES). Grids of at least
+# SHALLOW_PIPELINE_GRID programs per multiprocessor, and slices of more pages, read each block's
+# page per row in the walk instead (TUNING.md: decode, paged reads); on a grid of few programs
+# that takes ROW_PAGES_FILL times the slices: the page load ahead of each key block stalls a lone
+# program's pipeline, a second program per multiprocessor hides it.
 SLICE_PAGES = 128
+ROW_PAGES_FILL = 2
 # K/V through TMA from this padded head dim, on grids below SHALLOW_PIPELINE_GRID programs per
 # SM: there it beat or matched pointers at d128; at d64 it lost up to 16% on paged caches, on
 # fuller grids up to 7% (TUNING.md: decode).
@@ -94,14 +96,16 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int) -> bool:
             and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(k.device.index or 0))
 
 
-def key_slices(programs: int, n_k: int, head_dim: int, device_index: int) -> int:
+def key_slices(programs: int, n_k: int, head_dim: int, device_index: int, fill: int = 1) -> int:
     """How many slices to cut each sequence's keys into, for `programs` (batch, KV head, row
-    block) programs over up to n_k keys: the power of two nearest the wanted programs over these."""
+    block) programs over up to n_k keys: the power of two nearest the wanted programs (`fill`
+    times the usual) over these."""
     if backend.is_interpreter():
-        min_keys, wanted = INTERPRETER_SLICE_KEYS, INTERPRETER_SLICED_PROGRAMS
+        min_keys, wanted = INTERPRETER_SLICE_KEYS, INTERPRETER_SLICED_PROGRAMS * fill
     else:
         min_keys = MIN_SLICE_KEYS
-        wanted = backend.multiprocessor_count(device_index) * SLICED_PROGRAMS_D128 * 128 / table.padded_head_dim(head_dim)
+        wanted = (backend.multiprocessor_count(device_index) * SLICED_PROGRAMS_D128 * fill * 128
+                  / table.padded_head_dim(head_dim))
     most = min(MAX_SLICES, max(1, n_k // min_keys))
     ratio = wanted / programs
     if ratio < 1.5:
@@ -152,18 +156,20 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     index = device.index or 0
     m_blocks = sizing.cdiv(group * n_q, tiles(group * n_q, d, dtype, 0, index).block_m)
     programs = b * hk * m_blocks
-    if slices is None:
+    planned = slices is None
+    if planned:
         slices = key_slices(programs, n_k, d, index)
     tile = tiles(group * n_q, d, dtype, programs * slices, index)
-    # a page index per row: full grids, or pages smaller than a key block
-    per_row = paged and (cache.page_size % tile.block_n != 0 or row_pages(programs * slices, index))
+    full = row_pages(programs * slices, index)
+    # a page index per row: full grids, pages smaller than a key block, slices of more pages than
+    # preloaded (a slice starts on a key block: inside a page where pages are larger, one more page)
+    per_row = paged and (full or cache.page_size % tile.block_n != 0
+                         or sizing.cdiv(n_k, slices) > (SLICE_PAGES - (cache.page_size > tile.block_n))
+                         * cache.page_size)
+    if per_row and not full and planned:
+        slices = key_slices(programs, n_k, d, index, fill=ROW_PAGES_FILL)
+        tile = tiles(group * n_q, d, dtype, programs * slices, index)
     slice_pages = SLICE_PAGES if paged and not per_row else 0
-    if slice_pages:
-        needed = sizing.cdiv(n_k, (slice_pages - 1) * cache.page_size)
-        if needed <= MAX_SLICES:
-            slices = max(slices, needed)
-        else:
-            slice_pages = 0
     padded = table.padded_head_dim(d)
     meta = {"WINDOW": mask.windowed, "SOFTCAP": mask.softcap is not None, "SEQLENS": cache is not None,
             "PAGED": paged, "PAGE_SIZE": max(cache.page_size if paged else 1, 1), "SLICE_PAGES": slice_pages,
@@ -183,13 +189,14 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     # Programmatic dependent launch of the merge (its launch overlaps the slices' tail): Hopper on.
     pdl = slices > 1 and table._is_hopper_or_newer(device)
     meta.update(SLICED=slices > 1, PDL=pdl)
-    part_shape, part_lse_shape = (b, hq, n_q, slices, d), (b, hq, n_q, slices)
-    part_numel, part_lse_numel = math.prod(part_shape), math.prod(part_lse_shape)
+    # The partial outputs (B, Hq, Nq, slices, D), then their log-sum-exps: one fp32 buffer.
+    part_numel = b * hq * n_q * slices * d
+    parts_numel = part_numel + b * hq * n_q * slices
     table_stride = block_table.stride(0) if paged else 0
     attend_args = ((programs * slices,),
                    (sm_scale, softcap, n_q, n_k, cache.n_new if cache else 0, hk, group, lower_right, left, right,
-                    slices, last_page, *q.stride(), *k_.stride(), *v_.stride(), *out_example.stride(), hq * n_q,
-                    n_q, 1, table_stride))
+                    slices, last_page, part_numel, *q.stride(), *k_.stride(), *v_.stride(), *out_example.stride(),
+                    hq * n_q, n_q, 1, table_stride))
     attend = Launch(kernels.attn_decode_kernel, *attend_args, {**meta, "USE_DESC": False}, device)
     attend_tma = Launch(kernels.attn_decode_kernel, *attend_args, {**meta, "USE_DESC": True}, device) \
         if use_desc else None
@@ -202,7 +209,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     merge = None
     if slices > 1:
         merge = Launch(kernels.attn_decode_merge_kernel, (b * hq * n_q,),
-                       (hq, n_q, slices, *out_example.stride(), hq * n_q, n_q, 1),
+                       (hq, n_q, slices, part_numel, *out_example.stride(), hq * n_q, n_q, 1),
                        {"HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_S": sizing.next_power_of_2(slices),
                         "PDL": pdl, "num_warps": sizing.MIN_WARPS, **({"launch_pdl": True} if pdl else {})}, device)
 
@@ -212,13 +219,11 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
         block_table = lse if block_table is None else block_table
         attend, k, v = kv(k, v)
         if merge is None:
-            attend(q, k, v, out, lse, lse, lse, seqlens, block_table)
+            attend(q, k, v, out, lse, lse, seqlens, block_table)
             return out, lse
-        # One allocation for both partials (host time per call).
-        parts = alloc.new_empty(fp32, (part_numel + part_lse_numel,))
-        part, part_lse = parts[:part_numel].view(part_shape), parts[part_numel:].view(part_lse_shape)
-        attend(q, k, v, out, lse, part, part_lse, seqlens, block_table)
-        merge(part, part_lse, out, lse)
+        parts = alloc.new_empty(fp32, (parts_numel,))
+        attend(q, k, v, out, lse, parts, seqlens, block_table)
+        merge(parts, out, lse)
         return out, lse
 
     return run
@@ -242,7 +247,8 @@ def forward(q, k, v, mask: table.Mask, sm_scale: float, slices: int | None = Non
 def check_cache(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> None:
     """The layouts `attention_with_kvcache` documents: q (B, Hq, Nq, D), dense caches (B, Hk,
     capacity, D) or paged ones (pages, Hk, page_size, D) with an int32 (B, pages) table, int32 (B,)
-    lengths, new rows k, v (B, Hk, Nnew, D) or None; one dtype and device."""
+    lengths, new rows k, v (B, Hk, Nnew, D) or None; one dtype and device; nothing requiring grad
+    (an inference call)."""
     checks.check_tensor("q", q, dtypes=DECODE_DTYPES, min_dim=4, max_dim=4)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         checks.check_tensor(name, t, dtypes=DECODE_DTYPES, min_dim=4, max_dim=4)
@@ -277,45 +283,57 @@ def check_cache(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> None:
     checks.check_same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
     checks.check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k=k, v=v,
                              block_table=block_table)
+    if any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
+        raise ValueError("attention_with_kvcache is forward-only (inference): its inputs must not require grad")
 
 
-def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float):
+def layouts(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> tuple:
+    """Each input's (shape, strides, dtype, device, requires_grad), None where not given: what a
+    KV-cache plan is specialized on and `check_cache` reads. Inputs that are not dense tensors
+    fail that check here."""
+    tensors = (q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
+    try:
+        return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad)
+                     for t in tensors)
+    except (AttributeError, RuntimeError, TypeError):
+        check_cache(*tensors)
+        raise
+
+
+def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float,
+                    facts: tuple | None = None):
     """(out, lse) of q against a KV cache after writing k_new / v_new (may be None) into it at
-    each sequence's length. The public call checks first; for callers of the registered op the
-    binds check the layouts again, once per plan."""
+    each sequence's length. One plan per `layouts` (`facts`, if the caller has them), mask and
+    scale, the inputs checked once as it is made (`check_cache`)."""
+    if facts is None:
+        facts = layouts(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
+    key = ("kvcache", facts, mask, sm_scale)
+    run = table.BOUND.get(key) or table.BOUND.get_or_build(
+        key, lambda: _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale))
+    return run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
+
+
+def _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float):
+    """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> (out, lse): the append (if
+    new rows come) and the attention launches of one KV-cache call's layouts."""
+    check_cache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
     cache = Cache(0 if k_new is None else k_new.shape[2], 0 if block_table is None else k_cache.shape[2])
-    if k_new is not None:
-        key = ("kv_append", cache, q.shape, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
-               k_new.shape, k_new.stride(), v_new.shape, v_new.stride(), seqlens.shape,
-               None if block_table is None else (block_table.shape, block_table.stride(), block_table.get_device()),
-               q.dtype, k_cache.dtype, v_cache.dtype, k_new.dtype, v_new.dtype, q.get_device(), k_cache.get_device(),
-               v_cache.get_device(), k_new.get_device(), v_new.get_device(), seqlens.get_device())
+    append = None if k_new is None else _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache)
+    widened = table._widened(q.dtype)  # the interpreter's bf16 dot: fp32 copies
+    if widened:
+        attend = _bind(q.float(), k_cache.float(), v_cache.float(), mask, sm_scale, cache, None, block_table)
+    else:
+        attend = _bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table)
 
-        def build():
-            check_cache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
-            return _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache)
+    def run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table):
+        if append is not None:
+            append(k_cache, v_cache, seqlens, k_new, v_new, block_table)
+        if widened:
+            out, lse = attend(q.float(), k_cache.float(), v_cache.float(), seqlens, block_table)
+            return out.to(q.dtype), lse
+        return attend(q, k_cache, v_cache, seqlens, block_table)
 
-        append = table.BOUND.get(key) or table.BOUND.get_or_build(key, build)
-        append(k_cache, v_cache, seqlens, k_new, v_new, block_table)
-    return _attend_cache(q, k_cache, v_cache, seqlens, block_table, cache, mask, sm_scale)
-
-
-def _attend_cache(q, k_cache, v_cache, seqlens, block_table, cache: Cache, mask: table.Mask, sm_scale: float):
-    if table._widened(q.dtype):
-        out, lse = _attend_cache(q.float(), k_cache.float(), v_cache.float(), seqlens, block_table, cache, mask,
-                                 sm_scale)
-        return out.to(q.dtype), lse
-    key = ("kvcache", cache, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
-           seqlens.shape, None if block_table is None else (block_table.shape, block_table.stride()),
-           q.dtype, k_cache.dtype, v_cache.dtype, q.get_device(), k_cache.get_device(), v_cache.get_device(),
-           seqlens.get_device(), None if block_table is None else block_table.get_device(), mask, sm_scale)
-
-    def build():
-        check_cache(q, k_cache, v_cache, seqlens, None, None, block_table)
-        return _bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table)
-
-    run = table.BOUND.get(key) or table.BOUND.get_or_build(key, build)
-    return run(q, k_cache, v_cache, seqlens, block_table)
+    return run
 
 
 def _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache: Cache):

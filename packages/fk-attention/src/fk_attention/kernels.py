@@ -653,18 +653,16 @@ def fill_tail_kernel(a_ptr, b_ptr, cu_ptr, n_seq, total, a_cols, a_stride_r, a_s
 def _pages(table_row, slice_pages, first_page, start_n, n_k, last_page, BLOCK_N: tl.constexpr,
            PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, ROW_PAGES: tl.constexpr):
     """The cache pages of keys [start_n, start_n + BLOCK_N), clamped to the cache: one per row
-    (ROW_PAGES: full grids, or pages smaller than a block), else the block's one page, picked from
-    the slice's pages held in registers (SLICE_PAGES) or loaded; 0 unpaged."""
+    (ROW_PAGES: full grids, pages smaller than a block, long slices), else the block's one page,
+    picked from the slice's SLICE_PAGES pages held in registers; 0 unpaged."""
     if PAGED:
         if ROW_PAGES:
             rows = start_n + tl.arange(0, BLOCK_N)
             page = tl.load(table_row + rows // PAGE_SIZE, mask=rows < n_k, other=0)
             page = tl.minimum(tl.maximum(page, 0), last_page)
-        elif SLICE_PAGES:
+        else:
             slot = start_n // PAGE_SIZE - first_page
             page = tl.sum(tl.where(tl.arange(0, SLICE_PAGES) == slot, slice_pages, 0), 0)
-        else:
-            page = tl.minimum(tl.maximum(tl.load(table_row + start_n // PAGE_SIZE), 0), last_page)
     else:
         page = 0
     return page
@@ -729,8 +727,8 @@ def _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_
 
 @triton.jit
 def attn_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, part_lse_ptr, seqlens_ptr, table_ptr, sm_scale, softcap,
-    n_q, n_k, n_new, n_heads_k, group, lower_right, left, right, n_splits, last_page,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, seqlens_ptr, table_ptr, sm_scale, softcap,
+    n_q, n_k, n_new, n_heads_k, group, lower_right, left, right, n_splits, last_page, n_part,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, slb, slh, sln, stb,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr,
@@ -739,7 +737,7 @@ def attn_decode_kernel(
 ):
     """One slice of the keys seen by a block of a GQA group's query rows: with one slice the
     output and lse; with several (SLICED) the slice's fp32 partial output and log-sum-exp, to
-    part / part_lse ((B, Hq, Nq, slices, D) and (B, Hq, Nq, slices), contiguous), which
+    part: (B, Hq, Nq, slices, D) then from n_part on (B, Hq, Nq, slices), contiguous, which
     `attn_decode_merge_kernel` merges (PDL: launched as this grid's programmatic dependent, so its
     launch overlaps this grid's tail). SEQLENS: sequence b has
     min(seqlens[b] + n_new, n_k) keys (a cache: n_k its capacity), else n_k. Paged K/V strides:
@@ -830,7 +828,7 @@ def attn_decode_kernel(
     if SLICED:
         slice0 = ((tl.cast(b, tl.int64) * n_heads_k * group + h) * n_q + pos) * n_splits
         tl.store(part_ptr + (slice0 + split)[:, None] * HEAD_DIM + cols[None, :], out, mask=cols_ok)
-        tl.store(part_lse_ptr + slice0 + split, lse, mask=row_ok)
+        tl.store(part_ptr + n_part + slice0 + split, lse, mask=row_ok)
     else:
         _store_rows(o_ptr, lse_ptr, out, lse, b, h, pos, row_ok, cols, sob, soh, son, sod, slb, slh, sln, HEAD_DIM)
 
@@ -848,12 +846,12 @@ def _store_rows(o_ptr, lse_ptr, out, lse, b, h, pos, row_ok, cols, sob, soh, son
 
 @triton.jit
 def attn_decode_merge_kernel(
-    part_ptr, part_lse_ptr, o_ptr, lse_ptr, n_heads, n_q, n_splits,
+    part_ptr, o_ptr, lse_ptr, n_heads, n_q, n_splits, n_part,
     sob, soh, son, sod, slb, slh, sln,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """One query row's output from its slices' partial outputs (contiguous (rows, slices, D) fp32)
-    and log-sum-exps: out = sum_s exp(lse_s - lse) out_s, lse = log sum_s exp(lse_s). A row that
+    and log-sum-exps (from n_part on, (rows, slices)): out = sum_s exp(lse_s - lse) out_s, lse = log sum_s exp(lse_s). A row that
     saw no key (every lse_s = -inf) gets 0 and -inf. PDL: launched early, it waits for the
     partials here."""
     if PDL:
@@ -865,7 +863,7 @@ def attn_decode_merge_kernel(
     s = tl.arange(0, BLOCK_S)
     cols = tl.arange(0, HEAD_DIM_PADDED)
     base = tl.cast(row, tl.int64) * n_splits
-    part_lse = tl.load(part_lse_ptr + base + s, mask=s < n_splits, other=float("-inf"))
+    part_lse = tl.load(part_ptr + n_part + base + s, mask=s < n_splits, other=float("-inf"))
     m = tl.max(part_lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2((part_lse - m_safe) * LOG2E)

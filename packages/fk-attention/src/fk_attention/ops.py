@@ -286,6 +286,13 @@ def _forward_kvcache(
     k: torch.Tensor | None, v: torch.Tensor | None, block_table: torch.Tensor | None, sm_scale: float, left: int,
     right: int, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale, left, right, softcap)
+
+
+def _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: float, left: int, right: int,
+             softcap: float, facts: tuple | None = None):
+    """The registered op's implementation; `facts`: the inputs' `decode.layouts`, where the
+    caller has them (eager calls)."""
     cache_seqlens, block_table = _index("cache_seqlens", cache_seqlens), _index("block_table", block_table)
     if k is not None and not torch.is_inference_mode_enabled():  # torch's rule, which the kernel's write bypasses
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -294,7 +301,7 @@ def _forward_kvcache(
                                    f"inplace updates to inference tensors outside InferenceMode are not allowed; "
                                    f"call under torch.inference_mode(), or allocate the cache outside it")
     return decode.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                                  _mask(left, right, True, softcap), sm_scale)
+                                  _mask(left, right, True, softcap), sm_scale, facts)
 
 
 # Forward only (an inference call); writes the new rows into the caches in place.
@@ -335,9 +342,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
     Returns out like q, and with `return_lse=True` also lse (B, Hq, Nq) fp32 (natural log). Under
     `torch.autocast` q and the new rows are taken in its dtype (the caches' must match it)."""
     q, k, v = fk_ops.autocast(q, k, v)
-    decode.check_cache(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
-    if any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
-        raise ValueError("attention_with_kvcache is forward-only (inference): its inputs must not require grad")
+    # Plain eager calls skip the registered op's dispatch (tens of microseconds) and check the
+    # inputs once per plan (their layouts key it); tracers and torch.func transforms take the op.
+    eager = not (fk_ops.transforms_active() or fk_ops.traced((q, k_cache, v_cache, cache_seqlens)))
+    if eager:
+        facts = decode.layouts(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
+    else:
+        decode.check_cache(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
     left, right, _, cap = mask_args(causal, window, softcap)
     variant = causal.name if type(causal).__name__ == "CausalVariant" else causal
     if isinstance(variant, str) and variant.lower() == "upper_left":
@@ -345,16 +356,17 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
                          "pass causal=True or 'lower_right'")
     return_lse = checks.check_flag("return_lse", return_lse)
     args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, _scale(sm_scale, q.shape[-1]), left, right, cap)
-    # Plain eager calls skip the registered op's dispatch (tens of microseconds); tracers and
-    # torch.func transforms take the op.
-    if fk_ops.transforms_active() or fk_ops.traced((q, k_cache, v_cache, cache_seqlens)):
+    if not eager:
         out, lse = ATTENTION_KVCACHE(*args)
     else:
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if t.is_neg():  # written in place: a lazily negated view cannot be resolved into a copy
                 raise ValueError(f"{name} must not be a lazily negated view (is_neg()): written in place, "
                                  f"it would hold -values; pass a real tensor")
-        out, lse = _forward_kvcache(*fk_ops.resolve_negated(args))
+        resolved = fk_ops.resolve_negated(args)
+        if any(a is not b for a, b in zip(resolved, args, strict=True)):  # copies: their own layouts
+            facts = None
+        out, lse = _kvcache(*resolved, facts=facts)
         if out._is_view():  # a (B, N, H, D) buffer seen as q's layout: a tensor of its own, as torch's
             out = out.detach()
         if k is not None:  # as the registered op would: autograd sees the caches written
