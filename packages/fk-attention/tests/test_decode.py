@@ -470,6 +470,31 @@ def test_kvcache_takes_strided_lengths_and_page_tables_and_huge_lengths():
     assert not dense_k.any(), "rows past the capacity must be dropped"
 
 
+def test_kvcache_plans_serve_only_their_layouts():
+    """Eager calls key one plan on their inputs' layouts (checked once as it is made): calls of
+    the same shapes with other strides (FlashAttention's (B, N, H, D) caches and new rows seen
+    transposed) or another dtype get plans of their own, each against float64."""
+    b, hq, hk, cap, d = 2, 4, 2, 24, 16
+    lengths = [17, 5]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=testing.device())
+    def make(shape, dtype, transposed):
+        if not transposed:
+            return testing.randn(shape, dtype)
+        return testing.randn((shape[0], shape[2], shape[1], shape[3]), dtype).transpose(1, 2)
+
+    for dtype in (torch.float32, torch.float16):
+        for transposed in (False, True):
+            q, k_cache, v_cache, k_new, v_new = (make(s, dtype, transposed) for s in [
+                (b, hq, 2, d), (b, hk, cap, d), (b, hk, cap, d), (b, hk, 2, d), (b, hk, 2, d)])
+            want_k, want_v = k_cache.clone(), v_cache.clone()
+            for i, n in enumerate(lengths):
+                want_k[i, :, n:n + 2], want_v[i, :, n:n + 2] = k_new[i], v_new[i]
+            out = attention_with_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, causal=True)
+            ref, _ = cached_reference(q, want_k, want_v, [n + 2 for n in lengths], True, None, None, d ** -0.5)
+            check("out", out, ref, dtype)
+            torch.testing.assert_close(k_cache, want_k, rtol=0, atol=0)
+
+
 def test_huge_window_sides_are_unbounded():
     q = testing.randn((1, 2, 2, 16), torch.float32)
     k, v = testing.randn((1, 2, 40, 16), torch.float32), testing.randn((1, 2, 40, 16), torch.float32)
