@@ -1,6 +1,6 @@
 """The decode path's sweeps behind `fk_attention.decode`'s tiles, slicing and paged reads (TUNING.md).
 
-    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|paged|descriptors|rows|fill]
+    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|paged|descriptors|rows|fill|lengths]
 
 Times are `do_bench` medians of CUDA-graph replays (microseconds), bf16, one query row per head,
 the cache full; SDPA's cuDNN backend beside them on the dense cache.
@@ -16,7 +16,7 @@ from fk_runtime.launch import PlanCache
 
 testing.setup()
 
-from fk_attention import attention_with_kvcache, decode  # noqa: E402
+from fk_attention import attention, attention_with_kvcache, decode  # noqa: E402
 from fk_attention import bench as attention_bench  # noqa: E402
 from fk_attention import plan as table  # noqa: E402
 
@@ -153,6 +153,22 @@ def fill_sweep():
         torch.cuda.empty_cache()
 
 
+LENGTH_SHAPES = [(16, 32, 8, 1024, 64), (1, 32, 8, 1024, 128), (1, 32, 32, 1024, 64), (16, 32, 8, 1024, 128),
+                 (1, 32, 8, 8192, 64), (64, 32, 8, 1024, 64)]
+
+
+def lengths_sweep():
+    """The latency-bound rows: the dense decode without lengths (`attention`) and with them
+    (`attention_with_kvcache`, each program's slice bounds wait on its sequence's length)."""
+    print("| B, Hq:Hk, KV, d | cuDNN | attention (no lengths) | attention_with_kvcache (lengths) |")
+    print("| --- | --- | --- | --- |")
+    for b, hq, hk, n, d in LENGTH_SHAPES:
+        q, k, v, lengths, *_ = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16, False).make_inputs()
+        print(f"| {b}, {hq}:{hk}, {n}, {d} | {graph_us(functools.partial(cudnn, q, k, v))} | "
+              f"{graph_us(functools.partial(attention, q, k, v))} | "
+              f"{graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))} |", flush=True)
+
+
 def _bound(paged: bool, descriptors: bool):
     """A decode-table variant bound with K/V through TMA or pointers, dense or paged."""
     def prepare(inputs):
@@ -176,7 +192,7 @@ def descriptors_sweep():
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["slices", "paged", "descriptors", "rows", "fill"]
+    which = sys.argv[1:] or ["slices", "paged", "descriptors", "rows", "fill", "lengths"]
     if "slices" in which:
         slices_sweep()
     if "paged" in which:
@@ -187,3 +203,5 @@ if __name__ == "__main__":
         rows_sweep()
     if "fill" in which:
         fill_sweep()
+    if "lengths" in which:
+        lengths_sweep()
