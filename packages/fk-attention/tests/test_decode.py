@@ -470,6 +470,28 @@ def test_kvcache_takes_strided_lengths_and_page_tables_and_huge_lengths():
     assert not dense_k.any(), "rows past the capacity must be dropped"
 
 
+@pytest.mark.parametrize("capacity", [256, 1000])
+def test_wide_key_blocks_read_the_right_rows(capacity, monkeypatch):
+    """Dense decode at head dim 128 on few programs takes 128-row key blocks where shared memory
+    holds them (`wide_blocks`; slices of one block and of several): ragged lengths, GQA, against
+    float64; where this device qualifies, the launch took them."""
+    launches = []
+    real = decode.Launch
+    monkeypatch.setattr(decode, "Launch", lambda kernel, grid, args, meta, device: launches.append(meta)
+                        or real(kernel, grid, args, meta, device))
+    b, hq, hk, d, dtype = 2, 8, 2, 128, torch.float16
+    lengths = [capacity, capacity // 2 + 1]
+    k_cache, v_cache = testing.randn((b, hk, capacity, d), dtype), testing.randn((b, hk, capacity, d), dtype)
+    q = testing.randn((b, hq, 1, d), dtype)
+    out = attention_with_kvcache(q, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32, device=q.device),
+                                 causal=True)
+    ref_out, _ = cached_reference(q, k_cache, v_cache, lengths, True, None, None, 1 / math.sqrt(d))
+    check("out", out, ref_out, dtype)
+    attend = [meta for meta in launches if "ROW_PAGES" in meta]
+    wide = decode.wide_blocks(hq // hk, d, dtype, b * hk, False, q.device.index or 0)
+    assert attend and all((meta["BLOCK_N"] == decode.WIDE_BLOCK_N) == wide for meta in attend)
+
+
 def test_kvcache_plans_serve_only_their_layouts():
     """Eager calls key one plan on their inputs' layouts (checked once as it is made): calls of
     the same shapes with other strides (FlashAttention's (B, N, H, D) caches and new rows seen

@@ -1,6 +1,6 @@
 """The decode path's sweeps behind `fk_attention.decode`'s tiles, slicing and paged reads (TUNING.md).
 
-    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|paged|descriptors|rows|fill|lengths]
+    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|paged|descriptors|rows|fill|lengths|wide]
 
 Times are `do_bench` medians of CUDA-graph replays (microseconds), bf16, one query row per head,
 the cache full; SDPA's cuDNN backend beside them on the dense cache.
@@ -169,6 +169,32 @@ def lengths_sweep():
               f"{graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))} |", flush=True)
 
 
+WIDE_SHAPES = [(1, 32, 8, 1024, 128), (1, 32, 8, 8192, 128), (1, 32, 8, 32768, 128), (1, 32, 8, 131072, 128),
+               (1, 32, 32, 1024, 128), (1, 32, 32, 8192, 128), (1, 32, 32, 32768, 128), (1, 32, 32, 131072, 128),
+               (16, 32, 8, 1024, 128), (16, 32, 8, 8192, 128), (16, 32, 8, 32768, 128), (16, 32, 8, 131072, 128)]
+
+
+def wide_sweep():
+    """Dense caches at head dim 128 on grids of few programs: the plan's key blocks
+    (`decode.wide_blocks`: 128 rows, slices for WIDE_PROGRAMS programs per multiprocessor) against
+    the 64-row blocks and slices of the other rows (`wide_blocks` forced off)."""
+    rule = decode.wide_blocks
+    print("| B, Hq:Hk, KV, d | cuDNN | 64-row blocks | 128-row blocks (plan) | cuDNN / plan |")
+    print("| --- | --- | --- | --- | --- |")
+    for b, hq, hk, n, d in WIDE_SHAPES:
+        q, k, v, lengths, *_ = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16, False).make_inputs()
+        row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v))}
+        for name, wide in (("narrow", False), ("wide", None)):
+            decode.wide_blocks = rule if wide is None else (lambda *args: False)
+            table.BOUND = PlanCache()
+            row[name] = graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))
+        decode.wide_blocks = rule
+        print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['narrow']} | {row['wide']} | "
+              f"{row['cudnn'] / row['wide']:.2f}x |", flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
 def _bound(paged: bool, descriptors: bool):
     """A decode-table variant bound with K/V through TMA or pointers, dense or paged."""
     def prepare(inputs):
@@ -192,7 +218,7 @@ def descriptors_sweep():
 
 
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["slices", "paged", "descriptors", "rows", "fill", "lengths"]
+    which = sys.argv[1:] or ["slices", "paged", "descriptors", "rows", "fill", "lengths", "wide"]
     if "slices" in which:
         slices_sweep()
     if "paged" in which:
@@ -205,3 +231,5 @@ if __name__ == "__main__":
         fill_sweep()
     if "lengths" in which:
         lengths_sweep()
+    if "wide" in which:
+        wide_sweep()

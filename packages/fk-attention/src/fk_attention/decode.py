@@ -36,6 +36,16 @@ MAX_BLOCK_M = 64
 TILES_16BIT = ((64, (64, 4, 3)), (128, (64, 4, 3)), (256, (32, 4, 3)))
 TILES_32BIT = ((64, (32, 4, 2)), (128, (32, 4, 2)), (256, (16, 4, 2)))
 SHALLOW_PIPELINE_GRID = 2
+# Dense K/V at padded head dim 128, 16-bit, at most MIN_BLOCK_M query rows per KV head, fewer
+# (batch, KV head) programs than multiprocessors: key blocks of WIDE_BLOCK_N rows, slices for
+# about WIDE_PROGRAMS programs per multiprocessor (each at least one block), WIDE_STAGES stages
+# where the grid is no larger and a slice holds more than one block, else one less; where a
+# program's shared memory holds WIDE_STAGES stages of K and V blocks and SHARED_RESERVE bytes
+# more (TUNING.md: decode, wide key blocks).
+WIDE_BLOCK_N, WIDE_WARPS = 128, 4
+WIDE_PROGRAMS = 0.5
+WIDE_STAGES = 3
+SHARED_RESERVE = 16 << 10
 # Key slices: about SLICED_PROGRAMS_D128 programs per multiprocessor at head dim 128 (twice as
 # many at 64: each reads half the bytes per step), as a power of two, of at least
 # MIN_SLICE_KEYS keys each and at most MAX_SLICES (the merge reads them in one tile).
@@ -80,6 +90,17 @@ def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_in
     return table.Config(block_m, block_n, warps, stages)
 
 
+def wide_blocks(rows: int, head_dim: int, dtype: torch.dtype, programs: int, paged: bool,
+                device_index: int) -> bool:
+    """Whether a decode launch of `programs` (batch, KV head) programs with `rows` query rows each
+    takes WIDE_BLOCK_N-row key blocks (module constants)."""
+    if (backend.is_interpreter() or paged or dtype.itemsize != 2 or rows > MIN_BLOCK_M
+            or table.padded_head_dim(head_dim) != 128 or programs >= backend.multiprocessor_count(device_index)):
+        return False
+    shared = getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", 0)
+    return shared >= WIDE_STAGES * 2 * WIDE_BLOCK_N * 128 * dtype.itemsize + SHARED_RESERVE
+
+
 def row_pages(grid: int, device_index: int) -> bool:
     """Whether a paged cache's key blocks read their page index per row in the walk (full grids)
     rather than from the slice's pages preloaded into registers."""
@@ -96,14 +117,14 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int) -> bool:
             and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(k.device.index or 0))
 
 
-def key_slices(programs: int, n_k: int, head_dim: int, device_index: int, fill: int = 1) -> int:
-    """How many slices to cut each sequence's keys into, for `programs` (batch, KV head, row
-    block) programs over up to n_k keys: the power of two nearest the wanted programs (`fill`
-    times the usual) over these."""
+def key_slices(programs: int, n_k: int, head_dim: int, device_index: int, fill: float = 1,
+               min_keys: int = MIN_SLICE_KEYS) -> int:
+    """How many slices of at least `min_keys` keys to cut each sequence's keys into, for
+    `programs` (batch, KV head, row block) programs over up to n_k keys: the power of two nearest
+    the wanted programs (`fill` times the usual) over these."""
     if backend.is_interpreter():
         min_keys, wanted = INTERPRETER_SLICE_KEYS, INTERPRETER_SLICED_PROGRAMS * fill
     else:
-        min_keys = MIN_SLICE_KEYS
         wanted = (backend.multiprocessor_count(device_index) * SLICED_PROGRAMS_D128 * fill * 128
                   / table.padded_head_dim(head_dim))
     most = min(MAX_SLICES, max(1, n_k // min_keys))
@@ -157,9 +178,16 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     m_blocks = sizing.cdiv(group * n_q, tiles(group * n_q, d, dtype, 0, index).block_m)
     programs = b * hk * m_blocks
     planned = slices is None
+    wide = wide_blocks(group * n_q, d, dtype, programs, paged, index)
     if planned:
-        slices = key_slices(programs, n_k, d, index)
-    tile = tiles(group * n_q, d, dtype, programs * slices, index)
+        slices = (key_slices(programs, n_k, d, index, WIDE_PROGRAMS, WIDE_BLOCK_N) if wide
+                  else key_slices(programs, n_k, d, index))
+    if wide:
+        deep = (programs * slices <= WIDE_PROGRAMS * backend.multiprocessor_count(index)
+                and n_k > slices * WIDE_BLOCK_N)
+        tile = table.Config(MIN_BLOCK_M, WIDE_BLOCK_N, WIDE_WARPS, WIDE_STAGES - (not deep))
+    else:
+        tile = tiles(group * n_q, d, dtype, programs * slices, index)
     full = row_pages(programs * slices, index)
     # a page index per row: full grids, pages smaller than a key block, slices of more pages than
     # preloaded (a slice starts on a key block: inside a page where pages are larger, one more page)
