@@ -217,19 +217,9 @@ def descriptors_sweep():
         print(case.shape, row, flush=True)
 
 
+SWEEPS = {"slices": slices_sweep, "paged": paged_sweep, "descriptors": descriptors_sweep, "rows": rows_sweep,
+          "fill": fill_sweep, "lengths": lengths_sweep, "wide": wide_sweep}
+
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["slices", "paged", "descriptors", "rows", "fill", "lengths", "wide"]
-    if "slices" in which:
-        slices_sweep()
-    if "paged" in which:
-        paged_sweep()
-    if "descriptors" in which:
-        descriptors_sweep()
-    if "rows" in which:
-        rows_sweep()
-    if "fill" in which:
-        fill_sweep()
-    if "lengths" in which:
-        lengths_sweep()
-    if "wide" in which:
-        wide_sweep()
+    for name in sys.argv[1:] or SWEEPS:
+        SWEEPS[name]()
