@@ -470,16 +470,17 @@ def test_kvcache_takes_strided_lengths_and_page_tables_and_huge_lengths():
     assert not dense_k.any(), "rows past the capacity must be dropped"
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("capacity", [256, 1000])
-def test_wide_key_blocks_read_the_right_rows(capacity, monkeypatch):
-    """Dense decode at head dim 128 on few programs takes 128-row key blocks where shared memory
-    holds them (`wide_blocks`; slices of one block and of several): ragged lengths, GQA, against
-    float64; where this device qualifies, the launch took them."""
+def test_wide_key_blocks_read_the_right_rows(capacity, d, monkeypatch):
+    """Dense decode at head dim 64 or 128 on few programs takes 128-row key blocks where shared
+    memory holds them (`wide_blocks`; slices of one block and of several): ragged lengths, GQA,
+    against float64; where this device qualifies, the launch took them."""
     launches = []
     real = decode.Launch
     monkeypatch.setattr(decode, "Launch", lambda kernel, grid, args, meta, device: launches.append(meta)
                         or real(kernel, grid, args, meta, device))
-    b, hq, hk, d, dtype = 2, 8, 2, 128, torch.float16
+    b, hq, hk, dtype = 2, 8, 2, torch.float16
     lengths = [capacity, capacity // 2 + 1]
     k_cache, v_cache = testing.randn((b, hk, capacity, d), dtype), testing.randn((b, hk, capacity, d), dtype)
     q = testing.randn((b, hq, 1, d), dtype)

@@ -171,11 +171,14 @@ def lengths_sweep():
 
 WIDE_SHAPES = [(1, 32, 8, 1024, 128), (1, 32, 8, 8192, 128), (1, 32, 8, 32768, 128), (1, 32, 8, 131072, 128),
                (1, 32, 32, 1024, 128), (1, 32, 32, 8192, 128), (1, 32, 32, 32768, 128), (1, 32, 32, 131072, 128),
-               (16, 32, 8, 1024, 128), (16, 32, 8, 8192, 128), (16, 32, 8, 32768, 128), (16, 32, 8, 131072, 128)]
+               (16, 32, 8, 1024, 128), (16, 32, 8, 8192, 128), (16, 32, 8, 32768, 128), (16, 32, 8, 131072, 128),
+               (1, 32, 8, 1024, 64), (1, 32, 8, 8192, 64), (1, 32, 8, 32768, 64), (1, 32, 8, 131072, 64),
+               (1, 32, 32, 1024, 64), (1, 32, 32, 8192, 64), (1, 32, 32, 32768, 64), (1, 32, 32, 131072, 64),
+               (16, 32, 8, 1024, 64), (16, 32, 8, 8192, 64), (16, 32, 8, 32768, 64), (16, 32, 8, 131072, 64)]
 
 
 def wide_sweep():
-    """Dense caches at head dim 128 on grids of few programs: the plan's key blocks
+    """Dense caches at head dim 64 and 128 on grids of few programs: the plan's key blocks
     (`decode.wide_blocks`: 128 rows, slices for WIDE_PROGRAMS programs per multiprocessor) against
     the 64-row blocks and slices of the other rows (`wide_blocks` forced off)."""
     rule = decode.wide_blocks

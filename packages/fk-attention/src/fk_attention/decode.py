@@ -36,12 +36,12 @@ MAX_BLOCK_M = 64
 TILES_16BIT = ((64, (64, 4, 3)), (128, (64, 4, 3)), (256, (32, 4, 3)))
 TILES_32BIT = ((64, (32, 4, 2)), (128, (32, 4, 2)), (256, (16, 4, 2)))
 SHALLOW_PIPELINE_GRID = 2
-# Dense K/V at padded head dim 128, 16-bit, at most MIN_BLOCK_M query rows per KV head, fewer
-# (batch, KV head) programs than multiprocessors: key blocks of WIDE_BLOCK_N rows, slices for
-# about WIDE_PROGRAMS programs per multiprocessor (each at least one block), WIDE_STAGES stages
-# where the grid is no larger and a slice holds more than one block, else one less; where a
-# program's shared memory holds WIDE_STAGES stages of K and V blocks and SHARED_RESERVE bytes
-# more (TUNING.md: decode, wide key blocks).
+# Dense K/V at padded head dim 64 or 128, 16-bit, at most MIN_BLOCK_M query rows per KV head,
+# fewer (batch, KV head) programs than multiprocessors: key blocks of WIDE_BLOCK_N rows, slices
+# for WIDE_PROGRAMS times the usual programs (each at least one block), WIDE_STAGES stages where
+# the grid is no larger and a slice holds more than one block, else one less; where a program's
+# shared memory holds WIDE_STAGES stages of K and V blocks and SHARED_RESERVE bytes more
+# (TUNING.md: decode, wide key blocks).
 WIDE_BLOCK_N, WIDE_WARPS = 128, 4
 WIDE_PROGRAMS = 0.5
 WIDE_STAGES = 3
@@ -94,11 +94,12 @@ def wide_blocks(rows: int, head_dim: int, dtype: torch.dtype, programs: int, pag
                 device_index: int) -> bool:
     """Whether a decode launch of `programs` (batch, KV head) programs with `rows` query rows each
     takes WIDE_BLOCK_N-row key blocks (module constants)."""
-    if (backend.is_interpreter() or paged or dtype.itemsize != 2 or rows > MIN_BLOCK_M
-            or table.padded_head_dim(head_dim) != 128 or programs >= backend.multiprocessor_count(device_index)):
+    padded = table.padded_head_dim(head_dim)
+    if (backend.is_interpreter() or paged or dtype.itemsize != 2 or rows > MIN_BLOCK_M or padded not in (64, 128)
+            or programs >= backend.multiprocessor_count(device_index)):
         return False
     shared = getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", 0)
-    return shared >= WIDE_STAGES * 2 * WIDE_BLOCK_N * 128 * dtype.itemsize + SHARED_RESERVE
+    return shared >= WIDE_STAGES * 2 * WIDE_BLOCK_N * padded * dtype.itemsize + SHARED_RESERVE
 
 
 def row_pages(grid: int, device_index: int) -> bool:
@@ -117,16 +118,22 @@ def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int) -> bool:
             and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(k.device.index or 0))
 
 
+def sliced_programs(head_dim: int, device_index: int, fill: float = 1) -> float:
+    """The programs a sliced decode launch wants (`fill` times the usual)."""
+    if backend.is_interpreter():
+        return INTERPRETER_SLICED_PROGRAMS * fill
+    return (backend.multiprocessor_count(device_index) * SLICED_PROGRAMS_D128 * fill * 128
+            / table.padded_head_dim(head_dim))
+
+
 def key_slices(programs: int, n_k: int, head_dim: int, device_index: int, fill: float = 1,
                min_keys: int = MIN_SLICE_KEYS) -> int:
     """How many slices of at least `min_keys` keys to cut each sequence's keys into, for
     `programs` (batch, KV head, row block) programs over up to n_k keys: the power of two nearest
     the wanted programs (`fill` times the usual) over these."""
     if backend.is_interpreter():
-        min_keys, wanted = INTERPRETER_SLICE_KEYS, INTERPRETER_SLICED_PROGRAMS * fill
-    else:
-        wanted = (backend.multiprocessor_count(device_index) * SLICED_PROGRAMS_D128 * fill * 128
-                  / table.padded_head_dim(head_dim))
+        min_keys = INTERPRETER_SLICE_KEYS
+    wanted = sliced_programs(head_dim, device_index, fill)
     most = min(MAX_SLICES, max(1, n_k // min_keys))
     ratio = wanted / programs
     if ratio < 1.5:
@@ -183,8 +190,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
         slices = (key_slices(programs, n_k, d, index, WIDE_PROGRAMS, WIDE_BLOCK_N) if wide
                   else key_slices(programs, n_k, d, index))
     if wide:
-        deep = (programs * slices <= WIDE_PROGRAMS * backend.multiprocessor_count(index)
-                and n_k > slices * WIDE_BLOCK_N)
+        deep = programs * slices <= sliced_programs(d, index, WIDE_PROGRAMS) and n_k > slices * WIDE_BLOCK_N
         tile = table.Config(MIN_BLOCK_M, WIDE_BLOCK_N, WIDE_WARPS, WIDE_STAGES - (not deep))
     else:
         tile = tiles(group * n_q, d, dtype, programs * slices, index)
