@@ -14,6 +14,12 @@ def test_backend_matches_the_machine():
     assert backend.default_device().type == backend.kernel_device_type()
     assert backend.multiprocessor_count() >= 1
     assert backend.warp_size() in (backend.CUDA_WARP, backend.HIP_WAVEFRONT)
+    # The interpreter has no shared memory to size for; a CUDA GPU has tens of KiB at least.
+    shared = backend.shared_memory_per_program()
+    if backend.is_interpreter():
+        assert shared == 0
+    elif backend.backend() is Backend.CUDA:
+        assert shared >= 48 << 10
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:

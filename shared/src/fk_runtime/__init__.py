@@ -18,7 +18,7 @@ PUBLIC = {
     "alloc": ("empty", "empty_like", "new_empty", "poisoned_outputs", "poisoning"),
     "backend": ("Backend", "backend", "default_device", "device_name", "gpu_available", "is_hip",
                 "is_interpreter", "kernel_device_type", "l2_cache_bytes", "multiprocessor_count",
-                "use_interpreter_without_gpu", "warp_size"),
+                "shared_memory_per_program", "use_interpreter_without_gpu", "warp_size"),
     "checks": ("FLOAT_DTYPES", "check_flag", "check_kernel_device", "check_nonnegative", "check_positive",
                "check_same_device", "check_same_dtype", "check_shape", "check_size", "check_tensor",
                "normalize_dim"),

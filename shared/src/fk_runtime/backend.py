@@ -96,6 +96,14 @@ def l2_cache_bytes(device_index: int = 0) -> int:
     return int(getattr(props, "L2_cache_size", 0))
 
 
+def shared_memory_per_program(device_index: int = 0) -> int:
+    """The most shared memory one program (CTA) may take on this device, in bytes (0 unknown)."""
+    if is_interpreter():
+        return 0
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0))
+
+
 def device_name(device_index: int = 0) -> str:
     if is_interpreter():
         return "CPU (Triton interpreter)"

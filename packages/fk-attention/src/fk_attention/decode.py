@@ -98,8 +98,8 @@ def wide_blocks(rows: int, head_dim: int, dtype: torch.dtype, programs: int, pag
     if (backend.is_interpreter() or paged or dtype.itemsize != 2 or rows > MIN_BLOCK_M or padded not in (64, 128)
             or programs >= backend.multiprocessor_count(device_index)):
         return False
-    shared = getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", 0)
-    return shared >= WIDE_STAGES * 2 * WIDE_BLOCK_N * padded * dtype.itemsize + SHARED_RESERVE
+    needed = WIDE_STAGES * 2 * WIDE_BLOCK_N * padded * dtype.itemsize + SHARED_RESERVE
+    return backend.shared_memory_per_program(device_index) >= needed
 
 
 def row_pages(grid: int, device_index: int) -> bool:
