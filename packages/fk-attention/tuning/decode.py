@@ -1,6 +1,6 @@
 """The decode path's sweeps behind `fk_attention.decode`'s tiles, slicing and paged reads (TUNING.md).
 
-    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|paged|descriptors|rows|fill|lengths|wide]
+    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|descriptors|rows|fill|lengths|wide]
 
 Times are `do_bench` medians of CUDA-graph replays (microseconds), bf16, one query row per head,
 the cache full; SDPA's cuDNN backend beside them on the dense cache.
@@ -25,8 +25,6 @@ SLICE_SHAPES = [(1, 32, 8, 131072, 128), (16, 32, 8, 8192, 128), (1, 32, 32, 131
                 (1, 32, 32, 32768, 128)]  # (B, Hq, Hk, KV, D)
 SLICE_TILES = [(64, 3), (32, 3), (64, 2), (128, 2)]  # (BLOCK_N, stages), 4 warps
 SLICES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 48, 64]
-PAGED_SHAPES = [(1, 32, 8, 131072, 128), (16, 32, 8, 32768, 128), (16, 32, 32, 8192, 64), (1, 32, 8, 8192, 128),
-                (16, 32, 8, 1024, 128), (64, 32, 8, 8192, 128)]
 
 
 def graph_us(fn) -> float:
@@ -67,23 +65,6 @@ def slices_sweep():
         print(f"B{b} KV{n} {hq}:{hk} d{d}", row, flush=True)
         del q, k, v
         torch.cuda.empty_cache()
-
-
-def paged_sweep():
-    for shape in PAGED_SHAPES:
-        row = {}
-        for page in [64, 256]:
-            attention_bench.DECODE_PAGE = page
-            q, k, v, lengths, kp, vp, pages = attention_bench._decode_case(*shape, torch.bfloat16, False).make_inputs()
-            row.setdefault("dense", graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True)))
-            for preload in [0, 128]:
-                decode.SLICE_PAGES = preload
-                table.BOUND = PlanCache()
-                row[f"page {page} preload {preload}"] = graph_us(functools.partial(
-                    attention_with_kvcache, q, kp, vp, lengths, block_table=pages, causal=True))
-            del q, k, v, kp, vp
-            torch.cuda.empty_cache()
-        print(shape, row, flush=True)
 
 
 ROW_SHAPES = [(16, 32, 8, 32768, 64), (1, 32, 32, 131072, 128), (64, 32, 8, 1024, 128), (16, 32, 32, 1024, 128),
@@ -220,8 +201,8 @@ def descriptors_sweep():
         print(case.shape, row, flush=True)
 
 
-SWEEPS = {"slices": slices_sweep, "paged": paged_sweep, "descriptors": descriptors_sweep, "rows": rows_sweep,
-          "fill": fill_sweep, "lengths": lengths_sweep, "wide": wide_sweep}
+SWEEPS = {"slices": slices_sweep, "descriptors": descriptors_sweep, "rows": rows_sweep, "fill": fill_sweep,
+          "lengths": lengths_sweep, "wide": wide_sweep}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or SWEEPS:
