@@ -3,10 +3,13 @@ and reuses them. What it caches must stay right when any of those changes betwee
 a GPU the bound launches (compiled kernels launched directly) must equal the first, JIT-launched
 call, under side streams and CUDA graph capture too."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from fk_runtime import launch, testing
+from fk_runtime import ops as fk_ops
 
 from fk_attention import attention
 from fk_layernorm import layer_norm, rms_norm
@@ -281,3 +284,74 @@ def test_second_device(name):
     fn(*inputs)
     moved = [t.detach().to("cuda:1").requires_grad_() for t in inputs]
     testing.assert_matches_reference(fn, ref, moved, dtype=torch.float32)
+
+
+QUIET = tuple(CASES)
+
+
+@pytest.mark.parametrize("name", QUIET)
+def test_quiet_calls_follow_strides_and_dtypes(name):
+    """`test_bound_plans_follow_strides_and_dtypes` for calls autograd does not record (inputs
+    that require no grad, or grad mode off): those go from their first call on straight to the
+    plan of their key (`fk_runtime.ops.quiet_key`), which must follow every layout and dtype, and
+    give outputs that nothing records."""
+    fn, ref, make = CASES[name]
+    for grad_mode, requires in ((True, False), (False, True), (False, False)):
+        for _ in range(2):
+            for dtype in DTYPES:
+                for layout in ("contiguous", "strided_cols", "padded_rows"):
+                    if name == "attention" and layout == "padded_rows":
+                        continue
+                    inputs = [t.detach().requires_grad_(requires) for t in make(dtype, layout)]
+                    with torch.set_grad_enabled(grad_mode):
+                        testing.assert_matches_reference(fn, ref, inputs, dtype=dtype, backward=False)
+                        out = fn(*inputs)
+                    assert out.grad_fn is None and not out.requires_grad and not out._is_view()
+
+
+@pytest.mark.parametrize("name", QUIET)
+def test_quiet_calls_skip_the_checks_once_a_key_passed(name, monkeypatch):
+    """A key's second quiet call does not check again (what makes it cheap), while a call that
+    autograd records, or one of another layout, still does."""
+    # (module of the check the full path runs, its name, module of the op's plan cache)
+    where = {"attention": ("fk_attention.ops", "_check", "fk_attention.plan"),
+             "layer_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
+             "rms_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
+             "softmax": ("fk_softmax.plan", "check_dim", "fk_softmax.plan"),
+             "weighted_sum": ("fk_weightedsum.plan", "check_inputs", "fk_weightedsum.plan")}[name]
+    module, check, plans = importlib.import_module(where[0]), where[1], importlib.import_module(where[2])
+    fn, _, make = CASES[name]
+    monkeypatch.setattr(plans, "BOUND", launch.PlanCache())
+    inputs = [t.detach() for t in make(torch.float32, "contiguous")]
+    seen = []
+    real = getattr(module, check)
+    monkeypatch.setattr(module, check, lambda *a, **k: seen.append(1) or real(*a, **k))
+    fn(*inputs)
+    first = len(seen)
+    assert first >= 1
+    fn(*inputs)
+    assert len(seen) == first
+    fn(*[t.requires_grad_() for t in inputs])
+    assert len(seen) > first
+    now = len(seen)
+    with torch.no_grad():
+        fn(*[t.detach() for t in make(torch.float32, "strided_cols")])
+    assert len(seen) > now
+
+
+def test_quiet_keys_hold_argument_types():
+    """A value the checks refuse never meets the plan of an accepted one it equals: 1.0 where an
+    int is wanted, 1 where a bool is; a tensor argument is never part of a key."""
+    q, k, v = (testing.randn((1, 2, 24, 16), torch.float32) for _ in range(3))
+    attention(q, k, v, window=(4, 0), return_lse=True)
+    with pytest.raises(TypeError, match="window"):
+        attention(q, k, v, window=(4.0, 0), return_lse=True)
+    with pytest.raises(TypeError, match="return_lse"):
+        attention(q, k, v, window=(4, 0), return_lse=1)
+    attention(q, k, v, window=[4, 0], return_lse=True)
+    with pytest.raises(TypeError, match="window"):
+        attention(q, k, v, window=[4, 0.0], return_lse=True)
+    x, w = testing.randn((6, 40), torch.float32), testing.randn((40,), torch.float32)
+    rms_norm(x, w, 1e-6)
+    assert fk_ops.quiet_key("rms_norm", (x, w), (torch.tensor(1e-6),)) is None
+    assert fk_ops.quiet_key("attention", (q, k, v), (False, torch.tensor(0.5), False, None, None)) is None

@@ -546,3 +546,17 @@ def test_kvcache_writes_into_inference_caches_only_in_inference_mode():
     with torch.inference_mode():
         attention_with_kvcache(q, k_cache, v_cache, lengths, k, v, causal=True)
     assert torch.equal(k_cache[:, :, 3:4], k)
+    with pytest.raises(RuntimeError, match="k_cache is an inference tensor"):  # once a call in the mode bound a plan too
+        attention_with_kvcache(q, k_cache, v_cache, lengths, k, v, causal=True)
+
+
+def test_kvcache_repeated_calls_bump_the_caches_versions():
+    """Every call that writes new rows tells autograd the caches changed (their version), the
+    repeated calls of one layout too (which skip the checks and the registered op)."""
+    k_cache, v_cache = testing.randn((1, 2, 8, 16)), testing.randn((1, 2, 8, 16))
+    q, k, v = testing.randn((1, 2, 1, 16)), testing.randn((1, 2, 1, 16)), testing.randn((1, 2, 1, 16))
+    lengths = torch.tensor([3], dtype=torch.int32, device=q.device)
+    for _ in range(3):
+        before = k_cache._version, v_cache._version
+        attention_with_kvcache(q, k_cache, v_cache, lengths, k, v, causal=True)
+        assert k_cache._version > before[0] and v_cache._version > before[1]

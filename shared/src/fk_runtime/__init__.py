@@ -15,7 +15,7 @@ SURFACE_VERSION = "0.1"
 PUBLIC = {
     "fk_runtime": ("Backend", "alloc", "backend", "bench", "checks", "cli", "launch", "ops", "package_version",
                    "partials", "siblings", "sizing", "testing", "views"),
-    "alloc": ("empty", "empty_like", "new_empty", "poisoned_outputs", "poisoning"),
+    "alloc": ("empty", "empty_like", "new_empty", "new_empty_strided", "poisoned_outputs", "poisoning"),
     "backend": ("Backend", "backend", "default_device", "device_name", "gpu_available", "is_hip",
                 "is_interpreter", "kernel_device_type", "l2_cache_bytes", "multiprocessor_count",
                 "shared_memory_per_program", "use_interpreter_without_gpu", "warp_size"),
@@ -23,7 +23,7 @@ PUBLIC = {
                "check_same_device", "check_same_dtype", "check_shape", "check_size", "check_tensor",
                "normalize_dim"),
     "launch": ("Descriptor", "Launch", "PLAN_CACHE_SIZE", "PlanCache", "bind_context"),
-    "ops": ("Op", "autocast", "define", "resolve_negated", "traced", "transforms_active"),
+    "ops": ("Op", "autocast", "define", "quiet_key", "resolve_negated", "traced", "transforms_active"),
     "partials": ("bind_sum_rows", "sum_rows"),
     "siblings": ("PROGRAM_WARPS", "RowPath", "await_row", "chunk_columns", "claim_abandoned", "lane", "max_siblings", "partials",
                  "publish", "scratch", "spin_limit", "widen_held"),

@@ -31,6 +31,15 @@ def new_empty(like: torch.Tensor, shape) -> torch.Tensor:
     return out
 
 
+def new_empty_strided(like: torch.Tensor, shape, strides) -> torch.Tensor:
+    """`new_empty` with the given strides (an output laid out like an input), a tensor of its own
+    (no view of a larger one)."""
+    out = like.new_empty_strided(shape, strides)
+    if _poison and out.is_floating_point():
+        out.fill_(math.nan)
+    return out
+
+
 def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A contiguous tensor shaped like `t` (its strides are not copied)."""
     return empty(t.shape, dtype=dtype or t.dtype, device=t.device)

@@ -8,6 +8,9 @@ and `vjp` work), and returns the callable the op's public function uses:
 - eager calls run the `autograd.Function` straight into the implementation: a registered op's
   dispatcher costs tens of microseconds on the host, more than a memory-bound kernel on a few MB
   takes on the GPU;
+- a call that autograd does not record (inference, no_grad) can skip even that: an op keys it on
+  `quiet_key` (its inputs' layouts and its other arguments with their types) and keeps, once the
+  checks passed, the call's bound plan under that key in its plan cache;
 - under `torch.compile` (or when a tracer hands in fake or functional tensors) Dynamo traces the
   same `autograd.Function`, whose forward and backward then call the registered ops: opaque in
   the graph, with the fakes for shapes, and the same kernels at run time.
@@ -84,6 +87,53 @@ def autocast(*tensors) -> tuple:
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_FROM else t for t in tensors)
+
+
+# Argument values a quiet call's key may hold: compared by type and value, so that a value the
+# checks would refuse (1.0 for an int, say) never meets a plan bound for an accepted one.
+_KEY_VALUES = frozenset((type(None), bool, int, float, str))
+
+
+def quiet_key(name: str, tensors: tuple, values: tuple) -> tuple | None:
+    """The key of a plain eager call that autograd does not record, under which an op may keep
+    what the call resolves to (checks passed, arguments parsed, the bound plan): `name`, each
+    tensor's (shape, strides, dtype, device, requires_grad) (None stays None) and each value with
+    its type. None for any other call, which then takes the op's full path: traced or under
+    torch.func, forward-mode AD or autocast on, tensor subclasses, lazily negated views, meta,
+    sparse or nested tensors, an input that autograd would record, values other than None, bools, ints, floats,
+    strings and tuples or lists of them."""
+    if _any_autocast() or _functorch_active() or torch.compiler.is_compiling() or _forward_ad_active():
+        return None
+    grad = torch.is_grad_enabled()
+    facts = []
+    for t in tensors:
+        if t is None:
+            facts.append(None)
+            continue
+        kind = type(t)
+        if (kind is not torch.Tensor and kind is not torch.nn.Parameter) or t.is_neg() or t.is_meta:
+            return None
+        requires = t.requires_grad
+        if requires and grad:
+            return None
+        try:
+            facts.append((t.shape, t.stride(), t.dtype, t.device, requires))
+        except RuntimeError:  # sparse or nested: no strides or sizes (the op's checks refuse them)
+            return None
+    kinds = tuple(map(type, values))
+    if not _KEY_VALUES.issuperset(kinds):
+        typed = []
+        for kind, value in zip(kinds, values, strict=True):
+            if kind is tuple or kind is list:
+                inner = tuple(map(type, value))
+                if not _KEY_VALUES.issuperset(inner):
+                    return None
+                value = (tuple(value), inner)
+            elif kind not in _KEY_VALUES:
+                return None
+            typed.append(value)
+        values = tuple(typed)
+    return name, tuple(facts), values, kinds
 
 
 def _own(outputs, inputs):

@@ -12,7 +12,6 @@ cache longer than what it holds costs nothing, and no host sync is needed (CUDA 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -176,7 +175,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     q_shape = q.shape  # (the plan outlives this call's tensors: it holds none of them)
 
     def new_outputs():
-        out = table._new(q_shape, bnhd, functools.partial(alloc.new_empty, out_proto))
+        out = table._new(q_shape, bnhd, out_proto)
         return out, alloc.new_empty(fp32, (b, hq, n_q))
 
     if q.numel() == 0:
@@ -272,10 +271,14 @@ def forward(q, k, v, mask: table.Mask, sm_scale: float, slices: int | None = Non
         return out.to(q.dtype), lse
     if slices is not None or descriptors is not None:
         return _bind(q, k, v, mask, sm_scale, None, slices, descriptors=descriptors)(q, k, v)
+    return bound(q, k, v, mask, sm_scale)(q, k, v)
+
+
+def bound(q, k, v, mask: table.Mask, sm_scale: float):
+    """run(q, k, v) -> (out, lse): the decode plan bound for these inputs' layouts (not widened)."""
     key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.get_device(), k.get_device(), v.get_device(), mask, sm_scale)
-    run = table.BOUND.get(key) or table.BOUND.get_or_build(key, lambda: _bind(q, k, v, mask, sm_scale, None, None))
-    return run(q, k, v)
+    return table.BOUND.get(key) or table.BOUND.get_or_build(key, lambda: _bind(q, k, v, mask, sm_scale, None, None))
 
 
 def check_cache(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> None:
@@ -339,12 +342,20 @@ def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mas
     """(out, lse) of q against a KV cache after writing k_new / v_new (may be None) into it at
     each sequence's length. One plan per `layouts` (`facts`, if the caller has them), mask and
     scale, the inputs checked once as it is made (`check_cache`)."""
+    return bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale, facts)(
+        q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
+
+
+def bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float,
+                  facts: tuple | None = None):
+    """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> (out, lse): the KV-cache
+    plan of these inputs' `layouts` (`facts`, if the caller has them), mask and scale, the
+    inputs checked as it is made (`check_cache`)."""
     if facts is None:
         facts = layouts(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
     key = ("kvcache", facts, mask, sm_scale)
-    run = table.BOUND.get(key) or table.BOUND.get_or_build(
+    return table.BOUND.get(key) or table.BOUND.get_or_build(
         key, lambda: _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale))
-    return run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
 
 
 def _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float):

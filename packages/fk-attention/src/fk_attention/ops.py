@@ -5,7 +5,9 @@ autograd.Function straight into `plan.forward` / `plan.forward_packed`, bound on
 strides, dtype, device and mask: a fixed config or the autotuner's winner, TMA descriptors or
 pointers) -> forward kernel (saves O and the fp32 row log-sum-exp) -> backward: dQ kernel (also
 writes the row term delta = rowsum(dO * O)), then dK/dV kernel (per KV head, summed over its
-query heads). Nothing N x N is ever stored.
+query heads). Nothing N x N is ever stored. Calls that autograd does not record go straight to
+their key's bound plan once a call of that key passed the checks (`fk_runtime.ops.quiet_key`):
+no checks, no argument parsing, no autograd.Function.
 
 The registered ops take the mask as plain values: window sides (-1: unbounded), lower-right
 alignment, softcap (0.0: none).
@@ -228,12 +230,31 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
     scaled scores, natural log: what merging partial attentions needs. It is differentiable too.
     The output is laid out like q ((B, N, H, D) storage for such a view). Under `torch.autocast`
     q, k, v are taken in its dtype, as SDPA takes them."""
+    key = fk_ops.quiet_key("attention", (q, k, v), (causal, sm_scale, return_lse, window, softcap))
+    run = table.BOUND.get(key)
+    if run:
+        return run(q, k, v)
     q, k, v = fk_ops.autocast(q, k, v)
     _check(q, k, v)
     mask = mask_args(causal, window, softcap)
     return_lse = checks.check_flag("return_lse", return_lse)
-    out, lse = ATTENTION.apply(q, k, v, _scale(sm_scale, q.shape[-1]), *mask)
+    scale = _scale(sm_scale, q.shape[-1])
+    if key is not None:  # checked, and autograd records nothing: this key's calls go straight to the plan
+        run = table.BOUND.get_or_build(key, lambda: _quiet(q, k, v, scale, mask, return_lse))
+        if run:
+            return run(q, k, v)
+    out, lse = ATTENTION.apply(q, k, v, scale, *mask)
     return (out, lse) if return_lse else out
+
+
+def _quiet(q, k, v, sm_scale: float, mask: tuple, return_lse: bool):
+    """run(q, k, v) of a quiet `attention` call (`fk_runtime.ops.quiet_key`): the bound plan's
+    outputs, which are tensors of their own; False where the interpreter widens bf16."""
+    if table._widened(q.dtype):
+        return False
+    m = _mask(*mask)
+    run = decode.bound(q, k, v, m, sm_scale) if decode.takes(q) else table.bound_forward(q, k, v, m, sm_scale)
+    return run if return_lse else (lambda q, k, v: run(q, k, v)[0])
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor) -> None:
@@ -341,6 +362,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
 
     Returns out like q, and with `return_lse=True` also lse (B, Hq, Nq) fp32 (natural log). Under
     `torch.autocast` q and the new rows are taken in its dtype (the caches' must match it)."""
+    tensors = (q, k_cache, v_cache, cache_seqlens, k, v, block_table)
+    key = fk_ops.quiet_key("attention_with_kvcache", tensors, (causal, sm_scale, window, softcap, return_lse))
+    if key is not None and k_cache is not None and v_cache is not None:
+        # torch's rule on writes into inference tensors (`_kvcache`) reads the mode and the caches
+        key = (key, torch.is_inference_mode_enabled(), k_cache.is_inference(), v_cache.is_inference())
+        run = table.BOUND.get(key)
+        if run:
+            return run(*tensors)
+    else:
+        key = None
     q, k, v = fk_ops.autocast(q, k, v)
     # Plain eager calls skip the registered op's dispatch (tens of microseconds) and check the
     # inputs once per plan (their layouts key it); tracers and torch.func transforms take the op.
@@ -367,9 +398,30 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
         if any(a is not b for a, b in zip(resolved, args, strict=True)):  # copies: their own layouts
             facts = None
         out, lse = _kvcache(*resolved, facts=facts)
-        if out._is_view():  # a (B, N, H, D) buffer seen as q's layout: a tensor of its own, as torch's
-            out = out.detach()
         if k is not None:  # as the registered op would: autograd sees the caches written
             torch.autograd.graph.increment_version(k_cache)
             torch.autograd.graph.increment_version(v_cache)
+        if key is not None:  # this call passed every check: the key's next calls go straight to its plan
+            table.BOUND.get_or_build(key, lambda: _quiet_kvcache(*args, return_lse))
     return (out, lse) if return_lse else out
+
+
+def _quiet_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: float, left: int, right: int,
+                   cap: float, return_lse: bool):
+    """run(q, k_cache, v_cache, cache_seqlens, k, v, block_table) of a quiet
+    `attention_with_kvcache` call (`fk_runtime.ops.quiet_key`) whose checks passed: its plan,
+    the caches' versions bumped where rows are written; False where `_index` would copy."""
+    if any(t is not None and t.stride(-1) != 1 for t in (cache_seqlens, block_table)):
+        return False
+    run = decode.bound_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
+                               _mask(left, right, True, cap), sm_scale)
+    written = k is not None
+
+    def quiet(q, k_cache, v_cache, cache_seqlens, k, v, block_table):
+        out, lse = run(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
+        if written:
+            torch.autograd.graph.increment_version(k_cache)
+            torch.autograd.graph.increment_version(v_cache)
+        return (out, lse) if return_lse else out
+
+    return quiet

@@ -525,15 +525,23 @@ def _heads_inside_tokens(t: torch.Tensor) -> bool:
     return t.stride(1) < t.stride(2) and (MAX_TILE_EXTENT - 1) * (h * d + 1) < TILE_OFFSET_LIMIT
 
 
-def _new(shape, bnhd: bool, empty) -> torch.Tensor:
+def _bnhd_strides(shape) -> tuple[int, int, int, int]:
     b, h, n, d = shape
-    return empty((b, n, h, d)).transpose(1, 2) if bnhd else empty((b, h, n, d))
+    return n * h * d, d, h * d, 1
+
+
+def _new(shape, bnhd: bool, like: torch.Tensor) -> torch.Tensor:
+    """A (B, H, N, D) tensor in like's dtype and device, on (B, N, H, D) storage where bnhd: a
+    tensor of its own, not a view (autograd and torch's in-place rules treat it as torch's)."""
+    return alloc.new_empty_strided(like, shape, _bnhd_strides(shape)) if bnhd else alloc.new_empty(like, shape)
 
 
 def fake_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The registered fakes' output laid out like t, as the bound plans allocate it."""
     dtype = dtype or t.dtype
-    return _new(t.shape, _heads_inside_tokens(t), lambda s: t.new_empty(s, dtype=dtype))
+    if _heads_inside_tokens(t):
+        return t.new_empty_strided(t.shape, _bnhd_strides(t.shape), dtype=dtype)
+    return t.new_empty(t.shape, dtype=dtype)
 
 
 def _strides_allow_descriptors(t: torch.Tensor) -> bool:
@@ -742,7 +750,7 @@ def _bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors
         totals = (n_q, n_k)
 
         def new_outputs():
-            out = _new(out_shape, bnhd, functools.partial(alloc.new_empty, out_proto))
+            out = _new(out_shape, bnhd, out_proto)
             return out, alloc.new_empty(fp32, (b, hq, n_q))
 
         def as_kernel(t):
@@ -802,10 +810,14 @@ def forward(q, k, v, mask: Mask, sm_scale: float, config: Config | None = None,
         return out.to(q.dtype), lse
     if config is not None or descriptors is not None:
         return _bind_forward(q, k, v, mask, sm_scale, config, descriptors)(q, k, v)
+    return bound_forward(q, k, v, mask, sm_scale)(q, k, v)
+
+
+def bound_forward(q, k, v, mask: Mask, sm_scale: float):
+    """run(q, k, v) -> (out, lse): the forward bound for these inputs' layouts (not widened)."""
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
            k.get_device(), v.get_device(), mask, sm_scale)
-    run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(q, k, v, mask, sm_scale))
-    return run(q, k, v)
+    return BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(q, k, v, mask, sm_scale))
 
 
 def forward_packed(q, k, v, cu_q, cu_k, packing: Packing, mask: Mask, sm_scale: float,
@@ -844,7 +856,8 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
         raise TypeError("lse and grad_lse must be float32")
     varlen = packing is not None
     dtype, device = q.dtype, q.device
-    new_grad = functools.partial(alloc.new_empty, torch.empty(0, dtype=dtype, device=device))
+    grad_proto = torch.empty(0, dtype=dtype, device=device)
+    new_grad = functools.partial(alloc.new_empty, grad_proto)
     fp32 = torch.empty(0, dtype=torch.float32, device=device)
     if varlen:
         total_q, hq, d = q.shape
@@ -877,7 +890,7 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
         totals = (n_q, n_k)
 
         def new_grads():
-            return tuple(_new(shape, bnhd, new_grad) for shape, bnhd in layouts)
+            return tuple(_new(shape, bnhd, grad_proto) for shape, bnhd in layouts)
 
         scratch_strides = (hq * n_q, n_q)
 

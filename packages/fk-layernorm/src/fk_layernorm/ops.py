@@ -3,7 +3,9 @@
 Path of a call: metadata checks -> `fk::norm` (eager: its autograd.Function straight into
 `plan.forward`, a bound launch cached per shape, strides, dtypes, device and flags) -> kernels.
 The forward writes per-row statistics only when autograd will need them; the backward saves x
-itself (no copy), the parameters and those statistics.
+itself (no copy), the parameters and those statistics. Calls that autograd does not record go
+straight to their key's bound forward once a call of that key passed the checks
+(`fk_runtime.ops.quiet_key`).
 """
 
 from __future__ import annotations
@@ -84,8 +86,15 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, stable: bool = Fals
     but for eps, and no sum overflows. fp32 statistics for every dtype; a row whose sums overflow
     fp32 is normalised again from x / max|x| where the row fits in registers, else comes back NaN
     (see `fk_layernorm.kernels`)."""
+    key = fk_ops.quiet_key("layer_norm", (x, weight, bias), (eps, stable))
+    run = plan.BOUND.get(key)
+    if run:
+        return run(x, weight, bias)
     plan.check_inputs(x, weight, bias, eps)
-    return _norm(x, weight, bias, eps, False, checks.check_flag("stable", stable))
+    stable = checks.check_flag("stable", stable)
+    if key is not None:  # checked, and autograd records nothing: this key's calls go straight to the plan
+        return plan.BOUND.get_or_build(key, lambda: _quiet(x, weight, bias, eps, False, stable))(x, weight, bias)
+    return _norm(x, weight, bias, eps, False, stable)
 
 
 def default_rms_eps(x: torch.Tensor) -> float:
@@ -98,7 +107,24 @@ def rms_norm(x, weight=None, eps: float | None = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim (`torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)`).
     The default eps is 1e-6 (Llama's), not torch's functional default: `eps=None` gives that
     (`default_rms_eps`, as the `RMSNorm` module and torch's do by default)."""
+    key = fk_ops.quiet_key("rms_norm", (x, weight), (eps,))
+    run = plan.BOUND.get(key)
+    if run:
+        return run(x, weight, None)
     if eps is None and isinstance(x, torch.Tensor):
         eps = default_rms_eps(x)
     plan.check_inputs(x, weight, None, eps)
+    if key is not None:
+        return plan.BOUND.get_or_build(key, lambda: _quiet(x, weight, None, eps, True, False))(x, weight, None)
     return _norm(x, weight, None, eps, True, False)
+
+
+def _quiet(x, weight, bias, eps, is_rms: bool, stable: bool):
+    """run(x, weight, bias) -> y of a quiet call (`fk_runtime.ops.quiet_key`) whose checks passed:
+    the bound forward, no statistics saved (nothing records a backward)."""
+    if all(p is None or p.is_contiguous() for p in (weight, bias)):  # (their strides are in the key)
+        run = plan.bound_forward(x, weight, bias, float(eps), is_rms, stable, False)
+        return lambda x, w, b: run(x, w, b)[0]
+    run = plan.bound_forward(x, None if weight is None else weight.contiguous(),
+                             None if bias is None else bias.contiguous(), float(eps), is_rms, stable, False)
+    return lambda x, w, b: run(x, None if w is None else w.contiguous(), None if b is None else b.contiguous())[0]

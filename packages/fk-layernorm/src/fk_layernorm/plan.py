@@ -377,11 +377,14 @@ def forward(x, weight, bias, eps: float, is_rms: bool, stable: bool, save_stats:
     """(y, stats): y like x (contiguous), stats as `stats_shape` gives them."""
     w = weight.contiguous() if weight is not None else None  # the kernels read contiguous vectors
     b = bias.contiguous() if bias is not None else None
+    return bound_forward(x, w, b, eps, is_rms, stable, save_stats)(x, w, b)
+
+
+def bound_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: bool):
+    """run(x, w, b) -> (y, stats) for these inputs' layouts, w and b contiguous (or None)."""
     key = (x.shape, x.stride(), x.dtype, x.get_device(), None if w is None else (w.shape, w.dtype, w.get_device()),
            None if b is None else (b.shape, b.dtype, b.get_device()), eps, is_rms, stable, save_stats)
-    run = BOUND.get(key) or BOUND.get_or_build(
-        key, lambda: _bind_forward(x, w, b, eps, is_rms, stable, save_stats))
-    return run(x, w, b)
+    return BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(x, w, b, eps, is_rms, stable, save_stats))
 
 
 def backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):

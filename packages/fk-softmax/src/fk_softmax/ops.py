@@ -3,6 +3,8 @@
 Path of a call: metadata checks -> `fk::softmax` (eager: its autograd.Function straight into
 `plan.forward`, a bound launch cached per shape, strides, dtype, device and flags) -> kernels.
 The backward saves only the output: softmax's gradient needs y, log-softmax's needs exp(y).
+Calls that autograd does not record go straight to their key's bound forward once a call of that
+key passed the checks (`fk_runtime.ops.quiet_key`).
 """
 
 from __future__ import annotations
@@ -39,10 +41,16 @@ SOFTMAX = fk_ops.define(
 
 
 def _apply(x: torch.Tensor, dim, causal, log: bool) -> torch.Tensor:
+    key = fk_ops.quiet_key("log_softmax" if log else "softmax", (x,), (dim, causal))
+    run = plan.BOUND.get(key)
+    if run:
+        return run(x)
     d = plan.check_dim(x, dim, causal)
     if x.dim() == 0:
         y = SOFTMAX.apply(x.reshape(1), 0, False, log).reshape(())
         return y if y.requires_grad else y.detach()  # a tensor of its own, as torch's (not a view)
+    if key is not None:  # checked, and autograd records nothing: this key's calls go straight to the plan
+        return plan.BOUND.get_or_build(key, lambda: plan.bound_forward(x, d, bool(causal), log))(x)
     return SOFTMAX.apply(x, d, bool(causal), log)
 
 

@@ -214,9 +214,13 @@ def _partials(numel: int, device: torch.device) -> torch.Tensor:
 
 def forward(x: torch.Tensor, dim: int, causal: bool, log: bool) -> torch.Tensor:
     """y (contiguous, x's shape) = softmax / log-softmax of x over `dim` (non-negative)."""
+    return bound_forward(x, dim, causal, log)(x)
+
+
+def bound_forward(x: torch.Tensor, dim: int, causal: bool, log: bool):
+    """run(x) -> y: the forward bound for x's layout, `dim` and flags."""
     key = (x.shape, x.stride(), x.dtype, x.get_device(), dim, causal, log)
-    run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(x, dim, causal, log))
-    return run(x)
+    return BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(x, dim, causal, log))
 
 
 def backward(y: torch.Tensor, grad_y: torch.Tensor, dim: int, log: bool) -> torch.Tensor:

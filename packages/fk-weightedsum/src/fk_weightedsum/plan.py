@@ -201,10 +201,14 @@ def _bind_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
 
 def forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight over the last dim, shape x.shape[:-1]."""
+    return bound_forward(x, weight)(x, weight)
+
+
+def bound_forward(x: torch.Tensor, weight: torch.Tensor):
+    """run(x, weight) -> y: the forward bound for these inputs' layouts."""
     key = (x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype, x.get_device(),
            weight.get_device())
-    run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(x, weight))
-    return run(x, weight)
+    return BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(x, weight))
 
 
 def backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool = True, need_w: bool = True):
