@@ -31,10 +31,10 @@ def test_main_job_checks_and_benchmarks_every_op(tmp_path):
         fk_rows = [r for r in payload["results"] if r["variant"] == "fk"]
         assert fk_rows and all(r["ms"] > 0 for r in fk_rows), op
         assert (out / f"{op}.png").stat().st_size > 0
-    # The host-time section: every op package supplies a tiny input, fk timed in both modes.
+    # The host-time section: every op package supplies a tiny input, fk timed in every mode.
     host = json.loads((out / "host.json").read_text())
     fk_host = [r for r in host["results"] if r["variant"] == "fk"]
-    assert {r["mode"] for r in fk_host} == {"fwd", "fwd+bwd"}
+    assert {r["mode"] for r in fk_host} == {"fwd", "fwd+bwd", "infer"}
     assert len(fk_host) >= 2 * len(cli.discover_ops()) and all(r["us"] > 0 for r in fk_host)
     assert all(r["us"] > 0 for r in host["results"] if r["variant"] == "torch")
     assert not stale.exists(), "the whole op's run must replace a --tables section of its table"

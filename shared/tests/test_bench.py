@@ -59,9 +59,9 @@ def test_benchmarks_md_is_rebuilt_from_sections(tmp_path):
 def test_host_cases_time_only_their_modes():
     """An inference op's case (forward only) times its forward alone: no failing backward row."""
     case = bench.HostCase("toy", "4×64", torch.float32, lambda: [testing.randn((4, 64))],
-                          {"fk": lambda x: x * 2, "peer": lambda x: x + x}, modes=("fwd",))
+                          {"fk": lambda x: x * 2, "peer": lambda x: x + x}, modes=("infer",))
     results = bench.run_host_cases([case], progress=False)
-    assert {(r.variant, r.mode) for r in results} == {("fk", "fwd"), ("peer", "fwd")}
+    assert {(r.variant, r.mode) for r in results} == {("fk", "infer"), ("peer", "infer")}
     assert all(r.us > 0 and r.error is None for r in results)
 
 
@@ -83,11 +83,11 @@ def test_host_time_per_call_is_measured_and_tabled(tmp_path):
     # Device time comes from the profiler on a GPU only.
     assert all((r.device_us is not None and r.device_us > 0) == testing.on_gpu() for r in ok)
     table = bench.host_markdown_table(results)
-    assert "| toy | 4×64 | float32 | fwd |" in table and "| fwd+bwd |" in table
+    assert "| toy | 4×64 | float32 | fwd |" in table and "| fwd+bwd |" in table and "| infer |" in table
     assert "fk ÷ peer" in table and "fails" in table
     bench.write_host_json(results, {"device": "x"}, tmp_path / "host.json")
     payload = json.loads((tmp_path / "host.json").read_text())
-    assert len(payload["results"]) == 6 and payload["meta"] == {"device": "x"}
+    assert len(payload["results"]) == 3 * len(bench.HOST_MODES) and payload["meta"] == {"device": "x"}
 
 
 def test_host_section_leads_benchmarks_md(tmp_path):
@@ -114,7 +114,7 @@ def test_a_one_op_host_run_keeps_the_other_ops_rows(tmp_path, monkeypatch):
     cli.run_host({"a": module("a"), "b": module("b")}, tmp_path, meta)
     cli.run_host({"a": module("a")}, tmp_path, dict(meta, date="second"))
     rows = json.loads((tmp_path / "host.json").read_text())["results"]
-    assert sorted({r["op"] for r in rows}) == ["a", "b"] and len(rows) == 8
+    assert sorted({r["op"] for r in rows}) == ["a", "b"] and len(rows) == 2 * 2 * len(bench.HOST_MODES)
     text = (tmp_path / "host.md").read_text()
     assert "| b | 4 |" in text and "kept from the run of first" in text
     cli.run_host({"a": module("a")}, tmp_path, dict(meta, device="other", date="third"))

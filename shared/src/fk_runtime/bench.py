@@ -476,7 +476,7 @@ HOST_REPEATS_INTERPRETER = 1
 HOST_WARMUP_INTERPRETER = 0
 # Calls under torch.profiler whose kernel durations are averaged into one call's device time.
 PROFILED_CALLS = 10
-HOST_MODES = ("fwd", "fwd+bwd")
+HOST_MODES = ("fwd", "fwd+bwd", "infer")
 
 
 @dataclasses.dataclass
@@ -504,7 +504,8 @@ class HostResult:
     dtype: str
     variant: str
     # "fwd": `fn(*inputs)` with autograd recording (inputs require grad), as in training;
-    # "fwd+bwd": that, then the gradient of every input that requires one.
+    # "fwd+bwd": that, then the gradient of every input that requires one; "infer": the forward
+    # under torch.no_grad() (inference, a decode step).
     mode: str
     us: float | None
     device_us: float | None = None
@@ -514,6 +515,11 @@ class HostResult:
 def _host_call(fn: Callable, inputs: Sequence, mode: str) -> Callable[[], object]:
     if mode == "fwd":
         return lambda: fn(*inputs)
+    if mode == "infer":
+        def infer():
+            with torch.no_grad():
+                return fn(*inputs)
+        return infer
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     grad = torch.randn_like(fn(*inputs))
     # autograd.grad rather than backward(): no accumulation into .grad, so every call does the

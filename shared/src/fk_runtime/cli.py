@@ -107,9 +107,9 @@ def host_section(results, meta: dict, kept_from: str | None = None) -> str:
         "user pays per call when the device is not the bottleneck: each op on a tiny input, "
         f"{count} eager calls back to back with one synchronization at the end (after {warmup} "
         f"warm-up calls), median of {repeats} repeats, every variant's repeats interleaved. "
-        "`fwd`: the forward with inputs that require grad (autograd records it, as in training; "
-        "an inference op, forward only, takes none); "
-        "`fwd+bwd`: that and `torch.autograd.grad` of every input. `device µs`: the kernels' "
+        "`fwd`: the forward with inputs that require grad (autograd records it, as in training); "
+        "`fwd+bwd`: that and `torch.autograd.grad` of every input; `infer`: the forward under "
+        "`torch.no_grad()` (inference, a decode step). `device µs`: the kernels' "
         f"durations of one call (torch.profiler, mean of {bench.PROFILED_CALLS} calls); the gap to "
         "the eager time is host work. `fk ÷ peer` is fk's time over the peer's (below 1: fk "
         "costs less)." + kept,

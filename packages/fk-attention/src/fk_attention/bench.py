@@ -457,7 +457,7 @@ def host_cases() -> list[bench.HostCase]:
                            variants={"fk": functools.partial(attention, causal=True),
                                      "torch": _sdpa(None, True)}),
             bench.HostCase(op="attention_with_kvcache", shape=f"B{db} KV{dn} H{dhq}:{dhk} d{dd} decode", dtype=dtype,
-                           make_inputs=decode_inputs, modes=("fwd",),
+                           make_inputs=decode_inputs, modes=("infer",),
                            variants={"fk": lambda q, k, v, lengths: attention_with_kvcache(q, k, v, lengths,
                                                                                            causal=True),
                                      "torch": lambda q, k, v, lengths: F.scaled_dot_product_attention(
