@@ -12,17 +12,6 @@ B, HK, CAPACITY, D = 2, 2, 56, 16
 LENGTHS = [45, 29]  # odd, no multiple of any block below; rows past them hold data that must not count
 
 
-def paged_copy(t, page, order):
-    """t (B, Hk, N, D) as (pages, Hk, page, D) pages, sequence b's page i at order[b, i], as
-    `_decode_case` lays them out."""
-    b, hk, n, d = t.shape
-    per_seq = order.shape[1]
-    pages = t.new_zeros(b * per_seq, hk, page, d)
-    whole = torch.nn.functional.pad(t, (0, 0, 0, per_seq * page - n))
-    pages[order.flatten().long()] = whole.unflatten(2, (per_seq, page)).transpose(1, 2).flatten(0, 1)
-    return pages
-
-
 def expected(k, v, lengths):
     return torch.stack([torch.stack([k[b, h, :n].double().sum() + v[b, h, :n].double().sum()
                                      for h in range(k.shape[1])]) for b, n in enumerate(lengths)])
@@ -39,7 +28,7 @@ def test_kv_read_sums_the_first_n_rows(page, block_n):
     dense = bench.kv_read(k, v, lengths, block_n=block_n)
     per_seq = sizing.cdiv(CAPACITY, page)
     order = torch.randperm(B * per_seq).to(torch.int32).view(B, per_seq).to(k.device)
-    paged = bench.kv_read(paged_copy(k, page, order), paged_copy(v, page, order), lengths, block_table=order,
+    paged = bench.kv_read(bench.paged_copy(k, page, order), bench.paged_copy(v, page, order), lengths, block_table=order,
                           page_size=page, block_n=block_n)
     for got in (dense, paged):
         assert got.dtype == torch.float32 and got.shape[:2] == (B, HK)

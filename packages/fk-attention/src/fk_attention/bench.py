@@ -358,7 +358,7 @@ def kv_read(k, v, n, block_table=None, page_size: int = 0, block_n: int = 0) -> 
     least block_n rows (0: module constants)."""
     paged = block_table is not None
     d = k.shape[-1]
-    if d != triton.next_power_of_2(d):
+    if d != sizing.next_power_of_2(d):
         raise ValueError(f"kv_read reads power-of-two head dims (one tile a row), got {d}")
     block_n = block_n or max(KV_READ_ROWS, KV_READ_TILE // d)
     if paged:
@@ -387,6 +387,17 @@ def kv_read(k, v, n, block_table=None, page_size: int = 0, block_n: int = 0) -> 
     return out
 
 
+def paged_copy(t: torch.Tensor, page: int, order: torch.Tensor) -> torch.Tensor:
+    """t (B, Hk, N, D) as a paged cache, (pages, Hk, page, D): sequence b's page i at order[b, i]
+    ((B, pages per sequence) int32), rows past N zero."""
+    b, hk, n, d = t.shape
+    per_seq = order.shape[1]
+    pages = t.new_zeros(b * per_seq, hk, page, d)
+    whole = F.pad(t, (0, 0, 0, per_seq * page - n))
+    pages[order.flatten().long()] = whole.unflatten(2, (per_seq, page)).transpose(1, 2).flatten(0, 1)
+    return pages
+
+
 def _decode_case(b: int, hq: int, hk: int, n: int, d: int, dtype, full: bool) -> bench.Case:
     """One decode step (one query row per head) against a full cache of n rows: fk on a dense and
     on a paged cache, SDPA's backends on the dense K/V (GQA without copies: enable_gqa)."""
@@ -398,13 +409,7 @@ def _decode_case(b: int, hq: int, hk: int, n: int, d: int, dtype, full: bool) ->
         seqlens = torch.full((b,), n, dtype=torch.int32, device=q.device)
         per_seq = sizing.cdiv(n, DECODE_PAGE)
         order = torch.randperm(b * per_seq, device=q.device).to(torch.int32).view(b, per_seq)
-        paged = []
-        for t in (k, v):  # (pages, Hk, page, D): sequence b's page i at order[b, i]
-            pages = t.new_zeros(b * per_seq, hk, DECODE_PAGE, d)
-            whole = F.pad(t, (0, 0, 0, per_seq * DECODE_PAGE - n))
-            pages[order.flatten().long()] = whole.unflatten(2, (per_seq, DECODE_PAGE)).transpose(1, 2).flatten(0, 1)
-            paged.append(pages)
-        return [q, k, v, seqlens, *paged, order]
+        return [q, k, v, seqlens, paged_copy(k, DECODE_PAGE, order), paged_copy(v, DECODE_PAGE, order), order]
 
     def sdpa(name):
         def run(q, k, v, *rest):
