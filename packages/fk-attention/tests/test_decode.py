@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from fk_runtime import backend, testing
+from fk_runtime import backend, sizing, testing
 from fk_runtime.launch import PlanCache
 
 from fk_attention import attention, attention_with_kvcache, decode
@@ -470,26 +470,30 @@ def test_kvcache_takes_strided_lengths_and_page_tables_and_huge_lengths():
     assert not dense_k.any(), "rows past the capacity must be dropped"
 
 
+@pytest.mark.parametrize("page", [0, 256])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("capacity", [256, 1000])
-def test_wide_key_blocks_read_the_right_rows(capacity, d, monkeypatch):
-    """Dense decode at head dim 64 or 128 on few programs takes 128-row key blocks where shared
-    memory holds them (`wide_blocks`; slices of one block and of several): ragged lengths, GQA,
-    against float64; where this device qualifies, the launch took them."""
+def test_wide_key_blocks_read_the_right_rows(capacity, d, page, monkeypatch):
+    """Decode at head dim 64 or 128 on few programs takes 128-row key blocks where shared memory
+    holds them (`wide_blocks`; slices of one block and of several), from a dense cache or pages
+    that hold whole blocks (shuffled): ragged lengths, GQA, against float64; where this device
+    qualifies, the launch took them."""
     launches = []
     real = decode.Launch
     monkeypatch.setattr(decode, "Launch", lambda kernel, grid, args, meta, device: launches.append(meta)
                         or real(kernel, grid, args, meta, device))
     b, hq, hk, dtype = 2, 8, 2, torch.float16
+    if page:
+        capacity = sizing.cdiv(capacity, page) * page
     lengths = [capacity, capacity // 2 + 1]
-    k_cache, v_cache = testing.randn((b, hk, capacity, d), dtype), testing.randn((b, hk, capacity, d), dtype)
+    k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, dtype, page)
     q = testing.randn((b, hq, 1, d), dtype)
     out = attention_with_kvcache(q, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32, device=q.device),
-                                 causal=True)
-    ref_out, _ = cached_reference(q, k_cache, v_cache, lengths, True, None, None, 1 / math.sqrt(d))
+                                 block_table=block_table, causal=True)
+    ref_out, _ = cached_reference(q, logical(k_cache), logical(v_cache), lengths, True, None, None, 1 / math.sqrt(d))
     check("out", out, ref_out, dtype)
     attend = [meta for meta in launches if "ROW_PAGES" in meta]
-    wide = decode.wide_blocks(hq // hk, d, dtype, b * hk, False, q.device.index or 0)
+    wide = decode.wide_blocks(hq // hk, d, dtype, b * hk, page, q.device.index or 0)
     assert attend and all((meta["BLOCK_N"] == decode.WIDE_BLOCK_N) == wide for meta in attend)
 
 

@@ -158,20 +158,30 @@ WIDE_SHAPES = [(1, 32, 8, 1024, 128), (1, 32, 8, 8192, 128), (1, 32, 8, 32768, 1
                (16, 32, 8, 1024, 64), (16, 32, 8, 8192, 64), (16, 32, 8, 32768, 64), (16, 32, 8, 131072, 64)]
 
 
-def wide_sweep():
-    """Dense caches at head dim 64 and 128 on grids of few programs: the plan's key blocks
-    (`decode.wide_blocks`: 128 rows, slices for WIDE_PROGRAMS programs per multiprocessor) against
-    the 64-row blocks and slices of the other rows (`wide_blocks` forced off)."""
+# Pages that hold whole wide key blocks (the `wide_pages` sweep).
+WIDE_PAGE = 256
+
+
+def wide_sweep(page: int = 0):
+    """Dense caches (or shuffled pages of `page` rows) at head dim 64 and 128 on grids of few
+    programs: the plan's key blocks (`decode.wide_blocks`: 128 rows, slices for WIDE_PROGRAMS
+    programs per multiprocessor) against the 64-row blocks and slices of the other rows
+    (`wide_blocks` forced off)."""
     rule = decode.wide_blocks
     print("| B, Hq:Hk, KV, d | cuDNN | 64-row blocks | 128-row blocks (plan) | cuDNN / plan |")
     print("| --- | --- | --- | --- | --- |")
     for b, hq, hk, n, d in WIDE_SHAPES:
         q, k, v, lengths, *_ = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16, False).make_inputs()
         row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v))}
+        pages = None
+        if page:  # sequence b's page i at pages[b, i], shuffled
+            pages = torch.randperm(b * n // page, device=q.device).to(torch.int32).view(b, n // page)
+            k, v = attention_bench.paged_copy(k, page, pages), attention_bench.paged_copy(v, page, pages)
         for name, wide in (("narrow", False), ("wide", None)):
             decode.wide_blocks = rule if wide is None else (lambda *args: False)
             table.BOUND = PlanCache()
-            row[name] = graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))
+            row[name] = graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, block_table=pages,
+                                                   causal=True))
         decode.wide_blocks = rule
         print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['narrow']} | {row['wide']} | "
               f"{row['cudnn'] / row['wide']:.2f}x |", flush=True)
@@ -202,7 +212,7 @@ def descriptors_sweep():
 
 
 SWEEPS = {"slices": slices_sweep, "descriptors": descriptors_sweep, "rows": rows_sweep, "fill": fill_sweep,
-          "lengths": lengths_sweep, "wide": wide_sweep}
+          "lengths": lengths_sweep, "wide": wide_sweep, "wide_pages": functools.partial(wide_sweep, WIDE_PAGE)}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or SWEEPS:

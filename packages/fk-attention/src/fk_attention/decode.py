@@ -35,7 +35,8 @@ MAX_BLOCK_M = 64
 TILES_16BIT = ((64, (64, 4, 3)), (128, (64, 4, 3)), (256, (32, 4, 3)))
 TILES_32BIT = ((64, (32, 4, 2)), (128, (32, 4, 2)), (256, (16, 4, 2)))
 SHALLOW_PIPELINE_GRID = 2
-# Dense K/V at padded head dim 64 or 128, 16-bit, at most MIN_BLOCK_M query rows per KV head,
+# K/V at padded head dim 64 or 128, 16-bit, at most MIN_BLOCK_M query rows per KV head, dense or
+# in pages that hold whole blocks,
 # fewer (batch, KV head) programs than multiprocessors: key blocks of WIDE_BLOCK_N rows, slices
 # for WIDE_PROGRAMS times the usual programs (each at least one block), WIDE_STAGES stages where
 # the grid is no larger and a slice holds more than one block, else one less; where a program's
@@ -89,13 +90,15 @@ def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_in
     return table.Config(block_m, block_n, warps, stages)
 
 
-def wide_blocks(rows: int, head_dim: int, dtype: torch.dtype, programs: int, paged: bool,
+def wide_blocks(rows: int, head_dim: int, dtype: torch.dtype, programs: int, page_size: int,
                 device_index: int) -> bool:
     """Whether a decode launch of `programs` (batch, KV head) programs with `rows` query rows each
-    takes WIDE_BLOCK_N-row key blocks (module constants)."""
+    over a dense cache (page_size 0) or pages of `page_size` rows takes WIDE_BLOCK_N-row key blocks
+    (module constants)."""
     padded = table.padded_head_dim(head_dim)
-    if (backend.is_interpreter() or paged or dtype.itemsize != 2 or rows > MIN_BLOCK_M or padded not in (64, 128)
-            or programs >= backend.multiprocessor_count(device_index)):
+    pages_fit = page_size == 0 or page_size % WIDE_BLOCK_N == 0
+    if (backend.is_interpreter() or not pages_fit or dtype.itemsize != 2 or rows > MIN_BLOCK_M
+            or padded not in (64, 128) or programs >= backend.multiprocessor_count(device_index)):
         return False
     needed = WIDE_STAGES * 2 * WIDE_BLOCK_N * padded * dtype.itemsize + SHARED_RESERVE
     return backend.shared_memory_per_program(device_index) >= needed
@@ -184,7 +187,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     m_blocks = sizing.cdiv(group * n_q, tiles(group * n_q, d, dtype, 0, index).block_m)
     programs = b * hk * m_blocks
     planned = slices is None
-    wide = wide_blocks(group * n_q, d, dtype, programs, paged, index)
+    wide = wide_blocks(group * n_q, d, dtype, programs, cache.page_size if paged else 0, index)
     if planned:
         slices = (key_slices(programs, n_k, d, index, WIDE_PROGRAMS, WIDE_BLOCK_N) if wide
                   else key_slices(programs, n_k, d, index))
