@@ -123,8 +123,7 @@ def _quiet(x, weight, bias, eps, is_rms: bool, stable: bool):
     """run(x, weight, bias) -> y of a quiet call (`fk_runtime.ops.quiet_key`) whose checks passed:
     the bound forward, no statistics saved (nothing records a backward)."""
     if all(p is None or p.is_contiguous() for p in (weight, bias)):  # (their strides are in the key)
-        run = plan.bound_forward(x, weight, bias, float(eps), is_rms, stable, False)
-        return lambda x, w, b: run(x, w, b)[0]
+        return plan.bound_forward(x, weight, bias, float(eps), is_rms, stable, False, y_only=True)
     run = plan.bound_forward(x, None if weight is None else weight.contiguous(),
-                             None if bias is None else bias.contiguous(), float(eps), is_rms, stable, False)
-    return lambda x, w, b: run(x, None if w is None else w.contiguous(), None if b is None else b.contiguous())[0]
+                             None if bias is None else bias.contiguous(), float(eps), is_rms, stable, False, True)
+    return lambda x, w, b: run(x, None if w is None else w.contiguous(), None if b is None else b.contiguous())

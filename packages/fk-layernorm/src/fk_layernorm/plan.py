@@ -232,9 +232,9 @@ def _check_backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool) 
                          f"statistics), got {tuple(stats.shape)}")
 
 
-def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: bool):
-    """The forward of one key: run(x, w, b) -> (y, stats); w, b contiguous (x's rows stand in
-    for an absent one: no load reaches it)."""
+def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: bool, y_only: bool = False):
+    """The forward of one key: run(x, w, b) -> (y, stats), or y alone (`y_only`, nothing saved);
+    w, b contiguous (x's rows stand in for an absent one: no load reaches it)."""
     check_inputs(x, w, b, eps)  # one device; weight and bias of one dtype
     for name, t in (("x", x), ("weight", w), ("bias", b)):
         if t is not None:
@@ -250,6 +250,14 @@ def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: b
     def new_stats():
         return fp32.new_empty(stats_size)
 
+    # Nothing saved: the kernels' statistics pointers are rows of one empty tensor, made here.
+    unsaved = None if save_stats else _stat_rows(new_stats(), is_rms, stable)
+
+    def stat_rows(stats):
+        return unsaved or _stat_rows(stats, is_rms, stable)
+
+    if y_only and x.numel() == 0:
+        return lambda x, w, b: alloc.empty(shape, dtype=dtype, device=device)
     if x.numel() == 0:  # rows of no columns: statistics 0, defined (the backward gives zeros anyway)
         return lambda x, w, b: (alloc.empty(shape, dtype=dtype, device=device), new_stats().zero_())
     p = forward_plan(n_rows, n_cols, dtype, is_rms)
@@ -262,7 +270,7 @@ def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: b
                        dict(BLOCK_R=p.block_rows, BLOCK_D=p.block_cols, **meta), device)
 
         def launch(x2, w, b, y2, stats):
-            fused(x2, w, b, y2, *_stat_rows(stats, is_rms, stable))
+            fused(x2, w, b, y2, *stat_rows(stats))
     elif p.path is Path.SPLIT:
         split = Launch(kernels.norm_fwd_split_kernel, (n_rows * p.chunks,),
                        (n_cols, 1.0 / n_cols, *strides, eps, p.chunks, p.spin_limit),
@@ -270,7 +278,7 @@ def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: b
 
         def launch(x2, w, b, y2, stats):
             arrived, states, parts = siblings.scratch(n_rows, p.chunks, kernels.FWD_PARTIALS.value, device)
-            mean, rstd, row_max = _stat_rows(stats, is_rms, stable)
+            mean, rstd, row_max = stat_rows(stats)
             if is_rms and save_stats:  # the split kernel saves a mean for RMSNorm too, unread
                 mean = fp32.new_empty(n_rows)
             split(x2, w, b, y2, mean, rstd, row_max, parts, arrived, states)
@@ -279,7 +287,7 @@ def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: b
                         dict(BLOCK_D=p.block_cols, **meta), device)
 
         def launch(x2, w, b, y2, stats):
-            looped(x2, w, b, y2, *_stat_rows(stats, is_rms, stable))
+            looped(x2, w, b, y2, *stat_rows(stats))
 
     def run(x, w, b):
         y = alloc.new_empty(x, shape)
@@ -288,7 +296,13 @@ def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: b
         launch(x2, x2 if w is None else w, x2 if b is None else b, y, stats)
         return y, stats
 
-    return run
+    def run_y(x, w, b):
+        y = alloc.new_empty(x, shape)
+        x2 = x if is_view else views.rows(x)
+        launch(x2, x2 if w is None else w, x2 if b is None else b, y, None)
+        return y
+
+    return run_y if y_only else run
 
 
 def _absent(x: torch.Tensor) -> torch.Tensor:
@@ -380,11 +394,13 @@ def forward(x, weight, bias, eps: float, is_rms: bool, stable: bool, save_stats:
     return bound_forward(x, w, b, eps, is_rms, stable, save_stats)(x, w, b)
 
 
-def bound_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: bool):
-    """run(x, w, b) -> (y, stats) for these inputs' layouts, w and b contiguous (or None)."""
+def bound_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: bool, y_only: bool = False):
+    """run(x, w, b) -> (y, stats), or y alone (`y_only`: nothing saved), for these inputs'
+    layouts, w and b contiguous (or None)."""
     key = (x.shape, x.stride(), x.dtype, x.get_device(), None if w is None else (w.shape, w.dtype, w.get_device()),
-           None if b is None else (b.shape, b.dtype, b.get_device()), eps, is_rms, stable, save_stats)
-    return BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(x, w, b, eps, is_rms, stable, save_stats))
+           None if b is None else (b.shape, b.dtype, b.get_device()), eps, is_rms, stable, save_stats, y_only)
+    return BOUND.get(key) or BOUND.get_or_build(
+        key, lambda: _bind_forward(x, w, b, eps, is_rms, stable, save_stats, y_only))
 
 
 def backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
