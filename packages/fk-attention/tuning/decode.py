@@ -189,6 +189,33 @@ def wide_sweep(page: int = 0):
         torch.cuda.empty_cache()
 
 
+# Long dense rows on grids of few programs (the `wide_depth` sweep).
+DEPTH_SHAPES = [(1, 32, 32, 131072, 64), (1, 32, 8, 131072, 64), (1, 32, 32, 32768, 64), (1, 32, 8, 32768, 64),
+                (1, 32, 8, 8192, 64), (1, 32, 8, 131072, 128), (1, 32, 32, 131072, 128), (1, 32, 32, 32768, 128),
+                (16, 32, 8, 131072, 64), (16, 32, 8, 32768, 128)]
+
+
+def wide_depth_sweep():
+    """Wide key blocks on long rows: slices for 0.5, 1 and 2 times the usual programs
+    (`WIDE_PROGRAMS`) x 2, 3 and 4 stages (`WIDE_STAGES`), µs, against cuDNN."""
+    for b, hq, hk, n, d in DEPTH_SHAPES:
+        q, k, v, lengths, *_ = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16, False).make_inputs()
+        row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v))}
+        for programs in (0.5, 1, 2):
+            for stages in (2, 3, 4):
+                decode.WIDE_PROGRAMS, decode.WIDE_STAGES = programs, stages
+                table.BOUND = PlanCache()
+                try:
+                    row[f"x{programs} s{stages}"] = graph_us(
+                        functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))
+                except Exception as exc:  # more stages than shared memory holds
+                    row[f"x{programs} s{stages}"] = type(exc).__name__
+        decode.WIDE_PROGRAMS, decode.WIDE_STAGES = 0.5, 3
+        print(f"B{b} KV{n} {hq}:{hk} d{d}", row, flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
 def _bound(paged: bool, descriptors: bool):
     """A decode-table variant bound with K/V through TMA or pointers, dense or paged."""
     def prepare(inputs):
@@ -212,7 +239,8 @@ def descriptors_sweep():
 
 
 SWEEPS = {"slices": slices_sweep, "descriptors": descriptors_sweep, "rows": rows_sweep, "fill": fill_sweep,
-          "lengths": lengths_sweep, "wide": wide_sweep, "wide_pages": functools.partial(wide_sweep, WIDE_PAGE)}
+          "lengths": lengths_sweep, "wide": wide_sweep, "wide_pages": functools.partial(wide_sweep, WIDE_PAGE),
+          "wide_depth": wide_depth_sweep}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or SWEEPS:
