@@ -497,6 +497,31 @@ def test_wide_key_blocks_read_the_right_rows(capacity, d, page, monkeypatch):
     assert attend and all((meta["BLOCK_N"] == decode.WIDE_BLOCK_N) == wide for meta in attend)
 
 
+def test_slices_preload_the_pages_they_span(monkeypatch):
+    """A slice preloads as few page indices as it spans (`preloaded_pages`), one more where it
+    starts inside a page: slices of 3 key blocks over pages of 4 start inside one and span two
+    (one page by their length alone); shuffled pages, ragged lengths, GQA, against float64."""
+    monkeypatch.setattr(decode, "row_pages", lambda grid, device_index: False)  # preloaded on any grid
+    metas = []
+    real = decode.Launch
+    monkeypatch.setattr(decode, "Launch", lambda kernel, grid, args, meta, device: metas.append(meta)
+                        or real(kernel, grid, args, meta, device))
+    b, hq, hk, d, dtype = 2, 4, 2, 16, torch.float32
+    block = decode.tiles(hq // hk, d, dtype, 0, testing.device().index or 0).block_n
+    page, capacity = 4 * block, 12 * block
+    k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, dtype, page)
+    lengths = [capacity, 7 * block - 3]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=k_cache.device)
+    q = testing.randn((b, hq, 1, d), dtype)
+    run = decode._bind(q, k_cache, v_cache, table.Mask(right=0, lower_right=True), d ** -0.5,
+                       decode.Cache(0, page), 4, block_table)
+    out, _ = run(q, k_cache, v_cache, seqlens, block_table)
+    ref_out, _ = cached_reference(q, logical(k_cache), logical(v_cache), lengths, True, None, None, d ** -0.5)
+    check("out", out, ref_out, dtype)
+    attend = [m for m in metas if "ROW_PAGES" in m]
+    assert attend and all(m["SLICE_PAGES"] == 2 and m["BLOCK_N"] == block and not m["ROW_PAGES"] for m in attend)
+
+
 def test_kvcache_plans_serve_only_their_layouts():
     """Eager calls key one plan on their inputs' layouts (checked once as it is made): calls of
     the same shapes with other strides (FlashAttention's (B, N, H, D) caches and new rows seen

@@ -216,6 +216,35 @@ def wide_depth_sweep():
         torch.cuda.empty_cache()
 
 
+# Few-program rows of the main job's paged caches (the `slice_pages` sweep).
+SLICE_PAGE_SHAPES = [(1, 32, 8, 1024, 64), (1, 32, 8, 8192, 64), (1, 32, 8, 32768, 64), (1, 32, 8, 131072, 64),
+                     (16, 32, 8, 1024, 64), (16, 32, 8, 8192, 64), (1, 32, 8, 1024, 128), (1, 32, 8, 8192, 128),
+                     (1, 32, 8, 32768, 128), (16, 32, 8, 1024, 128), (16, 32, 8, 8192, 128), (1, 32, 32, 1024, 64),
+                     (1, 32, 32, 8192, 64), (1, 32, 32, 1024, 128), (1, 32, 32, 8192, 128), (1, 32, 32, 32768, 128)]
+
+
+def slice_pages_sweep():
+    """Paged caches (pages of 64 rows, shuffled) on grids of few programs: each slice preloading
+    the page indices it spans (`decode.preloaded_pages`, the plan) against SLICE_PAGES always, µs."""
+    rule = decode.preloaded_pages
+    print("| B, Hq:Hk, KV, d | cuDNN (dense) | SLICE_PAGES always | as spanned (plan) | cuDNN / plan |")
+    print("| --- | --- | --- | --- | --- |")
+    for b, hq, hk, n, d in SLICE_PAGE_SHAPES:
+        q, k, v, lengths, kp, vp, pages = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16,
+                                                                       False).make_inputs()
+        row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v))}
+        for name, preload in (("all", lambda spanned: decode.SLICE_PAGES), ("plan", rule)):
+            decode.preloaded_pages = preload
+            table.BOUND = PlanCache()
+            row[name] = graph_us(functools.partial(attention_with_kvcache, q, kp, vp, lengths, block_table=pages,
+                                                   causal=True))
+        decode.preloaded_pages = rule
+        print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['all']} | {row['plan']} | "
+              f"{row['cudnn'] / row['plan']:.2f}x |", flush=True)
+        del q, k, v, kp, vp
+        torch.cuda.empty_cache()
+
+
 def _bound(paged: bool, descriptors: bool):
     """A decode-table variant bound with K/V through TMA or pointers, dense or paged."""
     def prepare(inputs):
@@ -240,7 +269,7 @@ def descriptors_sweep():
 
 SWEEPS = {"slices": slices_sweep, "descriptors": descriptors_sweep, "rows": rows_sweep, "fill": fill_sweep,
           "lengths": lengths_sweep, "wide": wide_sweep, "wide_pages": functools.partial(wide_sweep, WIDE_PAGE),
-          "wide_depth": wide_depth_sweep}
+          "wide_depth": wide_depth_sweep, "slice_pages": slice_pages_sweep}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or SWEEPS:

@@ -110,6 +110,13 @@ def row_pages(grid: int, device_index: int) -> bool:
     return grid >= SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index)
 
 
+def preloaded_pages(spanned: int) -> int:
+    """Page indices a slice spanning `spanned` pages preloads: the power of two that holds them, at
+    most SLICE_PAGES (picking a block's page is a reduction over them: 128 where 8 do cost the
+    short rows 3-6%, TUNING.md: decode, preloaded pages)."""
+    return min(SLICE_PAGES, sizing.next_power_of_2(spanned))
+
+
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int) -> bool:
     """TMA (host descriptors) for K/V tiles where the forward takes them (Hopper or newer, 16- or
     32-bit K/V with aligned strides; bases are checked per call), for head dims padded to at
@@ -205,7 +212,9 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     if per_row and not full and planned:
         slices = key_slices(programs, n_k, d, index, fill=ROW_PAGES_FILL)
         tile = tiles(group * n_q, d, dtype, programs * slices, index)
-    slice_pages = SLICE_PAGES if paged and not per_row else 0
+    # the pages a slice spans (one more where it may start inside a page)
+    spanned = sizing.cdiv(sizing.cdiv(n_k, slices), cache.page_size) + (cache.page_size > tile.block_n) if paged else 0
+    slice_pages = preloaded_pages(spanned) if paged and not per_row else 0
     padded = table.padded_head_dim(d)
     meta = {"WINDOW": mask.windowed, "SOFTCAP": mask.softcap is not None, "SEQLENS": cache is not None,
             "PAGED": paged, "PAGE_SIZE": max(cache.page_size if paged else 1, 1), "SLICE_PAGES": slice_pages,
