@@ -67,6 +67,22 @@ def slices_sweep():
         torch.cuda.empty_cache()
 
 
+def rule_times(q, k, v, lengths, pages, rule: str, variants: dict) -> dict:
+    """fk's µs on the cache (k, v, lengths; `pages` None for a dense one) with `decode.<rule>`
+    replaced by each variant (None: the plan's own), the plan's restored after."""
+    plan = getattr(decode, rule)
+    times = {}
+    try:
+        for name, variant in variants.items():
+            setattr(decode, rule, variant or plan)
+            table.BOUND = PlanCache()
+            times[name] = graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, block_table=pages,
+                                                     causal=True))
+    finally:
+        setattr(decode, rule, plan)
+    return times
+
+
 ROW_SHAPES = [(16, 32, 8, 32768, 64), (1, 32, 32, 131072, 128), (64, 32, 8, 1024, 128), (16, 32, 32, 1024, 128),
               (1, 32, 8, 131072, 128), (16, 32, 32, 8192, 64), (64, 32, 8, 8192, 128), (1, 32, 8, 8192, 128),
               (1, 32, 32, 131072, 64), (16, 32, 8, 1024, 64), (1, 32, 8, 1024, 128), (64, 32, 32, 8192, 64)]
@@ -75,7 +91,6 @@ ROW_SHAPES = [(16, 32, 8, 32768, 64), (1, 32, 32, 131072, 128), (64, 32, 8, 1024
 def rows_sweep():
     """Paged caches (the table's pages of 64, shuffled): each block's page from the slice's pages
     preloaded, or read per row in the walk, whatever the grid (`decode.row_pages` forced)."""
-    rule = decode.row_pages
     print("| B, Hq:Hk, KV, d | cuDNN | dense | paged preloaded | paged per row | per row / preloaded | cuDNN / per row |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for b, hq, hk, n, d in ROW_SHAPES:
@@ -83,16 +98,12 @@ def rows_sweep():
                                                                        False).make_inputs()
         row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v)),
                "dense": graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))}
-        for per_row in (False, True):
-            decode.row_pages = lambda grid, device_index, per_row=per_row: per_row
-            table.BOUND = PlanCache()
-            row[per_row] = graph_us(functools.partial(attention_with_kvcache, q, kp, vp, lengths, block_table=pages,
-                                                      causal=True))
+        row.update(rule_times(q, kp, vp, lengths, pages, "row_pages",
+                              {per_row: lambda grid, device_index, per_row=per_row: per_row for per_row in (False, True)}))
         print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['dense']} | {row[False]} | {row[True]} | "
               f"{row[False] / row[True]:.2f}x | {row['cudnn'] / row[True]:.2f}x |", flush=True)
         del q, k, v, kp, vp
         torch.cuda.empty_cache()
-    decode.row_pages = rule
 
 
 FILL_SHAPES = [(16, 32, 8, 32768, 64), (1, 32, 32, 131072, 64), (16, 32, 8, 32768, 128), (1, 32, 32, 32768, 128),
@@ -167,7 +178,6 @@ def wide_sweep(page: int = 0):
     programs: the plan's key blocks (`decode.wide_blocks`: 128 rows, slices for WIDE_PROGRAMS
     programs per multiprocessor) against the 64-row blocks and slices of the other rows
     (`wide_blocks` forced off)."""
-    rule = decode.wide_blocks
     print("| B, Hq:Hk, KV, d | cuDNN | 64-row blocks | 128-row blocks (plan) | cuDNN / plan |")
     print("| --- | --- | --- | --- | --- |")
     for b, hq, hk, n, d in WIDE_SHAPES:
@@ -177,12 +187,7 @@ def wide_sweep(page: int = 0):
         if page:  # sequence b's page i at pages[b, i], shuffled
             pages = torch.randperm(b * n // page, device=q.device).to(torch.int32).view(b, n // page)
             k, v = attention_bench.paged_copy(k, page, pages), attention_bench.paged_copy(v, page, pages)
-        for name, wide in (("narrow", False), ("wide", None)):
-            decode.wide_blocks = rule if wide is None else (lambda *args: False)
-            table.BOUND = PlanCache()
-            row[name] = graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, block_table=pages,
-                                                   causal=True))
-        decode.wide_blocks = rule
+        row.update(rule_times(q, k, v, lengths, pages, "wide_blocks", {"narrow": lambda *args: False, "wide": None}))
         print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['narrow']} | {row['wide']} | "
               f"{row['cudnn'] / row['wide']:.2f}x |", flush=True)
         del q, k, v
@@ -226,19 +231,14 @@ SLICE_PAGE_SHAPES = [(1, 32, 8, 1024, 64), (1, 32, 8, 8192, 64), (1, 32, 8, 3276
 def slice_pages_sweep():
     """Paged caches (pages of 64 rows, shuffled) on grids of few programs: each slice preloading
     the page indices it spans (`decode.preloaded_pages`, the plan) against SLICE_PAGES always, µs."""
-    rule = decode.preloaded_pages
     print("| B, Hq:Hk, KV, d | cuDNN (dense) | SLICE_PAGES always | as spanned (plan) | cuDNN / plan |")
     print("| --- | --- | --- | --- | --- |")
     for b, hq, hk, n, d in SLICE_PAGE_SHAPES:
         q, k, v, lengths, kp, vp, pages = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16,
                                                                        False).make_inputs()
         row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v))}
-        for name, preload in (("all", lambda spanned: decode.SLICE_PAGES), ("plan", rule)):
-            decode.preloaded_pages = preload
-            table.BOUND = PlanCache()
-            row[name] = graph_us(functools.partial(attention_with_kvcache, q, kp, vp, lengths, block_table=pages,
-                                                   causal=True))
-        decode.preloaded_pages = rule
+        row.update(rule_times(q, kp, vp, lengths, pages, "preloaded_pages",
+                              {"all": lambda spanned: decode.SLICE_PAGES, "plan": None}))
         print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['all']} | {row['plan']} | "
               f"{row['cudnn'] / row['plan']:.2f}x |", flush=True)
         del q, k, v, kp, vp
