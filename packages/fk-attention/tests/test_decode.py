@@ -116,6 +116,34 @@ def test_any_number_of_key_slices_merges_to_the_same_result(slices, dtype):
         check("lse", lse[i, :, 1], ref_lse[:, 1], dtype)
 
 
+@pytest.mark.parametrize("slices, d", [(16, 64), (64, 64), (64, 256)])
+def test_many_slices_merge_with_the_warps_that_hold_them(monkeypatch, slices, d):
+    """A query row's partial outputs merged by a launch of `merge_warps` warps (one for 16 slices
+    at d64, more where a warp would hold over MERGE_VALUES_PER_THREAD values a thread) give the
+    float64 result (GQA, ragged lengths)."""
+    metas = []
+    real = decode.Launch
+    monkeypatch.setattr(decode, "Launch", lambda kernel, grid, args, meta, device: metas.append(meta)
+                        or real(kernel, grid, args, meta, device))
+    dtype = torch.float32
+    block = decode.tiles(2, d, dtype, 0, testing.device().index or 0).block_n
+    b, hq, hk, capacity = 2, 4, 2, slices * block
+    q = testing.randn((b, hq, 1, d), dtype)
+    k, v = testing.randn((b, hk, capacity, d), dtype), testing.randn((b, hk, capacity, d), dtype)
+    lengths = [capacity, capacity - block - 3]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
+    run = decode._bind(q, k, v, table.Mask(right=0, lower_right=True), d ** -0.5, decode.Cache(), slices)
+    out, _ = run(q, k, v, seqlens)
+    ref_out, _ = cached_reference(q, k, v, lengths, True, None, None, d ** -0.5)
+    check("out", out, ref_out, dtype)
+    merge = [m for m in metas if "BLOCK_S" in m]
+    warps = decode.merge_warps(slices, d)
+    assert merge and all(m["num_warps"] == warps for m in merge)
+    values = sizing.next_power_of_2(slices) * table.padded_head_dim(d)
+    assert values <= 32 * warps * decode.MERGE_VALUES_PER_THREAD or warps == sizing.MIN_WARPS
+    assert warps == 1 or values > 32 * (warps // 2) * decode.MERGE_VALUES_PER_THREAD  # no fewer would do
+
+
 def test_key_slices_fill_the_device_and_respect_bounds():
     sms = backend.multiprocessor_count()
     assert decode.key_slices(64 * sms, 1 << 20, 128, 0) == 1  # a full grid is not sliced

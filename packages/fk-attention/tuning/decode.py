@@ -1,6 +1,9 @@
 """The decode path's sweeps behind `fk_attention.decode`'s tiles, slicing and paged reads (TUNING.md).
 
-    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [slices|descriptors|rows|fill|lengths|wide]
+    bash shared/from-source.sh python packages/fk-attention/tuning/decode.py [SWEEP ...]
+
+SWEEP: slices, descriptors, rows, fill, lengths, wide, wide_pages, wide_depth, slice_pages, merge
+(all of them when none is named).
 
 Times are `do_bench` medians of CUDA-graph replays (microseconds), bf16, one query row per head,
 the cache full; SDPA's cuDNN backend beside them on the dense cache.
@@ -245,6 +248,29 @@ def slice_pages_sweep():
         torch.cuda.empty_cache()
 
 
+MERGE_SHAPES = [(1, 32, 32, 1024, 64), (1, 32, 8, 1024, 64), (1, 32, 8, 8192, 64), (1, 32, 8, 32768, 64),
+                (1, 32, 8, 131072, 64), (1, 32, 32, 8192, 64), (1, 32, 32, 131072, 64), (1, 32, 8, 1024, 128),
+                (1, 32, 8, 131072, 128), (1, 32, 32, 1024, 128), (1, 32, 32, 32768, 128), (16, 32, 8, 8192, 128)]
+
+
+def merge_sweep():
+    """The merge launch's warps (`decode.merge_warps` forced to 4, 2, 1; the plan's), dense and
+    paged caches (the table's pages of 64, shuffled), µs."""
+    print("| B, Hq:Hk, KV, d | cuDNN | 4 warps | 2 | 1 | plan | paged 4 warps | paged plan | cuDNN / plan |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    warps = {w: lambda slices, head_dim, w=w: w for w in (4, 2, 1)}
+    for b, hq, hk, n, d in MERGE_SHAPES:
+        q, k, v, lengths, kp, vp, pages = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16,
+                                                                       False).make_inputs()
+        cudnn_us = graph_us(functools.partial(cudnn, q, k, v))
+        dense = rule_times(q, k, v, lengths, None, "merge_warps", {**warps, "plan": None})
+        paged = rule_times(q, kp, vp, lengths, pages, "merge_warps", {4: warps[4], "plan": None})
+        print(f"| {b}, {hq}:{hk}, {n}, {d} | {cudnn_us} | {dense[4]} | {dense[2]} | {dense[1]} | {dense['plan']} | "
+              f"{paged[4]} | {paged['plan']} | {cudnn_us / dense['plan']:.2f}x |", flush=True)
+        del q, k, v, kp, vp
+        torch.cuda.empty_cache()
+
+
 def _bound(paged: bool, descriptors: bool):
     """A decode-table variant bound with K/V through TMA or pointers, dense or paged."""
     def prepare(inputs):
@@ -269,7 +295,7 @@ def descriptors_sweep():
 
 SWEEPS = {"slices": slices_sweep, "descriptors": descriptors_sweep, "rows": rows_sweep, "fill": fill_sweep,
           "lengths": lengths_sweep, "wide": wide_sweep, "wide_pages": functools.partial(wide_sweep, WIDE_PAGE),
-          "wide_depth": wide_depth_sweep, "slice_pages": slice_pages_sweep}
+          "wide_depth": wide_depth_sweep, "slice_pages": slice_pages_sweep, "merge": merge_sweep}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or SWEEPS:

@@ -52,6 +52,10 @@ SHARED_RESERVE = 16 << 10
 SLICED_PROGRAMS_D128 = 1
 MIN_SLICE_KEYS = 64
 MAX_SLICES = 64
+# The merge: as few warps as hold a query row's slices at MERGE_VALUES_PER_THREAD values a thread
+# (one warp's reductions need no shared memory: 0.1-0.9 µs a call less than 4 warps in graph
+# replays, TUNING.md: decode, the merge).
+MERGE_VALUES_PER_THREAD = 64
 # The interpreter: small tiles and slices, and a few programs' worth of slices (it runs programs
 # one by one: slicing costs it time), so that tiny tests of one or two heads still slice and merge.
 INTERPRETER_SLICE_KEYS = 16
@@ -115,6 +119,12 @@ def preloaded_pages(spanned: int) -> int:
     most SLICE_PAGES (picking a block's page is a reduction over them: 128 where 8 do cost the
     short rows 3-6%, TUNING.md: decode, preloaded pages)."""
     return min(SLICE_PAGES, sizing.next_power_of_2(spanned))
+
+
+def merge_warps(slices: int, head_dim: int) -> int:
+    """The merge launch's warps for `slices` partial outputs of a query row."""
+    values = sizing.next_power_of_2(slices) * table.padded_head_dim(head_dim)
+    return min(sizing.MIN_WARPS, max(1, values // (32 * MERGE_VALUES_PER_THREAD)))
 
 
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int) -> bool:
@@ -256,7 +266,8 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
         merge = Launch(kernels.attn_decode_merge_kernel, (b * hq * n_q,),
                        (hq, n_q, slices, part_numel, *out_example.stride(), hq * n_q, n_q, 1),
                        {"HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_S": sizing.next_power_of_2(slices),
-                        "PDL": pdl, "num_warps": sizing.MIN_WARPS, **({"launch_pdl": True} if pdl else {})}, device)
+                        "PDL": pdl, "num_warps": merge_warps(slices, d),
+                        **({"launch_pdl": True} if pdl else {})}, device)
 
     def run(q, k, v, seqlens=None, block_table=None):
         out, lse = new_outputs()
