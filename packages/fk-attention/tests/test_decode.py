@@ -144,6 +144,45 @@ def test_many_slices_merge_with_the_warps_that_hold_them(monkeypatch, slices, d)
     assert warps == 1 or values > 32 * (warps // 2) * decode.MERGE_VALUES_PER_THREAD  # no fewer would do
 
 
+@pytest.mark.parametrize("n_k", [12, 300])  # one slice, several (merged)
+@pytest.mark.parametrize("call", ["attention", "kvcache"])
+def test_quiet_decode_calls_store_no_lse_they_do_not_return(monkeypatch, call, n_k):
+    """Quiet decode calls (no autograd) that do not return the lse bind launches that store none
+    (STORE_LSE off: nothing allocated for it) and give the float64 output; the same inputs asking
+    for the lse next get a plan of their own and the float64 lse."""
+    metas = []
+    real = decode.Launch
+    monkeypatch.setattr(decode, "Launch", lambda kernel, grid, args, meta, device: metas.append(meta)
+                        or real(kernel, grid, args, meta, device))
+    monkeypatch.setattr(table, "BOUND", PlanCache())
+    dtype = torch.float16
+    b, hq, hk, d = 2, 4, 2, 32
+    q = testing.randn((b, hq, 1, d), dtype)
+    k, v = testing.randn((b, hk, n_k, d), dtype), testing.randn((b, hk, n_k, d), dtype)
+    lengths = [n_k, n_k - 5]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
+    if call == "attention":
+        lengths = [n_k, n_k]
+        fn = lambda return_lse: attention(q, k, v, return_lse=return_lse)  # noqa: E731
+    else:
+        fn = lambda return_lse: attention_with_kvcache(q, k, v, seqlens, causal=True,  # noqa: E731
+                                                       return_lse=return_lse)
+    ref_out, ref_lse = cached_reference(q, k, v, lengths, call == "kvcache", None, None, d ** -0.5)
+    with torch.no_grad():
+        for _ in range(2):  # the first call binds the quiet plan, the second runs it
+            check("out", fn(False), ref_out, dtype)
+        # (attention's first call is quiet already; the KV-cache call's first takes the full path)
+        unstored = [m for m in metas if "STORE_LSE" in m and not m["STORE_LSE"]]
+        assert unstored and (call == "kvcache" or len(unstored) == len([m for m in metas if "STORE_LSE" in m]))
+        assert any("BLOCK_S" in m for m in unstored) == (n_k > 100)  # the merge where slices are
+        metas.clear()
+        for _ in range(2):
+            out, lse = fn(True)
+            check("out", out, ref_out, dtype)
+            check("lse", lse, ref_lse, torch.float32)
+        assert all(m["STORE_LSE"] for m in metas if "STORE_LSE" in m)  # (the KV-cache call's: bound before)
+
+
 def test_key_slices_fill_the_device_and_respect_bounds():
     sms = backend.multiprocessor_count()
     assert decode.key_slices(64 * sms, 1 << 20, 128, 0) == 1  # a full grid is not sliced

@@ -171,9 +171,10 @@ class Cache:
 
 
 def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slices: int | None,
-          block_table=None, descriptors: bool | None = None):
+          block_table=None, descriptors: bool | None = None, with_lse: bool = True):
     """run(q, k, v, seqlens, block_table) -> (out, lse): out laid out like q, lse (B, Hq, Nq)
-    fp32. Dense attention (cache None): k, v (B, Hk, Nk, D). A cache: k, v the cache tensors,
+    fp32 (None without `with_lse`: nothing allocated or stored for it). Dense attention (cache
+    None): k, v (B, Hk, Nk, D). A cache: k, v the cache tensors,
     dense (B, Hk, capacity, D) or paged (pages, Hk, page_size, D) with the (B, pages per
     sequence) int32 page table; sequence b holds seqlens[b] + cache.n_new keys. `descriptors`
     forces K/V through TMA on or off (tests; None: `kv_descriptors`)."""
@@ -196,7 +197,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
 
     def new_outputs():
         out = table._new(q_shape, bnhd, out_proto)
-        return out, alloc.new_empty(fp32, (b, hq, n_q))
+        return out, alloc.new_empty(fp32, (b, hq, n_q)) if with_lse else None
 
     if q.numel() == 0:
         return lambda *args: new_outputs()
@@ -233,7 +234,8 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
             "ROW_PAGES": per_row,
             "HEAD_DIM": d,
             "HEAD_DIM_PADDED": padded, "PRECISION": table._precision(dtype), "BLOCK_M": tile.block_m,
-            "BLOCK_N": tile.block_n, "num_warps": tile.num_warps, "num_stages": tile.num_stages}
+            "BLOCK_N": tile.block_n, "num_warps": tile.num_warps, "num_stages": tile.num_stages,
+            "STORE_LSE": with_lse}
     softcap, lower_right, left, right = mask.kernel_args()
     (k_, k_ok), (v_, v_ok) = table._fit(k), table._fit(v)
     # TMA where a key block lies in one page (the descriptor's box), K/V used as given.
@@ -268,20 +270,21 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
         merge = Launch(kernels.attn_decode_merge_kernel, (b * hq * n_q,),
                        (hq, n_q, slices, part_numel, *out_example.stride(), hq * n_q, n_q, 1),
                        {"HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_S": sizing.next_power_of_2(slices),
-                        "PDL": pdl, "num_warps": merge_warps(slices, d),
+                        "PDL": pdl, "STORE_LSE": with_lse, "num_warps": merge_warps(slices, d),
                         **({"launch_pdl": True} if pdl else {})}, device)
 
     def run(q, k, v, seqlens=None, block_table=None):
         out, lse = new_outputs()
-        seqlens = lse if seqlens is None else seqlens
-        block_table = lse if block_table is None else block_table
+        unused = out if lse is None else lse  # stands in for pointers no launch follows
+        seqlens = unused if seqlens is None else seqlens
+        block_table = unused if block_table is None else block_table
         attend, k, v = kv(k, v)
         if merge is None:
-            attend(q, k, v, out, lse, lse, seqlens, block_table)
+            attend(q, k, v, out, unused, unused, seqlens, block_table)
             return out, lse
         parts = alloc.new_empty(fp32, (parts_numel,))
-        attend(q, k, v, out, lse, parts, seqlens, block_table)
-        merge(parts, out, lse)
+        attend(q, k, v, out, unused, parts, seqlens, block_table)
+        merge(parts, out, unused)
         return out, lse
 
     return run
@@ -299,11 +302,13 @@ def forward(q, k, v, mask: table.Mask, sm_scale: float, slices: int | None = Non
     return bound(q, k, v, mask, sm_scale)(q, k, v)
 
 
-def bound(q, k, v, mask: table.Mask, sm_scale: float):
-    """run(q, k, v) -> (out, lse): the decode plan bound for these inputs' layouts (not widened)."""
+def bound(q, k, v, mask: table.Mask, sm_scale: float, with_lse: bool = True):
+    """run(q, k, v) -> (out, lse): the decode plan bound for these inputs' layouts (not widened);
+    lse None without `with_lse`."""
     key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-           q.get_device(), k.get_device(), v.get_device(), mask, sm_scale)
-    return table.BOUND.get(key) or table.BOUND.get_or_build(key, lambda: _bind(q, k, v, mask, sm_scale, None, None))
+           q.get_device(), k.get_device(), v.get_device(), mask, sm_scale, with_lse)
+    return table.BOUND.get(key) or table.BOUND.get_or_build(
+        key, lambda: _bind(q, k, v, mask, sm_scale, None, None, with_lse=with_lse))
 
 
 def check_cache(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> None:
@@ -372,18 +377,20 @@ def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mas
 
 
 def bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float,
-                  facts: tuple | None = None):
+                  facts: tuple | None = None, with_lse: bool = True):
     """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> (out, lse): the KV-cache
     plan of these inputs' `layouts` (`facts`, if the caller has them), mask and scale, the
-    inputs checked as it is made (`check_cache`)."""
+    inputs checked as it is made (`check_cache`); lse None without `with_lse`."""
     if facts is None:
         facts = layouts(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
-    key = ("kvcache", facts, mask, sm_scale)
+    key = ("kvcache", facts, mask, sm_scale, with_lse)
     return table.BOUND.get(key) or table.BOUND.get_or_build(
-        key, lambda: _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale))
+        key, lambda: _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale,
+                                   with_lse))
 
 
-def _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float):
+def _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float,
+                  with_lse: bool = True):
     """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> (out, lse): the append (if
     new rows come) and the attention launches of one KV-cache call's layouts."""
     check_cache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
@@ -391,9 +398,10 @@ def _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask:
     append = None if k_new is None else _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache)
     widened = table._widened(q.dtype)  # the interpreter's bf16 dot: fp32 copies
     if widened:
-        attend = _bind(q.float(), k_cache.float(), v_cache.float(), mask, sm_scale, cache, None, block_table)
+        attend = _bind(q.float(), k_cache.float(), v_cache.float(), mask, sm_scale, cache, None, block_table,
+                       with_lse=with_lse)
     else:
-        attend = _bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table)
+        attend = _bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table, with_lse=with_lse)
 
     def run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table):
         if append is not None:

@@ -733,7 +733,7 @@ def attn_decode_kernel(
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, ROW_PAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, ROW_PAGES: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """One slice of the keys seen by a block of a GQA group's query rows: with one slice the
     output and lse; with several (SLICED) the slice's fp32 partial output and log-sum-exp, to
@@ -742,7 +742,7 @@ def attn_decode_kernel(
     launch overlaps this grid's tail). SEQLENS: sequence b has
     min(seqlens[b] + n_new, n_k) keys (a cache: n_k its capacity), else n_k. Paged K/V strides:
     skb / svb step pages, stb the page table's rows. USE_DESC: k_ptr / v_ptr are TMA descriptors
-    (`_kv_tile`)."""
+    (`_kv_tile`). STORE_LSE: the lse is stored (else nothing is written through lse_ptr)."""
     if PDL:
         tl_cuda.gdc_launch_dependents()
     m_blocks = tl.cdiv(group * n_q, BLOCK_M)
@@ -830,18 +830,20 @@ def attn_decode_kernel(
         tl.store(part_ptr + (slice0 + split)[:, None] * HEAD_DIM + cols[None, :], out, mask=cols_ok)
         tl.store(part_ptr + n_part + slice0 + split, lse, mask=row_ok)
     else:
-        _store_rows(o_ptr, lse_ptr, out, lse, b, h, pos, row_ok, cols, sob, soh, son, sod, slb, slh, sln, HEAD_DIM)
+        _store_rows(o_ptr, lse_ptr, out, lse, b, h, pos, row_ok, cols, sob, soh, son, sod, slb, slh, sln, HEAD_DIM,
+                    STORE_LSE)
 
 
 @triton.jit
 def _store_rows(o_ptr, lse_ptr, out, lse, b, h, pos, row_ok, cols, sob, soh, son, sod, slb, slh, sln,
-                HEAD_DIM: tl.constexpr):
-    """Decode rows' outputs (cast to the output's dtype) and log-sum-exps."""
+                HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr):
+    """Decode rows' outputs (cast to the output's dtype) and, STORE_LSE, log-sum-exps."""
     o_rows = tl.cast(b, tl.int64) * sob + tl.cast(h, tl.int64) * soh + tl.cast(pos, tl.int64) * son
     tl.store(o_ptr + o_rows[:, None] + cols[None, :] * sod, out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM))
-    tl.store(lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + tl.cast(pos, tl.int64) * sln, lse,
-             mask=row_ok)
+    if STORE_LSE:
+        tl.store(lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + tl.cast(pos, tl.int64) * sln,
+                 lse, mask=row_ok)
 
 
 @triton.jit
@@ -849,11 +851,12 @@ def attn_decode_merge_kernel(
     part_ptr, o_ptr, lse_ptr, n_heads, n_q, n_splits, n_part,
     sob, soh, son, sod, slb, slh, sln,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     """One query row's output from its slices' partial outputs (contiguous (rows, slices, D) fp32)
     and log-sum-exps (from n_part on, (rows, slices)): out = sum_s exp(lse_s - lse) out_s, lse = log sum_s exp(lse_s). A row that
-    saw no key (every lse_s = -inf) gets 0 and -inf. PDL: launched early, it waits for the
-    partials here."""
+    saw no key (every lse_s = -inf) gets 0 and -inf (the lse stored where STORE_LSE). PDL: launched
+    early, it waits for the partials here."""
     if PDL:
         tl_cuda.gdc_wait()
     row = tl.program_id(0)
@@ -874,8 +877,9 @@ def attn_decode_merge_kernel(
     out = tl.sum(parts * w[:, None], 0) / total_safe
     o_row = tl.cast(b, tl.int64) * sob + tl.cast(h, tl.int64) * soh + tl.cast(i, tl.int64) * son
     tl.store(o_ptr + o_row + cols * sod, out.to(o_ptr.dtype.element_ty), mask=cols < HEAD_DIM)
-    lse = tl.where(total > 0.0, m_safe + tl.log2(total_safe) * LN2, float("-inf"))
-    tl.store(lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + tl.cast(i, tl.int64) * sln, lse)
+    if STORE_LSE:
+        lse = tl.where(total > 0.0, m_safe + tl.log2(total_safe) * LN2, float("-inf"))
+        tl.store(lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + tl.cast(i, tl.int64) * sln, lse)
 
 
 @triton.jit

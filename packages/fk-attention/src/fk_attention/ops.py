@@ -253,7 +253,10 @@ def _quiet(q, k, v, sm_scale: float, mask: tuple, return_lse: bool):
     if table._widened(q.dtype):
         return False
     m = _mask(*mask)
-    run = decode.bound(q, k, v, m, sm_scale) if decode.takes(q) else table.bound_forward(q, k, v, m, sm_scale)
+    if decode.takes(q):  # no lse asked for: none allocated or stored
+        run = decode.bound(q, k, v, m, sm_scale, with_lse=return_lse)
+    else:
+        run = table.bound_forward(q, k, v, m, sm_scale)
     return run if return_lse else (lambda q, k, v: run(q, k, v)[0])
 
 
@@ -414,7 +417,7 @@ def _quiet_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_sca
     if any(t is not None and t.stride(-1) != 1 for t in (cache_seqlens, block_table)):
         return False
     run = decode.bound_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                               _mask(left, right, True, cap), sm_scale)
+                               _mask(left, right, True, cap), sm_scale, with_lse=return_lse)
     written = k is not None
 
     def quiet(q, k_cache, v_cache, cache_seqlens, k, v, block_table):
