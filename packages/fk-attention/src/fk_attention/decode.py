@@ -227,9 +227,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     spanned = sizing.cdiv(sizing.cdiv(n_k, slices), cache.page_size) + (cache.page_size > tile.block_n) if paged else 0
     slice_pages = preloaded_pages(spanned) if paged and not per_row else 0
     padded = table.padded_head_dim(d)
-    # The window's code always (unbounded sides where the mask has none): the unwindowed build ran
-    # 5-20% slower on full grids of one query row per KV head, same tiles (TUNING.md: decode).
-    meta = {"WINDOW": True, "SOFTCAP": mask.softcap is not None, "SEQLENS": cache is not None,
+    meta = {"SOFTCAP": mask.softcap is not None, "SEQLENS": cache is not None,
             "PAGED": paged, "PAGE_SIZE": max(cache.page_size if paged else 1, 1), "SLICE_PAGES": slice_pages,
             "ROW_PAGES": per_row,
             "HEAD_DIM": d,

@@ -730,7 +730,7 @@ def attn_decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, seqlens_ptr, table_ptr, sm_scale, softcap,
     n_q, n_k, n_new, n_heads_k, group, lower_right, left, right, n_splits, last_page, n_part,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, slb, slh, sln, stb,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
+    SOFTCAP: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, ROW_PAGES: tl.constexpr, STORE_LSE: tl.constexpr,
@@ -742,7 +742,9 @@ def attn_decode_kernel(
     launch overlaps this grid's tail). SEQLENS: sequence b has
     min(seqlens[b] + n_new, n_k) keys (a cache: n_k its capacity), else n_k. Paged K/V strides:
     skb / svb step pages, stb the page table's rows. USE_DESC: k_ptr / v_ptr are TMA descriptors
-    (`_kv_tile`). STORE_LSE: the lse is stored (else nothing is written through lse_ptr)."""
+    (`_kv_tile`). STORE_LSE: the lse is stored (else nothing is written through lse_ptr). Masks
+    are windows, left / right UNBOUNDED for an open side: a build without the window's code ran
+    5-20% slower on full grids of one query row per KV head (TUNING.md: decode)."""
     if PDL:
         tl_cuda.gdc_launch_dependents()
     m_blocks = tl.cdiv(group * n_q, BLOCK_M)
@@ -780,16 +782,10 @@ def attn_decode_kernel(
     # Keys some row of the block sees, [lo, hi), and those every row sees, [full_lo, full_hi).
     first = tl.min(tl.where(row_ok, pos, n_q), 0)
     last = tl.max(tl.where(row_ok, pos, 0), 0)
-    if WINDOW:
-        lo = tl.maximum(first + shift - left, 0)
-        hi = tl.maximum(tl.minimum(n_k_b, last + shift + right + 1), lo)
-        full_lo = tl.cdiv(tl.maximum(last + shift - left, 0), BLOCK_N) * BLOCK_N
-        full_hi = (tl.maximum(first + shift + right + 1, 0) // BLOCK_N) * BLOCK_N
-    else:
-        lo = 0
-        hi = n_k_b
-        full_lo = 0
-        full_hi = n_k_b
+    lo = tl.maximum(first + shift - left, 0)
+    hi = tl.maximum(tl.minimum(n_k_b, last + shift + right + 1), lo)
+    full_lo = tl.cdiv(tl.maximum(last + shift - left, 0), BLOCK_N) * BLOCK_N
+    full_hi = (tl.maximum(first + shift + right + 1, 0) // BLOCK_N) * BLOCK_N
     full_hi = tl.minimum(full_hi, (n_k_b // BLOCK_N) * BLOCK_N)
     # This program's slice of [lo, hi), whole key blocks each.
     lo = (lo // BLOCK_N) * BLOCK_N
@@ -811,15 +807,15 @@ def attn_decode_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
     acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, s_lo,
                                   mid_lo, pos, n_k_b, shift, left, right, qk_scale, cap_scale, skn, skd, skb, svn,
-                                  svd, svb, last_page, WINDOW, SOFTCAP, True, BLOCK_N, HEAD_DIM,
+                                  svd, svb, last_page, True, SOFTCAP, True, BLOCK_N, HEAD_DIM,
                                   HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
     acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, mid_lo,
                                   mid_hi, pos, n_k_b, shift, left, right, qk_scale, cap_scale, skn, skd, skb, svn,
-                                  svd, svb, last_page, WINDOW, SOFTCAP, False, BLOCK_N, HEAD_DIM,
+                                  svd, svb, last_page, True, SOFTCAP, False, BLOCK_N, HEAD_DIM,
                                   HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
     acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, mid_hi,
                                   s_hi, pos, n_k_b, shift, left, right, qk_scale, cap_scale, skn, skd, skb, svn,
-                                  svd, svb, last_page, WINDOW, SOFTCAP, True, BLOCK_N, HEAD_DIM,
+                                  svd, svb, last_page, True, SOFTCAP, True, BLOCK_N, HEAD_DIM,
                                   HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]
