@@ -86,6 +86,15 @@ def rule_times(q, k, v, lengths, pages, rule: str, variants: dict) -> dict:
     return times
 
 
+def each_case(shapes, row) -> None:
+    """row(b, hq, hk, n, d, q, k, v, lengths, k_paged, v_paged, pages) for each (B, Hq, Hk, KV, D) of
+    `shapes` on the main job's decode inputs (bf16, the cache full, pages of 64 shuffled), the GPU's
+    cache emptied after each (the inputs die with `row`'s frame)."""
+    for b, hq, hk, n, d in shapes:
+        row(b, hq, hk, n, d, *attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16, False).make_inputs())
+        torch.cuda.empty_cache()
+
+
 ROW_SHAPES = [(16, 32, 8, 32768, 64), (1, 32, 32, 131072, 128), (64, 32, 8, 1024, 128), (16, 32, 32, 1024, 128),
               (1, 32, 8, 131072, 128), (16, 32, 32, 8192, 64), (64, 32, 8, 8192, 128), (1, 32, 8, 8192, 128),
               (1, 32, 32, 131072, 64), (16, 32, 8, 1024, 64), (1, 32, 8, 1024, 128), (64, 32, 32, 8192, 64)]
@@ -96,17 +105,16 @@ def rows_sweep():
     preloaded, or read per row in the walk, whatever the grid (`decode.row_pages` forced)."""
     print("| B, Hq:Hk, KV, d | cuDNN | dense | paged preloaded | paged per row | per row / preloaded | cuDNN / per row |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for b, hq, hk, n, d in ROW_SHAPES:
-        q, k, v, lengths, kp, vp, pages = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16,
-                                                                       False).make_inputs()
+
+    def case(b, hq, hk, n, d, q, k, v, lengths, kp, vp, pages):
         row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v)),
                "dense": graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))}
         row.update(rule_times(q, kp, vp, lengths, pages, "row_pages",
                               {per_row: lambda grid, device_index, per_row=per_row: per_row for per_row in (False, True)}))
         print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['dense']} | {row[False]} | {row[True]} | "
               f"{row[False] / row[True]:.2f}x | {row['cudnn'] / row[True]:.2f}x |", flush=True)
-        del q, k, v, kp, vp
-        torch.cuda.empty_cache()
+
+    each_case(ROW_SHAPES, case)
 
 
 FILL_SHAPES = [(16, 32, 8, 32768, 64), (1, 32, 32, 131072, 64), (16, 32, 8, 32768, 128), (1, 32, 32, 32768, 128),
@@ -124,9 +132,8 @@ def fill_sweep():
     print("| B, Hq:Hk, KV, d | cuDNN | dense | preloaded, slices it needs | per row, slices x1 | per row, "
           f"x{decode.ROW_PAGES_FILL} | plan | cuDNN / plan |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for b, hq, hk, n, d in FILL_SHAPES:
-        q, k, v, lengths, kp, vp, pages = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16,
-                                                                       False).make_inputs()
+
+    def case(b, hq, hk, n, d, q, k, v, lengths, kp, vp, pages):
         page = kp.shape[2]
         row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v)),
                "dense": graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))}
@@ -144,8 +151,8 @@ def fill_sweep():
                                                  causal=True))
         print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['dense']} | {row['preloaded']} | {row['x1']} | "
               f"{row['fill']} | {row['plan']} | {row['cudnn'] / row['plan']:.2f}x |", flush=True)
-        del q, k, v, kp, vp
-        torch.cuda.empty_cache()
+
+    each_case(FILL_SHAPES, case)
 
 
 LENGTH_SHAPES = [(16, 32, 8, 1024, 64), (1, 32, 8, 1024, 128), (1, 32, 32, 1024, 64), (16, 32, 8, 1024, 128),
@@ -157,11 +164,13 @@ def lengths_sweep():
     (`attention_with_kvcache`, each program's slice bounds wait on its sequence's length)."""
     print("| B, Hq:Hk, KV, d | cuDNN | attention (no lengths) | attention_with_kvcache (lengths) |")
     print("| --- | --- | --- | --- |")
-    for b, hq, hk, n, d in LENGTH_SHAPES:
-        q, k, v, lengths, *_ = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16, False).make_inputs()
+
+    def case(b, hq, hk, n, d, q, k, v, lengths, *paged):
         print(f"| {b}, {hq}:{hk}, {n}, {d} | {graph_us(functools.partial(cudnn, q, k, v))} | "
               f"{graph_us(functools.partial(attention, q, k, v))} | "
               f"{graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))} |", flush=True)
+
+    each_case(LENGTH_SHAPES, case)
 
 
 WIDE_SHAPES = [(1, 32, 8, 1024, 128), (1, 32, 8, 8192, 128), (1, 32, 8, 32768, 128), (1, 32, 8, 131072, 128),
@@ -183,8 +192,8 @@ def wide_sweep(page: int = 0):
     (`wide_blocks` forced off)."""
     print("| B, Hq:Hk, KV, d | cuDNN | 64-row blocks | 128-row blocks (plan) | cuDNN / plan |")
     print("| --- | --- | --- | --- | --- |")
-    for b, hq, hk, n, d in WIDE_SHAPES:
-        q, k, v, lengths, *_ = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16, False).make_inputs()
+
+    def case(b, hq, hk, n, d, q, k, v, lengths, *table_pages):
         row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v))}
         pages = None
         if page:  # sequence b's page i at pages[b, i], shuffled
@@ -193,8 +202,8 @@ def wide_sweep(page: int = 0):
         row.update(rule_times(q, k, v, lengths, pages, "wide_blocks", {"narrow": lambda *args: False, "wide": None}))
         print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['narrow']} | {row['wide']} | "
               f"{row['cudnn'] / row['wide']:.2f}x |", flush=True)
-        del q, k, v
-        torch.cuda.empty_cache()
+
+    each_case(WIDE_SHAPES, case)
 
 
 # Long dense rows on grids of few programs (the `wide_depth` sweep).
@@ -206,8 +215,8 @@ DEPTH_SHAPES = [(1, 32, 32, 131072, 64), (1, 32, 8, 131072, 64), (1, 32, 32, 327
 def wide_depth_sweep():
     """Wide key blocks on long rows: slices for 0.5, 1 and 2 times the usual programs
     (`WIDE_PROGRAMS`) x 2, 3 and 4 stages (`WIDE_STAGES`), µs, against cuDNN."""
-    for b, hq, hk, n, d in DEPTH_SHAPES:
-        q, k, v, lengths, *_ = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16, False).make_inputs()
+
+    def case(b, hq, hk, n, d, q, k, v, lengths, *paged):
         row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v))}
         for programs in (0.5, 1, 2):
             for stages in (2, 3, 4):
@@ -220,8 +229,8 @@ def wide_depth_sweep():
                     row[f"x{programs} s{stages}"] = type(exc).__name__
         decode.WIDE_PROGRAMS, decode.WIDE_STAGES = 0.5, 3
         print(f"B{b} KV{n} {hq}:{hk} d{d}", row, flush=True)
-        del q, k, v
-        torch.cuda.empty_cache()
+
+    each_case(DEPTH_SHAPES, case)
 
 
 # Few-program rows of the main job's paged caches (the `slice_pages` sweep).
@@ -236,16 +245,15 @@ def slice_pages_sweep():
     the page indices it spans (`decode.preloaded_pages`, the plan) against SLICE_PAGES always, µs."""
     print("| B, Hq:Hk, KV, d | cuDNN (dense) | SLICE_PAGES always | as spanned (plan) | cuDNN / plan |")
     print("| --- | --- | --- | --- | --- |")
-    for b, hq, hk, n, d in SLICE_PAGE_SHAPES:
-        q, k, v, lengths, kp, vp, pages = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16,
-                                                                       False).make_inputs()
+
+    def case(b, hq, hk, n, d, q, k, v, lengths, kp, vp, pages):
         row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v))}
         row.update(rule_times(q, kp, vp, lengths, pages, "preloaded_pages",
                               {"all": lambda spanned: decode.SLICE_PAGES, "plan": None}))
         print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['all']} | {row['plan']} | "
               f"{row['cudnn'] / row['plan']:.2f}x |", flush=True)
-        del q, k, v, kp, vp
-        torch.cuda.empty_cache()
+
+    each_case(SLICE_PAGE_SHAPES, case)
 
 
 MERGE_SHAPES = [(1, 32, 32, 1024, 64), (1, 32, 8, 1024, 64), (1, 32, 8, 8192, 64), (1, 32, 8, 32768, 64),
@@ -259,16 +267,15 @@ def merge_sweep():
     print("| B, Hq:Hk, KV, d | cuDNN | 4 warps | 2 | 1 | plan | paged 4 warps | paged plan | cuDNN / plan |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     warps = {w: lambda slices, head_dim, w=w: w for w in (4, 2, 1)}
-    for b, hq, hk, n, d in MERGE_SHAPES:
-        q, k, v, lengths, kp, vp, pages = attention_bench._decode_case(b, hq, hk, n, d, torch.bfloat16,
-                                                                       False).make_inputs()
+
+    def case(b, hq, hk, n, d, q, k, v, lengths, kp, vp, pages):
         cudnn_us = graph_us(functools.partial(cudnn, q, k, v))
         dense = rule_times(q, k, v, lengths, None, "merge_warps", {**warps, "plan": None})
         paged = rule_times(q, kp, vp, lengths, pages, "merge_warps", {4: warps[4], "plan": None})
         print(f"| {b}, {hq}:{hk}, {n}, {d} | {cudnn_us} | {dense[4]} | {dense[2]} | {dense[1]} | {dense['plan']} | "
               f"{paged[4]} | {paged['plan']} | {cudnn_us / dense['plan']:.2f}x |", flush=True)
-        del q, k, v, kp, vp
-        torch.cuda.empty_cache()
+
+    each_case(MERGE_SHAPES, case)
 
 
 def _bound(paged: bool, descriptors: bool):
