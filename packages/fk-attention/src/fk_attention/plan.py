@@ -166,7 +166,7 @@ def _configs(*rows: tuple[int, int, int, int]) -> tuple[Config, ...]:
 
 
 # Defaults (fixed launches on a GPU), by padded head dim then element size: (max head dim,
-# {kind: config}); first match wins. 4-byte inputs get half the tile bytes of 2-byte ones.
+# {kind: config}); first match wins.
 # 16-bit head dims 64 and 128: the winners of the H100 sweeps (TUNING.md); the rest are priors.
 DEFAULTS_16BIT = (
     (64, {Kind.FORWARD: Config(64, 128, 4, 2), Kind.DQ: Config(128, 64, 4, 3),
@@ -176,11 +176,14 @@ DEFAULTS_16BIT = (
     (256, {Kind.FORWARD: Config(64, 64, 4, 2), Kind.DQ: Config(64, 32, 4, 2),
            Kind.DKDV: Config(32, 64, 4, 2)}),
 )
+# 4-byte head dims 64 and 128: the fastest of the tiles an sm_90 compile left with the fewest
+# spills (exact fp32 products are FMA loops held in registers; TUNING.md: DEFAULTS_32BIT); 256
+# keeps its priors.
 DEFAULTS_32BIT = (
-    (64, {Kind.FORWARD: Config(64, 64, 4, 2), Kind.DQ: Config(64, 32, 4, 2),
-          Kind.DKDV: Config(32, 64, 4, 2)}),
-    (128, {Kind.FORWARD: Config(64, 32, 4, 2), Kind.DQ: Config(64, 32, 4, 2),
-           Kind.DKDV: Config(32, 64, 4, 2)}),
+    (64, {Kind.FORWARD: Config(32, 32, 4, 2), Kind.DQ: Config(32, 16, 4, 2),
+          Kind.DKDV: Config(16, 64, 8, 2)}),
+    (128, {Kind.FORWARD: Config(32, 64, 8, 2), Kind.DQ: Config(32, 64, 8, 2),
+           Kind.DKDV: Config(16, 64, 8, 2)}),
     (256, {Kind.FORWARD: Config(32, 32, 4, 1), Kind.DQ: Config(32, 32, 4, 1),
            Kind.DKDV: Config(32, 32, 4, 1)}),
 )
