@@ -1,5 +1,6 @@
 """fp32 tiles (`plan.DEFAULTS_32BIT`): each kernel's time (torch.profiler, µs per call), registers
-and spills per config, against the plan's and SDPA's fp32 forward + backward (TUNING.md: DEFAULTS_32BIT).
+and spills per config, against the plan's and SDPA's fp32 forward + backward (TUNING.md:
+DEFAULTS_32BIT).
 
     bash shared/from-source.sh python packages/fk-attention/tuning/fp32.py [HEAD_DIM ...]
 
@@ -94,9 +95,12 @@ def sweep(d: int) -> dict:
             use(with_configs(d, {kind: config}))
             try:
                 us = kernel_us(forward if kind is FWD else backward, KERNELS[kind].fn.__name__)
-                got = [forward().detach()] if kind is FWD else (backward()[:1] if kind is DQ else backward()[1:])
-                error = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(got, reference[kind], strict=True))
-                row.append((us if error < 1e-4 else float("inf"), tile, f"{registers(kind, config)}, err {error:.1e}"))
+                grads = None if kind is FWD else backward()
+                got = [forward().detach()] if kind is FWD else (grads[:1] if kind is DQ else grads[1:])
+                error = max(((g - r).abs().max() / r.abs().max()).item()
+                            for g, r in zip(got, reference[kind], strict=True))
+                notes = f"{registers(kind, config)}, err {error:.1e}"
+                row.append((us if error < 1e-4 else float("inf"), tile, notes))
             finally:
                 use(plan)
         plan_tile = dataclasses.astuple(table.default_config(kind, d, torch.float32, False))[:4]
