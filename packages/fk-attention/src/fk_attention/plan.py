@@ -288,7 +288,7 @@ def _row(table, head_dim: int):
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def default_config(kind: Kind, head_dim: int, dtype: torch.dtype, descriptors: bool) -> Config:
     """The fixed launch for `kind`: tiny blocks on the interpreter, the head dim's default on a
-    GPU (half the tile bytes for fp32); through descriptors when `use_descriptors` allowed them."""
+    GPU (fp32: its own tiles, sized to registers); through descriptors when `use_descriptors` allowed them."""
     if backend.is_interpreter():
         return Config(INTERPRETER_BLOCK, INTERPRETER_BLOCK, sizing.MIN_WARPS, 1, descriptors)
     table = DEFAULTS_32BIT if dtype.itemsize > 2 else DEFAULTS_16BIT
