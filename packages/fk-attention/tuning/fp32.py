@@ -16,11 +16,11 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from fk_attention import attention, kernels
 from fk_attention import plan as table
+from fk_runtime import bench
 
 B, H, N = 2, 16, 2048
 FWD, DQ, DKDV = table.Kind.FORWARD, table.Kind.DQ, table.Kind.DKDV
@@ -34,17 +34,6 @@ TILES = {
           DKDV: [(16, 64, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)]},
 }
 KERNELS = {FWD: kernels.attn_fwd_kernel, DQ: kernels.attn_bwd_dq_kernel, DKDV: kernels.attn_bwd_dkdv_kernel}
-
-
-def kernel_us(fn, name: str) -> float:
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-    times = [e.device_time_total for e in prof.key_averages() if e.key == name]
-    return round(times[0] / 5, 1) if times else float("nan")
 
 
 def registers(kind: table.Kind, config: table.Config) -> str:
@@ -94,7 +83,8 @@ def sweep(d: int) -> dict:
             config = table.Config(*tile)
             use(with_configs(d, {kind: config}))
             try:
-                us = kernel_us(forward if kind is FWD else backward, KERNELS[kind].fn.__name__)
+                call = forward if kind is FWD else backward
+                us = round(bench.device_us_per_call(call, 5, KERNELS[kind].fn.__name__), 1)
                 grads = None if kind is FWD else backward()
                 got = [forward().detach()] if kind is FWD else (grads[:1] if kind is DQ else grads[1:])
                 error = max(((g - r).abs().max() / r.abs().max()).item()

@@ -560,9 +560,10 @@ def time_per_call_us(calls: dict[str, Callable[[], object]]) -> dict[str, float]
     return {name: s * 1e6 for name, s in interleaved_seconds(calls, warmup, count, repeats).items()}
 
 
-def device_us_per_call(call: Callable[[], object], calls: int = PROFILED_CALLS) -> float | None:
+def device_us_per_call(call: Callable[[], object], calls: int = PROFILED_CALLS,
+                       kernel: str | None = None) -> float | None:
     """Sum of the device's kernel (and copy) durations over `calls` calls, per call, from
-    torch.profiler; None on the interpreter."""
+    torch.profiler (only the kernel named `kernel`, if given); None on the interpreter."""
     if backend.is_interpreter():
         return None
     from torch.autograd import DeviceType
@@ -577,7 +578,8 @@ def device_us_per_call(call: Callable[[], object], calls: int = PROFILED_CALLS) 
     # GPU-side user annotations (record_function ranges) span kernels: counted, they would count
     # those kernels twice.
     total = sum(e.time_range.elapsed_us() for e in prof.events()
-                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+                and (kernel is None or e.name == kernel))
     return total / calls
 
 

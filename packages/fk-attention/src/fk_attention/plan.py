@@ -860,7 +860,6 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
     varlen = packing is not None
     dtype, device = q.dtype, q.device
     grad_proto = torch.empty(0, dtype=dtype, device=device)
-    new_grad = functools.partial(alloc.new_empty, grad_proto)
     fp32 = torch.empty(0, dtype=torch.float32, device=device)
     if varlen:
         total_q, hq, d = q.shape
@@ -871,7 +870,7 @@ def _bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: 
         totals = (total_q, k.shape[0])
 
         def new_grads():
-            return tuple(new_grad(shape) for shape in shapes)
+            return tuple(alloc.new_empty(grad_proto, shape) for shape in shapes)
 
         # Scratch rows (delta, base-2 lse), each sequence's aligned and padded (`_stats_first`).
         scratch_rows = sizing.cdiv(total_q + STATS_ALIGN * (b + 1), STATS_ALIGN) * STATS_ALIGN
