@@ -3,7 +3,9 @@ and reuses them. What it caches must stay right when any of those changes betwee
 a GPU the bound launches (compiled kernels launched directly) must equal the first, JIT-launched
 call, under side streams and CUDA graph capture too."""
 
+import contextlib
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -176,21 +178,111 @@ def test_descriptor_arguments_expand_as_triton_36_does():
 
 def test_direct_launches_only_under_checked_triton_versions():
     """The compiled launcher's argument layout differs across Triton versions (3.4: 12 leading
-    arguments; 3.7 on: another layout): `Launch` calls it directly only under the checked ones."""
-    assert launch.launcher_layout_known("3.6.0") and launch.launcher_layout_known("3.5.1")
-    for version in ("3.4.0", "3.7.0", "3.9.0", "4.0.0", "3.6", "nightly", "3"):
-        assert launch.launcher_layout_known(version) == (version == "3.6"), version
+    arguments; 3.5-3.6: a launcher per signature; 3.7-3.9: one generic launcher): `Launch` calls
+    it directly only under the checked ones, each with its own layout."""
+    for version in ("3.5.1", "3.6.0"):
+        assert launch.launcher_layout(version) == "per-signature", version
+    for version in ("3.7.0", "3.7.1", "3.8.0", "3.9.0", "3.9.1"):
+        assert launch.launcher_layout(version) == "generic", version
+    for version in ("3.4.0", "3.10.0", "4.0.0", "3", "nightly", "3.x"):
+        assert launch.launcher_layout(version) is None and not launch.launcher_layout_known(version), version
+
+
+def _stub_triton_driver(monkeypatch, calls: list, filled: list):
+    """Triton's active driver with its C parts replaced: `utils.launch` records its arguments,
+    `fill_tma_descriptor_tiled` a tensor map that shows what it was filled from; the launcher
+    module's argument annotations as plain tuples (its C type, built when the real driver loads)."""
+    import types
+
+    import triton.backends.nvidia.driver as nvidia
+
+    def fill(*args):
+        filled.append(args)
+        return ("map", args[0], *args[1:5])
+
+    utils = types.SimpleNamespace(launch=lambda *a: calls.append(a), build_signature_metadata=tuple,
+                                  fill_tma_descriptor_tiled=fill)
+    stub = types.SimpleNamespace(utils=utils, get_current_device=lambda: 0)
+    monkeypatch.setattr(importlib.import_module("triton.runtime.driver").driver, "_active", stub)
+    monkeypatch.setattr(nvidia, "PyKernelArg", lambda nested_tuple, type: (type, nested_tuple), raising=False)
+    for i, name in enumerate(("ARG_CONSTEXPR", "ARG_KERNEL", "ARG_TUPLE")):
+        monkeypatch.setattr(nvidia, name, i, raising=False)
+    return nvidia
+
+
+@pytest.mark.skipif(launch.launcher_layout() != "generic", reason="Triton 3.7-3.9's generic launcher")
+def test_generic_launches_pass_what_tritons_launcher_passes(monkeypatch):
+    """Under Triton 3.7-3.9, a bound launch hands `driver.active.utils.launch` exactly what this
+    Triton's own `CudaLauncher` (its argument annotations, signature and per-call descriptor
+    wrapper, run here with the C parts stubbed) would for the same kernel and arguments: fk's
+    descriptors expanded in place as tensor map, shape and strides, constexprs left for the C
+    launcher to drop. Descriptors fk does not expand (fp4 padding) and kernels that need scratch
+    memory get no direct entry (Triton's dispatch then runs them)."""
+    import types
+
+    calls, filled = [], []
+    nvidia = _stub_triton_driver(monkeypatch, calls, filled)
+    signature = {"q": "tensordesc<bf16[1,1,64,128]>", "x": "*fp32", "k": "tensordesc<fp16[1,1,32,64]>",
+                 "scale": "fp32", "n": "i32", "BLOCK": "constexpr", "CAUSAL": "constexpr"}
+    metas = [dict(swizzle=3, elem_size=2, elem_type=9, block_size=[1, 1, 64, 128], fp4_padded=False),
+             dict(swizzle=2, elem_size=2, elem_type=8, block_size=[1, 1, 32, 64], fp4_padded=False)]
+    src = types.SimpleNamespace(signature=signature, constants={}, fn=types.SimpleNamespace(arg_names=list(signature)))
+    metadata = types.SimpleNamespace(tensordesc_meta=metas, num_ctas=1, global_scratch_size=0,
+                                     global_scratch_align=1, profile_scratch_size=0, profile_scratch_align=1,
+                                     launch_cooperative_grid=False, launch_pdl=True, instrumentation_mode="")
+    runner = nvidia.CudaLauncher(src, metadata)
+    compiled = types.SimpleNamespace(run=runner, function=777, packed_metadata=(4, 1, 1024), src=src,
+                                     metadata=metadata)
+    q, k = torch.zeros(2, 3, 64, 128), torch.zeros(1, 1, 32, 64)
+    head = [launch.Descriptor(q, [2, 3, 64, 128], [24576, 8192, 128, 1], [1, 1, 64, 128]), 12345,
+            launch.Descriptor(k, [1, 1, 32, 64], [2048, 2048, 64, 1], [1, 1, 32, 64], padding="nan"), 0.5]
+    tail = (64, 64, True)  # n, then the constexprs
+    runner(3, 2, 1, 99, 777, (4, 1, 1024), None, None, None, *head, *tail)  # as Triton's JIT calls it
+    fn, function, middle, expansions, packed, kept = launch._generic_entry(compiled, runner, len(head))
+    assert packed and kept is compiled and function == 777
+    fn(3, 2, 1, 99, function, *middle, launch._expand(list(head), expansions) + list(tail))  # as Launch does
+    assert len(calls) == 2 and len(filled) == 4 and filled[:2] == filled[2:]
+    assert calls[0][:-1] == calls[1][:-1] and list(calls[0][-1]) == list(calls[1][-1])
+    q_map = ("map", q.data_ptr(), 3, 2, nvidia.TMA_DTYPE_DEVICE_TO_HOST[9], [1, 1, 64, 128])
+    assert list(calls[1][-1])[:9] == [q_map, 2, 3, 64, 128, 24576, 8192, 128, 1]
+    assert filled[3][-1] == 1 and filled[2][-1] == 0  # padding "nan", "zero"
+    metas[0]["fp4_padded"] = True
+    assert launch._generic_entry(compiled, runner, len(head)) is None
+    metas[0]["fp4_padded"] = False
+    assert launch._generic_entry(compiled, runner, 1) is None  # a descriptor past the head
+    runner.global_scratch_size = 128
+    assert launch._generic_entry(compiled, runner, len(head)) is None
+
+
+def test_unknown_triton_launches_through_tritons_dispatch(monkeypatch):
+    """A Triton whose launcher fk has not read: a Launch still runs every call (through
+    `kernel[grid]`), warns once per process, and caches no direct entry."""
+    monkeypatch.setattr(launch, "launcher_layout_known", lambda version=None: False)
+    launch._warn_unknown_layout.cache_clear()
+    x = testing.randn((64, 256), torch.float32)
+    w = testing.randn((256,), torch.float32)
+    import fk_weightedsum.plan as plan
+
+    monkeypatch.setattr(plan, "BOUND", launch.PlanCache())
+    on_gpu = testing.on_gpu()
+    with pytest.warns(RuntimeWarning, match="launcher") if on_gpu else contextlib.nullcontext():
+        first = weighted_sum(x, w)
+    testing.assert_close("unknown launcher", first, x.double() @ w.double(), torch.float32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fk: Triton", category=RuntimeWarning)  # once only
+        again = weighted_sum(x, w)
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert all(not c._compiled for run in plan.BOUND.values() for c in _launches(run))
+    launch._warn_unknown_layout.cache_clear()
 
 
 def test_descriptor_launches_skip_tritons_wrapper():
-    """On a GPU whose Triton has the 3.6 wrapper, bound launches with TMA descriptors go to the C
-    launcher with fk's own expansion (and still give the right answer)."""
+    """On a GPU whose Triton fk launches directly (3.5-3.9), bound launches with TMA descriptors
+    go to the C launcher with fk's own expansion (and still give the right answer)."""
     if not testing.on_gpu() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("host TMA descriptors: Hopper or newer GPUs")
-    import triton
-
-    if not triton.__version__.startswith("3.6"):
-        pytest.skip("the fast path mirrors Triton 3.6's wrapper")
+    if not launch.launcher_layout_known():
+        pytest.skip("this Triton's launcher is not called directly")
     import fk_attention.plan as plan
 
     q, k, v = (testing.randn((1, 4, 256, 128), torch.bfloat16) for _ in range(3))

@@ -14,10 +14,17 @@ constexpr), and a `Launch` keys its compiled kernels on the 16-byte alignment of
 is given (Triton's pointer specialization). The stream is read at every call (CUDA graphs and
 side streams see their own).
 
-The compiled launcher's argument layout is Triton's internal business: the direct path is taken
-only under the Triton versions whose layout was read and checked (`LAUNCHER_VERSIONS`). On the
-interpreter, with a launch hook set (profilers), or under any other Triton version, every call
-takes `kernel[grid](...)` (right everywhere, tens of microseconds slower).
+The compiled launcher's argument layout is Triton's internal business, and it changed in 3.7:
+- 3.5 and 3.6 build a C launcher per kernel signature, which takes every argument positionally
+  after 13 leading ones (`PER_SIGNATURE_VERSIONS`);
+- 3.7 on launch every kernel through one C function, `driver.active.utils.launch`, which takes the
+  kernel's arguments as one sequence and drops the constexprs itself, by annotations the
+  kernel's launcher object holds (`GENERIC_VERSIONS`). From 3.8 a `CompiledKernel` unloads its
+  module when it is freed, so an entry keeps it alive as long as it keeps its function handle.
+The direct path is taken only under those versions, whose layouts were read and checked. On the
+interpreter, with a launch hook set (profilers), or under any other Triton version (with a
+warning, once), every call takes `kernel[grid](...)`: right everywhere, tens of microseconds
+slower.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import warnings
 
 import torch
 
@@ -33,12 +41,18 @@ from . import backend
 
 # (major, minor) Triton versions whose compiled launcher takes the arguments `_launcher_entry`
 # passes (13 leading arguments) and whose descriptor wrapper `_tensordesc_fast_path` mirrors: 3.4
-# passes 12 and expands only its own descriptor classes; 3.7 on lay them out otherwise.
-LAUNCHER_VERSIONS = ((3, 5), (3, 6))
+# passes 12 and expands only its own descriptor classes.
+PER_SIGNATURE_VERSIONS = ((3, 5), (3, 6))
+# Versions whose one generic C launcher `_generic_entry` calls (read in 3.7.1, 3.8.0 and 3.9.0).
+GENERIC_VERSIONS = ((3, 7), (3, 8), (3, 9))
+LAUNCHER_VERSIONS = PER_SIGNATURE_VERSIONS + GENERIC_VERSIONS
 # Triton specializes pointers on this alignment (bytes).
 POINTER_ALIGN = 16
 # Compiled kernels one Launch keeps (one per alignment pattern of its tensors).
 MAX_SPECIALIZATIONS = 16
+# Floating-point contraction (a * b + c as one FMA), pinned: Triton 3.9 warns while it is left to
+# its default and 3.10 turns the default off; fk's kernels were written and measured with it on.
+FP_FUSION = True
 # Bound plans an op keeps (and the size of its plan functions' caches): a model uses a handful of
 # shapes; a sweep over thousands should not grow without bound.
 PLAN_CACHE_SIZE = 1024
@@ -57,10 +71,11 @@ class Descriptor:
     block_shape: list
     padding: str = "zero"
     layout: object = None
+    round_f32_to_tf32 = False  # what Triton >= 3.7's descriptor wrapper also reads (fk never rounds)
 
     def real(self):
         if self.layout is not None:
-            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+            from .gluon import TensorDescriptor as GluonDescriptor
 
             return GluonDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),
                                    self.layout, self.padding)
@@ -149,18 +164,41 @@ def _compiled_launcher(compiled) -> bool:
     return all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata"))
 
 
-@functools.cache
-def launcher_layout_known(version: str | None = None) -> bool:
-    """Whether this Triton's (or `version`'s) compiled launcher is one `Launch` may call directly."""
+def _version(version: str | None) -> tuple[int, int] | None:
     if version is None:
         import triton
 
         version = triton.__version__
     parts = version.split(".")
     try:
-        return (int(parts[0]), int(parts[1])) in LAUNCHER_VERSIONS
+        return int(parts[0]), int(parts[1])
     except (IndexError, ValueError):
-        return False
+        return None
+
+
+@functools.cache
+def launcher_layout(version: str | None = None) -> str | None:
+    """How this Triton's (or `version`'s) compiled kernels are launched directly: "per-signature"
+    (3.5, 3.6), "generic" (3.7 on), or None where fk has not read the layout (Triton's dispatch)."""
+    v = _version(version)
+    if v in PER_SIGNATURE_VERSIONS:
+        return "per-signature"
+    return "generic" if v in GENERIC_VERSIONS else None
+
+
+def launcher_layout_known(version: str | None = None) -> bool:
+    """Whether this Triton's (or `version`'s) compiled launcher is one `Launch` may call directly."""
+    return launcher_layout(version) is not None
+
+
+@functools.cache
+def _warn_unknown_layout() -> None:
+    """Once per process: this Triton's launches take its own dispatch (slower, still right)."""
+    import triton
+
+    warnings.warn(f"fk: Triton {triton.__version__}'s kernel launcher is not one fk has checked "
+                  f"({', '.join(f'{a}.{b}' for a, b in LAUNCHER_VERSIONS)}); kernels launch through Triton's "
+                  "own dispatch, tens of microseconds more per call", RuntimeWarning, stacklevel=4)
 
 
 # The closure of Triton 3.6's per-call descriptor wrapper (`wrap_handle_tensordesc`'s `inner`).
@@ -213,22 +251,67 @@ def _expand(args: list, expansions: tuple) -> list:
     return out
 
 
-def _launcher_entry(compiled, n_head: int) -> tuple:
+def _plain(runner) -> bool:
+    """The kernel needs no scratch memory and no sanitizer state (which Triton's Python wrapper
+    allocates per launch): the C launcher may be called without it."""
+    return (all(getattr(runner, name, None) == 0 for name in ("global_scratch_size", "profile_scratch_size"))
+            and not getattr(runner, "gsan_enabled", False))
+
+
+def _launcher_entry(compiled, n_head: int) -> tuple | None:
     """(launch, function, arguments between the function and the kernel's own, descriptor
-    expansions): the C launcher itself where the kernel needs no scratch memory (Triton's Python
-    wrapper only allocates that), else the wrapper. Launch hooks are None: `Launch` takes this
-    path only when none is set."""
+    expansions, whether the kernel's arguments go as one sequence, the compiled kernel kept
+    alive), or None where no direct call is known. Launch hooks are None: `Launch` takes this path
+    only when none is set."""
     runner = compiled.run
+    if launcher_layout() == "generic":
+        return _generic_entry(compiled, runner, n_head)
     direct = getattr(runner, "launch", None)
-    plain = all(getattr(runner, name, None) == 0 for name in ("global_scratch_size", "profile_scratch_size"))
-    if direct is not None and plain and hasattr(runner, "launch_cooperative_grid") and hasattr(runner, "launch_pdl"):
+    if direct is not None and _plain(runner) and hasattr(runner, "launch_cooperative_grid") \
+            and hasattr(runner, "launch_pdl"):
         middle = (runner.launch_cooperative_grid, runner.launch_pdl, None, None, compiled.packed_metadata, None,
                   None, None)
         fast = _tensordesc_fast_path(direct, n_head)
         if fast is not None:
-            return fast[0], compiled.function, middle, fast[1]
-        return direct, compiled.function, middle, ()
-    return runner, compiled.function, (compiled.packed_metadata, None, None, None), ()
+            return fast[0], compiled.function, middle, fast[1], False, compiled
+        return direct, compiled.function, middle, (), False, compiled
+    return runner, compiled.function, (compiled.packed_metadata, None, None, None), (), False, compiled
+
+
+# The launcher attributes `_generic_entry` reads (Triton 3.7-3.9's `CudaLauncher`).
+_GENERIC_ATTRIBUTES = ("arg_annotations", "kernel_signature", "launch_cooperative_grid", "launch_pdl")
+
+
+def _generic_entry(compiled, runner, n_head: int) -> tuple | None:
+    """Triton 3.7 on: `driver.active.utils.launch(grid, stream, function, cooperative, pdl,
+    packed metadata, launch metadata, enter hook, exit hook, global scratch, profile scratch,
+    annotations, signature, arguments)`. The annotations and signature are the launcher's, made for
+    the arguments with each TMA descriptor expanded (tensor map, shape, strides) and constexprs
+    in place; fk expands its descriptors itself (`_expand`), as Triton's per-call wrapper would.
+    None (Triton's dispatch) for what fk does not expand: im2col, fp4 padding, descriptors that
+    were not lowered to TMA or that lie past the head, and kernels that need scratch memory."""
+    import sys
+
+    import triton
+
+    if not (_plain(runner) and all(hasattr(runner, name) for name in _GENERIC_ATTRIBUTES)):
+        return None
+    signature = list(getattr(compiled.src, "signature", {}).values())
+    indices = [i for i, sig in enumerate(signature) if isinstance(sig, str) and sig.startswith("tensordesc")]
+    metas = list(getattr(compiled.metadata, "tensordesc_meta", None) or ())
+    expansions = []
+    if indices:
+        to_host = getattr(sys.modules.get(type(runner).__module__), "TMA_DTYPE_DEVICE_TO_HOST", None)
+        if to_host is None or len(metas) != len(indices) or indices[-1] >= n_head:
+            return None
+        fill = triton.runtime.driver.active.utils.fill_tma_descriptor_tiled
+        for i, m in zip(indices, metas, strict=True):
+            if m is None or m.get("fp4_padded") or m.get("is_im2col"):
+                return None
+            expansions.append((i, m["swizzle"], m["elem_size"], to_host[m["elem_type"]], m["block_size"], fill))
+    middle = (runner.launch_cooperative_grid, runner.launch_pdl, compiled.packed_metadata, None, None, None, None,
+              None, runner.arg_annotations, runner.kernel_signature)
+    return triton.runtime.driver.active.utils.launch, compiled.function, middle, tuple(expansions), True, compiled
 
 
 class Launch:
@@ -247,7 +330,7 @@ class Launch:
         grid = tuple(int(g) for g in grid)
         self.grid = grid + (1,) * (3 - len(grid))
         self.tail = tuple(tail)
-        self.meta = dict(meta or {})
+        self.meta = {"enable_fp_fusion": FP_FUSION, **(meta or {})}
         self.device = None if device is None or device.type != "cuda" else device.index
         self._tail: tuple = ()  # tail, then the constexprs: every parameter after the head
         self._compiled: dict = {}
@@ -265,10 +348,14 @@ class Launch:
                     bits |= 1 << bit
             entry = self._compiled.get(bits)
             if entry is not None:
-                launch, function, middle, expansions = entry
+                launch, function, middle, expansions, packed, _ = entry
                 if expansions:
                     args = _expand(args, expansions)
-                launch(*self.grid, _current_stream(self.device), function, *middle, *args, *self._tail)
+                if packed:  # Triton >= 3.7: the kernel's arguments as one sequence
+                    args += self._tail
+                    launch(*self.grid, _current_stream(self.device), function, *middle, args)
+                else:
+                    launch(*self.grid, _current_stream(self.device), function, *middle, *args, *self._tail)
                 return
         self._slow(head)
 
@@ -282,7 +369,10 @@ class Launch:
         with self._on_device():
             bind_context(self.device)
             compiled = self.kernel[self.grid](*real, *self.tail, **self.meta)  # compiles on first use
-        if backend.is_interpreter() or not launcher_layout_known() or not _compiled_launcher(compiled):
+        if backend.is_interpreter() or not _compiled_launcher(compiled):
+            return
+        if not launcher_layout_known():
+            _warn_unknown_layout()
             return
         if self._tensors is None:
             constexprs = _trailing_constexprs(self.kernel, self.meta)
@@ -296,7 +386,9 @@ class Launch:
             if head[i].data_ptr() % POINTER_ALIGN:
                 bits |= 1 << bit
         if len(self._compiled) < MAX_SPECIALIZATIONS:
-            self._compiled[bits] = _launcher_entry(compiled, len(head))
+            entry = _launcher_entry(compiled, len(head))
+            if entry is not None:
+                self._compiled[bits] = entry
 
     def _on_device(self):
         if self.device is None or backend.is_interpreter() or _current_device() == self.device:
