@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from fk_runtime import gluon as fk_gluon
 from fk_runtime import testing
 from fk_runtime.launch import PlanCache
 
@@ -268,7 +269,7 @@ def test_descriptors_on_odd_strides(causal):
 
 
 ON_GLUON_HOPPER = pytest.mark.skipif(
-    not (testing.on_gpu() and hopper.triton_supported() and torch.cuda.get_device_capability()[0] == 9),
+    not (testing.on_gpu() and fk_gluon.supported() and torch.cuda.get_device_capability()[0] == 9),
     reason="the Gluon path: Hopper and its Triton")
 
 
@@ -419,8 +420,9 @@ def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch
 def test_hopper_forward_gate():
     """The Gluon path runs only on the Triton versions it was built for, never on the interpreter
     (where the tl kernels serve every test), and its descriptors carry their shared layout."""
-    assert hopper.triton_supported("3.6.0") == (hopper.gluon is not None)
-    assert not hopper.triton_supported("3.5.1") and not hopper.triton_supported("99.0.0")
+    for version in ("3.6.0", "3.7.1", "3.8.0", "3.9.0"):
+        assert fk_gluon.supported(version) == (hopper.gluon is not None), version
+    assert not fk_gluon.supported("3.5.1") and not fk_gluon.supported("99.0.0")
     q = testing.randn((1, 2, 64, 128), torch.bfloat16)
     if not testing.on_gpu():
         assert not hopper.takes(q, q, q, table.CAUSAL, 0.1)

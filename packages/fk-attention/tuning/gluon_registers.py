@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the Gluon kernels (hopper.py), from a compile for sm_90a
 on any machine: no GPU, Triton's bundled ptxas
-(TUNING.md: Hopper forward, Hopper backward). Needs a Triton in hopper.GLUON_TRITON (3.6).
+(TUNING.md: Hopper forward, Hopper backward). Needs a Triton in fk_runtime.gluon.VERSIONS (3.6-3.9).
 
     TRITON_INTERPRET=0 PYTHONPATH=shared/src:packages/fk-attention/src \\
         python packages/fk-attention/tuning/gluon_registers.py
@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.runtime.driver import driver
 
 
@@ -60,7 +61,7 @@ def usage(compiled) -> str:
         ptx = os.path.join(folder, "k.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        tool = get_ptxas(90).path  # the ptxas this Triton compiles sm_90 with (3.9: its newer one)
         log = subprocess.run([tool, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(folder, "k.o")],
                              capture_output=True, text=True).stderr
     spills = next((line.strip() for line in log.splitlines() if "spill" in line), "")

@@ -13,7 +13,7 @@ __version__ = package_version(__name__, __file__)
 # < the next minor (tests/test_runtime_surface.py checks both against the op packages).
 SURFACE_VERSION = "0.1"
 PUBLIC = {
-    "fk_runtime": ("Backend", "alloc", "backend", "bench", "checks", "cli", "launch", "ops", "package_version",
+    "fk_runtime": ("Backend", "alloc", "backend", "bench", "checks", "cli", "gluon", "launch", "ops", "package_version",
                    "partials", "siblings", "sizing", "testing", "views"),
     "alloc": ("empty", "empty_like", "new_empty", "new_empty_strided", "poisoned_outputs", "poisoning"),
     "backend": ("Backend", "backend", "default_device", "device_name", "gpu_available", "is_hip",
@@ -22,6 +22,8 @@ PUBLIC = {
     "checks": ("FLOAT_DTYPES", "check_flag", "check_kernel_device", "check_nonnegative", "check_positive",
                "check_same_device", "check_same_dtype", "check_shape", "check_size", "check_tensor",
                "normalize_dim"),
+    "gluon": ("TensorDescriptor", "VERSIONS", "fence_async_shared", "gl", "gluon", "mbarrier", "reinterpret",
+              "store_wait", "supported", "tma_load", "tma_store", "warpgroup_mma", "warpgroup_mma_wait"),
     "launch": ("Descriptor", "Launch", "PLAN_CACHE_SIZE", "PlanCache", "bind_context"),
     "ops": ("Op", "autocast", "define", "quiet_key", "resolve_negated", "traced", "transforms_active"),
     "partials": ("bind_sum_rows", "sum_rows"),

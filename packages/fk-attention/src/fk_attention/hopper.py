@@ -15,7 +15,8 @@ the group. dQ (and the row terms delta and the base-2 lse that dK/dV reads) stay
 kernel (`kernels.attn_bwd_dq_kernel`), which runs first: 7 matmuls per block pair, deterministic.
 
 Taken for what they were built and measured on (TUNING.md: Hopper forward, Hopper backward): an
-H100-class GPU (compute capability 9.x), the Triton versions in GLUON_TRITON, fp16/bf16, head dims
+H100-class GPU (compute capability 9.x), the Triton versions in `fk_runtime.gluon.VERSIONS` (whose
+names for Gluon's API the kernels use), fp16/bf16, head dims
 padded to HEAD_DIMS, full or causal masks (either alignment), no softcap, dense (B, H, N, D)
 tensors whose strides a TMA descriptor takes and whose bases are aligned (checked per call); the
 forward only for a positive scale. Everything else, and any Triton where Gluon or this API is
@@ -25,24 +26,15 @@ missing, runs the `tl` kernels (`kernels.py`), which stay the reference the GPU 
 from __future__ import annotations
 
 import torch
-import triton
 
+from fk_runtime import gluon as fk_gluon
 from fk_runtime import sizing
+from fk_runtime.gluon import (fence_async_shared, gl, gluon, mbarrier, reinterpret, store_wait, tma_load,
+                              tma_store, warpgroup_mma, warpgroup_mma_wait)
 from fk_runtime.launch import Descriptor, Launch
 
 from . import plan as table
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-except ImportError:  # a Triton without Gluon: the tl kernels serve
-    gluon = None
-
-# Triton versions (major, minor) this path was built, tested and measured with; on others (the
-# Gluon API still moves between releases) the tl kernels run.
-GLUON_TRITON = ((3, 6),)
 DTYPES = (torch.float16, torch.bfloat16)
 # Padded head dims taken: 128 beat the tl kernels by 7-33%; 64 and 256 lost to them (TUNING.md).
 HEAD_DIMS = (128,)
@@ -56,19 +48,11 @@ PRODUCER_REGISTERS = 24
 LOG2E = 1.4426950408889634
 
 
-def triton_supported(version: str | None = None) -> bool:
-    """Whether this Triton (or `version`) has the Gluon API this path was built for."""
-    if gluon is None:
-        return False
-    major, minor = (int(part) for part in (version or triton.__version__).split(".")[:2])
-    return (major, minor) in GLUON_TRITON
-
-
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: table.Mask) -> bool:
     """Whether dense attention of these tensors runs here, forward and dK/dV (bases are checked per
     call)."""
     return (q.dtype in DTYPES and table.padded_head_dim(q.shape[-1]) in HEAD_DIMS
-            and mask.left is None and mask.right in (None, 0) and mask.softcap is None and triton_supported()
+            and mask.left is None and mask.right in (None, 0) and mask.softcap is None and fk_gluon.supported()
             and table.descriptors_may_serve(q.device, (q, k, v))
             and torch.cuda.get_device_capability(q.device)[0] == 9)
 
@@ -86,8 +70,8 @@ if gluon is not None:
         stage = step % STAGES
         bar = ready.index(stage)
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, hk, step * BLOCK_N, 0], bar, k_smem.index(stage))
-        tma.async_copy_global_to_shared(v_desc, [b, hk, step * BLOCK_N, 0], bar, v_smem.index(stage))
+        tma_load(k_desc, [b, hk, step * BLOCK_N, 0], bar, k_smem.index(stage))
+        tma_load(v_desc, [b, hk, step * BLOCK_N, 0], bar, v_smem.index(stage))
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, b, h, hk, start_m,
@@ -95,7 +79,7 @@ if gluon is not None:
         """Both consumers' Q tiles, then K/V blocks into the ring as its stages free up."""
         for i in gl.static_range(2):
             mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, start_m + i * ROWS, 0], q_bars.index(i), q_smem.index(i))
+            tma_load(q_desc, [b, h, start_m + i * ROWS, 0], q_bars.index(i), q_smem.index(i))
         for step in range(n_steps):
             # the first lap finds every stage free
             mbarrier.wait(empty.index(step % STAGES), ((step // STAGES) & 1) ^ 1, pred=step >= STAGES)
@@ -140,7 +124,7 @@ if gluon is not None:
         kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         row0 = start_m + HALF * ROWS
         q_tile = q_smem.index(HALF)
-        q = q_tile._reinterpret(dtype, [ROWS, HEAD_DIM], q_2d)
+        q = reinterpret(q_tile, dtype, [ROWS, HEAD_DIM], q_2d)
         rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -150,7 +134,7 @@ if gluon is not None:
         mbarrier.wait(q_bars.index(HALF), 0)
         if n_steps > 0:
             mbarrier.wait(ready.index(0), 0)
-            k_0 = k_smem.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_2d)
+            k_0 = reinterpret(k_smem.index(0), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
             s = warpgroup_mma(q, k_0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
             p, m_i, l_i, alpha = _softmax(_masked(s, rows, cols, 0, n_k, shift, full_steps, CAUSAL, BLOCK_N),
@@ -159,8 +143,8 @@ if gluon is not None:
                 stage = step % STAGES
                 prev = (step - 1) % STAGES
                 mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-                k_j = k_smem.index(stage)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_2d)
-                v_prev = v_smem.index(prev)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_2d)
+                k_j = reinterpret(k_smem.index(stage), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
+                v_prev = reinterpret(v_smem.index(prev), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
                 s = warpgroup_mma(q, k_j.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
@@ -171,7 +155,7 @@ if gluon is not None:
                 mbarrier.arrive(empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             last = (n_steps - 1) % STAGES
-            v_last = v_smem.index(last)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], kv_2d)
+            v_last = reinterpret(v_smem.index(last), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
@@ -183,8 +167,8 @@ if gluon is not None:
         gl.store(lse_ptr + b.to(gl.int64) * slb + h.to(gl.int64) * slh + rows, lse, mask=rows < n_q)
         q.store(out.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_tile)
-        tma.store_wait(0)
+        tma_store(o_desc, [b, h, row0, 0], q_tile)
+        store_wait(0)
 
     @gluon.jit
     def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, n_q, n_k, n_heads, group, shift,
@@ -252,8 +236,8 @@ if gluon is not None:
         """K and V of the program's keys once, then (Q, dO) blocks into the ring as stages free up."""
         mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         for i in gl.static_range(2):
-            tma.async_copy_global_to_shared(k_desc, [b, hk, start_n + i * KEYS, 0], kv_bar, k_smem.index(i))
-            tma.async_copy_global_to_shared(v_desc, [b, hk, start_n + i * KEYS, 0], kv_bar, v_smem.index(i))
+            tma_load(k_desc, [b, hk, start_n + i * KEYS, 0], kv_bar, k_smem.index(i))
+            tma_load(v_desc, [b, hk, start_n + i * KEYS, 0], kv_bar, v_smem.index(i))
         per_head = n_blocks - first_block
         for step in range(group * per_head):
             stage = step % STAGES
@@ -262,8 +246,8 @@ if gluon is not None:
             mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1, pred=step >= STAGES)
             bar = ready.index(stage)
             mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, m0, 0], bar, q_smem.index(stage))
-            tma.async_copy_global_to_shared(do_desc, [b, h, m0, 0], bar, do_smem.index(stage))
+            tma_load(q_desc, [b, h, m0, 0], bar, q_smem.index(stage))
+            tma_load(do_desc, [b, h, m0, 0], bar, do_smem.index(stage))
 
     @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, lse2_ptr,
@@ -283,8 +267,8 @@ if gluon is not None:
         kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_DIM], dtype)
         k_tile = k_smem.index(HALF)
         v_tile = v_smem.index(HALF)
-        k = k_tile._reinterpret(dtype, [KEYS, HEAD_DIM], kv_2d)
-        v = v_tile._reinterpret(dtype, [KEYS, HEAD_DIM], kv_2d)
+        k = reinterpret(k_tile, dtype, [KEYS, HEAD_DIM], kv_2d)
+        v = reinterpret(v_tile, dtype, [KEYS, HEAD_DIM], kv_2d)
         keys = start_n + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
         cols = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([KEYS, Q_ROWS], gl.float32, s_layout)
@@ -305,8 +289,8 @@ if gluon is not None:
             lse2 = gl.load(lse2_ptr + stats, mask=row_ok, other=0.0)
             delta = gl.load(delta_ptr + stats, mask=row_ok, other=0.0)
             mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-            q = q_smem.index(stage)._reinterpret(dtype, [Q_ROWS, HEAD_DIM], tile_2d)
-            do = do_smem.index(stage)._reinterpret(dtype, [Q_ROWS, HEAD_DIM], tile_2d)
+            q = reinterpret(q_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
+            do = reinterpret(do_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
             st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=[st])
@@ -326,9 +310,9 @@ if gluon is not None:
         k.store((dk * sm_scale).to(dtype))
         v.store(dv.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(dk_desc, [b, hk, start_n + HALF * KEYS, 0], k_tile)
-        tma.async_copy_shared_to_global(dv_desc, [b, hk, start_n + HALF * KEYS, 0], v_tile)
-        tma.store_wait(0)
+        tma_store(dk_desc, [b, hk, start_n + HALF * KEYS, 0], k_tile)
+        tma_store(dv_desc, [b, hk, start_n + HALF * KEYS, 0], v_tile)
+        store_wait(0)
 
     @gluon.jit
     def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr,
