@@ -1,6 +1,7 @@
 """Sessions for every fk package, generated from the folders under packages/.
 
-    nox -s tests                 every package's tests and the cross-package tests
+    nox -s tests                 every package's tests and the cross-package tests (newest Triton)
+    nox -s tests-oldest          the same on the oldest supported Triton (3.6) and its numpy
     nox -s test-weightedsum      one op's tests (test-runtime for fk-runtime)
     nox -s lint                  ruff, and the GitHub workflows against their JSON schema
     nox -s build                 sdist + wheel of every distribution, metadata checked
@@ -25,11 +26,15 @@ import nox
 ROOT = Path(__file__).parent
 RUNTIME = ROOT / "shared"
 OPS = {p.name.removeprefix("fk-"): p for p in sorted((ROOT / "packages").glob("fk-*")) if p.is_dir()}
-# numpy: the Triton interpreter needs it on a CPU-only machine.
+# numpy: the Triton interpreter needs it on a CPU-only machine (the range tested with it).
 # pytest-xdist: the tests run on every core (up to PYTEST_WORKERS); CI has two.
-TEST_DEPS = ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "numpy"]
+NUMPY = "numpy>=2.3,<2.5"
+TEST_DEPS = ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", NUMPY]
 PYTEST_WORKERS = 4
-BENCH_DEPS = ["matplotlib>=3.8", "tqdm>=4.66", "numpy"]
+BENCH_DEPS = ["matplotlib>=3.8", "tqdm>=4.66", NUMPY]
+# The oldest Triton fk supports and the numpy its interpreter runs under (3.6's needs < 2.4);
+# `tests` takes the newest that the packages' range admits.
+OLDEST = ["triton==3.6.0", "numpy>=2.3,<2.4"]
 # Each op's extras its tests need (optional integrations: fk_attention.hf, swap_norms on
 # transformers models), so that no test of them skips in CI.
 TEST_EXTRAS = {"attention": "transformers", "layernorm": "transformers"}
@@ -102,13 +107,27 @@ def pytest(session: nox.Session, *targets: Path) -> None:
                 f"--maxprocesses={PYTEST_WORKERS}", *map(str, targets), *session.posargs)
 
 
+# The packaging tests build distributions without isolation: they need the build backend here.
+PACKAGING_DEPS = ["build>=1.2", "setuptools>=77", "setuptools-scm>=10"]
+
+
+def all_tests(session: nox.Session, pins: list[str]) -> None:
+    install_packages(session, *map(tested, OPS), extras=TEST_DEPS + BENCH_DEPS + PACKAGING_DEPS)
+    if pins:  # after the packages: pip then moves only what the pins name
+        session.install(*pins)
+    pytest(session, RUNTIME / "tests", *(p / "tests" for p in OPS.values()), ROOT / "tests")
+
+
 @nox.session(name="tests")
 def tests(session: nox.Session) -> None:
-    """Every package's tests and the cross-package tests, in one environment."""
-    # The packaging tests build distributions without isolation: they need the build backend here.
-    packaging = ["build>=1.2", "setuptools>=77", "setuptools-scm>=10"]
-    install_packages(session, *map(tested, OPS), extras=TEST_DEPS + BENCH_DEPS + packaging)
-    pytest(session, RUNTIME / "tests", *(p / "tests" for p in OPS.values()), ROOT / "tests")
+    """Every package's tests and the cross-package tests, in one environment (the newest Triton)."""
+    all_tests(session, [])
+
+
+@nox.session(name="tests-oldest")
+def tests_oldest(session: nox.Session) -> None:
+    """The same tests on the oldest supported Triton and a numpy its interpreter runs under."""
+    all_tests(session, OLDEST)
 
 
 @nox.session(name="test-runtime")

@@ -1,6 +1,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from fk_runtime import Backend, backend
@@ -63,3 +64,21 @@ def test_backend_is_decided_outside_compiled_code():
     compiled = torch.compile(f, fullgraph=True, backend="eager")
     x = torch.randn(4)
     torch.testing.assert_close(compiled(x), x * 2)
+
+
+def test_interpreter_numpy_pairs_that_cannot_run_say_so(monkeypatch):
+    """Triton 3.6's interpreter under numpy >= 2.4 fails deep inside a kernel; the setup says why
+    first, naming the fix. Other pairs pass."""
+    import numpy
+    import triton
+
+    for triton_version, numpy_version, refused in (("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False),
+                                                   ("3.7.1", "2.4.6", False), ("3.9.0", "2.5.0rc1", False),
+                                                   ("3.6.0", "2.10.0", True)):
+        monkeypatch.setattr(triton, "__version__", triton_version)
+        monkeypatch.setattr(numpy, "__version__", numpy_version)
+        if refused:
+            with pytest.raises(RuntimeError, match=r"numpy < 2\.4"):
+                backend.check_interpreter_numpy()
+        else:
+            backend.check_interpreter_numpy()

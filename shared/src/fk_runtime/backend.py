@@ -67,7 +67,30 @@ def use_interpreter_without_gpu() -> bool:
             )
         os.environ[INTERPRET_ENV] = "1"
     backend.cache_clear()
+    if is_interpreter():
+        check_interpreter_numpy()
     return is_interpreter()
+
+
+# Triton 3.6's interpreter turns one-element arrays into Python ints with int(), which numpy 2.4
+# refuses ("only 0-dimensional arrays can be converted"); 3.7 fixed it.
+INTERPRETER_NUMPY_LIMIT = {(3, 6): (2, 4)}
+
+
+def check_interpreter_numpy() -> None:
+    """Raise a clear error where this Triton's interpreter cannot run under this numpy."""
+    import numpy
+    import triton
+
+    def release(version: str) -> tuple[int, int]:
+        major, minor = version.split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+    limit = INTERPRETER_NUMPY_LIMIT.get(release(triton.__version__))
+    if limit is not None and release(numpy.__version__) >= limit:
+        raise RuntimeError(
+            f"Triton {triton.__version__}'s interpreter needs numpy < {limit[0]}.{limit[1]} (numpy "
+            f"{numpy.__version__} is installed): pip install 'numpy<{limit[0]}.{limit[1]}', or a newer triton")
 
 
 def default_device() -> torch.device:
