@@ -41,6 +41,7 @@ import enum
 import functools
 import inspect
 import math
+import os
 import threading
 
 import torch
@@ -83,6 +84,9 @@ INTERPRETER_WIDENED = (torch.bfloat16,)
 # little for a sweep of compiles to pay back: the head dim's default runs (a prior, not measured).
 AUTOTUNE_MIN_SCORES = 1 << 26
 AUTOTUNE_DTYPES = (torch.float16, torch.bfloat16)
+# FK_AUTOTUNE=0 in the environment: never autotune, the head dim's defaults run (read when a plan
+# is bound; e2e/triton_versions.py compares Triton versions on the same tiles this way).
+AUTOTUNE_ENV = "FK_AUTOTUNE"
 # Each candidate's warm-up before its timing (fk_runtime.bench.do_bench: at least 25 timed calls).
 # 100 ms: with Triton's 25 ms the fastest candidate, timed first on a cold clock, lost (TUNING.md).
 AUTOTUNE_WARMUP_MS = 100
@@ -313,7 +317,8 @@ def hip_waves_per_eu(head_dim: int) -> int:
 
 def should_autotune(dtype: torch.dtype, batch_heads: int, n_q: int, n_k: int) -> bool:
     return (
-        not backend.is_interpreter()
+        os.environ.get(AUTOTUNE_ENV, "1") != "0"
+        and not backend.is_interpreter()
         and dtype in AUTOTUNE_DTYPES
         and batch_heads * n_q * n_k >= AUTOTUNE_MIN_SCORES
     )

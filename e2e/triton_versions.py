@@ -1,0 +1,178 @@
+"""fk on each Triton a current torch pins, measured the same way on one machine.
+
+One process per Triton version (the GPU box stages the others: ../shared/gpu-stack), one after
+the other on the same warm machine:
+
+- host time per eager call of every op on its tiny input (fk and torch's op, `fwd`, `fwd+bwd`,
+  `infer`), as the main job's host section measures it;
+- fk's device time (CUDA-graph replays, `do_bench` medians) on every row of the chosen tables of
+  the main job (default: attention, layernorm, rmsnorm, softmax), fk's variant alone, with
+  attention's autotuning off (FK_AUTOTUNE=0: every version runs the same default tiles, and a
+  version's run does not spend minutes compiling candidates; `--autotune` keeps it on).
+
+    bash shared/from-source.sh python e2e/triton_versions.py --out DIR      # once per version
+    python e2e/triton_versions.py --summarize DIR [DIR ...] --out benchmarks  # after the last
+
+A run writes `<out>/versions-<triton>.json`. `--summarize` reads every such file in the folders
+given, writes `<out>/versions.md` (each version's host and device times beside the baseline
+version's, 3.6 by default, and their ratios) and rebuilds BENCHMARKS.md as the main job does.
+`--budget-s` stops timing new device rows after that many seconds (the rows left are named).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_TABLES = ("attention", "layernorm", "rmsnorm", "softmax")
+OPS = ("attention", "layernorm", "softmax", "weightedsum")
+BASELINE = "3.6"
+PREFIX = "versions-"
+SECTION = "versions"
+# Device time a version may lose to the baseline before its row is flagged (issue: 0.97x).
+KEEP = 0.97
+
+
+def measure(out: Path, tables: tuple[str, ...], budget_s: float) -> Path:
+    from fk_runtime import backend, bench
+
+    backend.use_interpreter_without_gpu()
+    meta = bench.environment()
+    meta["command"] = "python e2e/triton_versions.py " + shlex.join(sys.argv[1:])
+    modules = [importlib.import_module(f"fk_{op}.bench") for op in OPS]
+    host = bench.run_host_cases([c for m in modules if hasattr(m, "host_cases") for c in m.host_cases()])
+    full = not backend.is_interpreter()
+    cases = [dataclasses.replace(c, variants={bench.FK: c.variants[bench.FK]})
+             for m in modules for c in m.cases(full) if c.op in tables and bench.FK in c.variants]
+    ceilings = bench.measure_ceilings()
+    device, skipped, start = [], [], time.monotonic()
+    for case in cases:
+        if time.monotonic() - start > budget_s:
+            skipped.append(f"{case.op} {case.direction} {case.shape} {case.dtype}")
+            continue
+        device += bench.run_cases([case], ceilings, progress=False)
+        r = device[-1]
+        print(f"{r.op} {r.direction} {r.shape} {r.dtype}: {r.ms if r.ms is None else round(r.ms, 4)} ms"
+              f"{'' if r.error is None else ' ' + r.error}", flush=True)
+    path = out / f"{PREFIX}{meta['triton']}.json"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(meta=meta, host=[dataclasses.asdict(r) for r in host],
+                                    device=[dataclasses.asdict(r) for r in device], skipped=skipped), indent=1))
+    print(f"wrote {path}; {len(device)} device rows, {len(skipped)} left for the budget")
+    return path
+
+
+def _release(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def _fmt(x, digits: int) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def summarize(folders: list[Path], out: Path, baseline: str = BASELINE) -> str:
+    runs = {}
+    for folder in folders:
+        for path in sorted(folder.glob(f"{PREFIX}*.json")):
+            run = json.loads(path.read_text())
+            runs[run["meta"]["triton"]] = run
+    versions = sorted(runs, key=lambda v: tuple(int(p) for p in _release(v).split(".")))
+    base = next((v for v in versions if _release(v) == baseline), None)
+    if base is None:
+        raise SystemExit(f"no run of Triton {baseline} in {[str(f) for f in folders]}")
+    others = [v for v in versions if v != base]
+    first = runs[base]["meta"]
+    lines = [
+        "## Triton versions", "",
+        f"{first['device']}, torch {first['torch']}; Triton {', '.join(versions)}, each in its own process on "
+        f"the same machine ({', '.join(runs[v]['meta']['date'] for v in versions)}). `÷ {_release(base)}`: the "
+        f"version's time over {_release(base)}'s (below 1: faster). Host: µs per eager call on a tiny input "
+        "(the host section's method). Device: fk's CUDA-graph replay time of the main tables' rows, "
+        f"fk alone, attention's default tiles (no autotuning, the same tiles on every version); rows at `÷ {_release(base)}` above {1 / KEEP:.3f} (below {KEEP}x the speed) are marked `!`.",
+        "", f"Command: `{first['command']}` once per version, then `python e2e/triton_versions.py --summarize`", "",
+        "### Host time per call (µs)", "",
+    ]
+    head = ["op", "call", f"fk {base}"] + [c for v in others for c in (f"fk {v}", f"÷ {_release(base)}")]
+    head += [f"torch {v}" for v in versions]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+
+    def index(rows, key):
+        return {key(r): r for r in rows}
+
+    host = {v: index(runs[v]["host"], lambda r: (r["op"], r["shape"], r["dtype"], r["mode"], r["variant"]))
+            for v in versions}
+    worst_host = {v: 0.0 for v in others}
+    for key, r in host[base].items():
+        if r["variant"] != "fk":
+            continue
+        row = [f"{key[0]} {key[1]} {key[2]}", key[3], _fmt(r["us"], 1)]
+        for v in others:
+            o = host[v].get(key)
+            ratio = o["us"] / r["us"] if o and o["us"] and r["us"] else None
+            if ratio is not None:
+                worst_host[v] = max(worst_host[v], ratio)
+            row += [_fmt(o["us"] if o else None, 1), _fmt(ratio, 2)]
+        for v in versions:
+            peer = next((p for k, p in host[v].items() if k[:4] == key[:4] and p["variant"] != "fk"), None)
+            row.append(_fmt(peer["us"] if peer else None, 1))
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Worst host ratio: " + ", ".join(f"{v} {worst_host[v]:.2f}x" for v in others), "",
+              "### Device time (ms)", ""]
+    head = ["table", "row", "dir", "dtype", f"fk {base}"] + [c for v in others for c in (f"fk {v}", f"÷ {_release(base)}")]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    device = {v: index(runs[v]["device"], lambda r: (r["op"], r["shape"], r["direction"], r["dtype"]))
+              for v in versions}
+    worst = {v: (0.0, None) for v in others}
+    for key, r in device[base].items():
+        row = [key[0], key[1], key[2], key[3], _fmt(r["ms"], 4)]
+        for v in others:
+            o = device[v].get(key)
+            ratio = o["ms"] / r["ms"] if o and o["ms"] and r["ms"] else None
+            if ratio is not None and ratio > worst[v][0]:
+                worst[v] = (ratio, " ".join(key))
+            mark = " !" if ratio is not None and ratio > 1 / KEEP else ""
+            row += [_fmt(o["ms"] if o else None, 4), _fmt(ratio, 3) + mark]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Worst device ratio: " + ", ".join(f"{v} {w[0]:.3f} ({w[1]})" for v, w in worst.items())]
+    for v in versions:
+        if runs[v]["skipped"]:
+            lines.append(f"\n{v}: {len(runs[v]['skipped'])} rows not timed (budget): "
+                         + "; ".join(runs[v]["skipped"]))
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{SECTION}.md").write_text(text)
+    from fk_runtime import cli
+
+    print(text)
+    print(f"wrote {out / f'{SECTION}.md'} and {cli.rebuild_benchmarks_md(out)}")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks"))
+    parser.add_argument("--tables", nargs="+", default=list(DEFAULT_TABLES))
+    parser.add_argument("--budget-s", type=float, default=float("inf"))
+    parser.add_argument("--summarize", type=Path, nargs="+", default=None,
+                        help="folders of earlier runs' versions-*.json: write the section")
+    parser.add_argument("--baseline", default=BASELINE)
+    parser.add_argument("--autotune", action="store_true", help="let attention autotune (off by default)")
+    args = parser.parse_args(argv)
+    if not args.autotune:
+        os.environ["FK_AUTOTUNE"] = "0"
+    if args.summarize is not None:
+        summarize(args.summarize, args.out, args.baseline)
+    else:
+        measure(args.out, tuple(args.tables), args.budget_s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
