@@ -4,7 +4,8 @@ One process per Triton version (the GPU box stages the others: ../shared/gpu-sta
 the other on the same warm machine:
 
 - host time per eager call of every op on its tiny input (fk and torch's op, `fwd`, `fwd+bwd`,
-  `infer`), as the main job's host section measures it;
+  `infer`), as the main job's host section measures it, and how many of fk's launches per call
+  still go through Triton's own dispatch (0 where every launch is direct);
 - fk's device time (CUDA-graph replays, `do_bench` medians) on every row of the chosen tables of
   the main job (default: attention, layernorm, rmsnorm, softmax), fk's variant alone, with
   attention's autotuning off (FK_AUTOTUNE=0: every version runs the same default tiles, and a
@@ -29,6 +30,7 @@ import os
 import shlex
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 DEFAULT_TABLES = ("attention", "layernorm", "rmsnorm", "softmax")
@@ -40,6 +42,48 @@ SECTION = "versions"
 KEEP = 0.97
 
 
+def _call(fn, inputs, mode: str):
+    """One call of `fn` as the host section makes it in `mode` (fwd, fwd+bwd, infer)."""
+    import torch
+
+    if mode == "infer":
+        with torch.no_grad():
+            return fn(*inputs)
+    out = fn(*inputs)
+    if mode == "fwd+bwd":
+        leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+    return out
+
+
+def dispatched_per_call(cases, calls: int = 4) -> dict:
+    """{(op, shape, dtype, mode): launches per call that took Triton's dispatch (`Launch._slow`)
+    once warm}: 0 where the direct path serves every launch."""
+    from fk_runtime import bench, launch
+
+    counts, real = [0], launch.Launch._slow
+
+    def counted(self, head):
+        counts[0] += 1
+        return real(self, head)
+
+    found = {}
+    launch.Launch._slow = counted
+    try:
+        for case in cases:
+            inputs = case.make_inputs()
+            for mode in case.modes:
+                for _ in range(2):
+                    _call(case.variants[bench.FK], inputs, mode)
+                counts[0] = 0
+                for _ in range(calls):
+                    _call(case.variants[bench.FK], inputs, mode)
+                found[(case.op, case.shape, str(case.dtype).removeprefix("torch."), mode)] = counts[0] / calls
+    finally:
+        launch.Launch._slow = real
+    return found
+
+
 def measure(out: Path, tables: tuple[str, ...], budget_s: float) -> Path:
     from fk_runtime import backend, bench
 
@@ -47,7 +91,9 @@ def measure(out: Path, tables: tuple[str, ...], budget_s: float) -> Path:
     meta = bench.environment()
     meta["command"] = "python e2e/triton_versions.py " + shlex.join(sys.argv[1:])
     modules = [importlib.import_module(f"fk_{op}.bench") for op in OPS]
-    host = bench.run_host_cases([c for m in modules if hasattr(m, "host_cases") for c in m.host_cases()])
+    host_cases = [c for m in modules if hasattr(m, "host_cases") for c in m.host_cases()]
+    host = bench.run_host_cases(host_cases)
+    dispatched = dispatched_per_call(host_cases)
     full = not backend.is_interpreter()
     cases = [dataclasses.replace(c, variants={bench.FK: c.variants[bench.FK]})
              for m in modules for c in m.cases(full) if c.op in tables and bench.FK in c.variants]
@@ -63,7 +109,9 @@ def measure(out: Path, tables: tuple[str, ...], budget_s: float) -> Path:
               f"{'' if r.error is None else ' ' + r.error}", flush=True)
     path = out / f"{PREFIX}{meta['triton']}.json"
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(meta=meta, host=[dataclasses.asdict(r) for r in host],
+    host_rows = [dict(dataclasses.asdict(r), dispatched=dispatched.get((r.op, r.shape, r.dtype, r.mode)))
+                 for r in host]
+    path.write_text(json.dumps(dict(meta=meta, host=host_rows,
                                     device=[dataclasses.asdict(r) for r in device], skipped=skipped), indent=1))
     print(f"wrote {path}; {len(device)} device rows, {len(skipped)} left for the budget")
     return path
@@ -94,13 +142,17 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE) -> str:
         f"{first['device']}, torch {first['torch']}; Triton {', '.join(versions)}, each in its own process on "
         f"the same machine ({', '.join(runs[v]['meta']['date'] for v in versions)}). `÷ {_release(base)}`: the "
         f"version's time over {_release(base)}'s (below 1: faster). Host: µs per eager call on a tiny input "
-        "(the host section's method). Device: fk's CUDA-graph replay time of the main tables' rows, "
+        "(the host section's method), fk's and torch's op in the same process; host time moves between "
+        "processes on this machine (torch's own op by up to 1.8x here), so a version's host figure is "
+        f"compared as fk's time over torch's in its own run, divided by that of {_release(base)}. "
+        "`dispatched`: fk's launches per call that went through Triton's own dispatch instead of the "
+        "compiled launcher (0: every launch direct; – : not recorded by that run). Device: fk's CUDA-graph replay time of the main tables' rows, "
         f"fk alone, attention's default tiles (no autotuning, the same tiles on every version); rows at `÷ {_release(base)}` above {1 / KEEP:.3f} (below {KEEP}x the speed) are marked `!`.",
         "", f"Command: `{first['command']}` once per version, then `python e2e/triton_versions.py --summarize`", "",
-        "### Host time per call (µs)", "",
+        "### Host time per call", "",
     ]
-    head = ["op", "call", f"fk {base}"] + [c for v in others for c in (f"fk {v}", f"÷ {_release(base)}")]
-    head += [f"torch {v}" for v in versions]
+    head = ["op", "call"] + [f"fk / torch {v} (µs)" for v in versions] + [f"÷ {_release(base)}, {v}" for v in others]
+    head += [f"dispatched {v}" for v in versions]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
 
     def index(rows, key):
@@ -108,22 +160,29 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE) -> str:
 
     host = {v: index(runs[v]["host"], lambda r: (r["op"], r["shape"], r["dtype"], r["mode"], r["variant"]))
             for v in versions}
+
+    def fk_over_torch(v, key):
+        fk = host[v].get(key)
+        peer = next((p for k, p in host[v].items() if k[:4] == key[:4] and p["variant"] != "fk"), None)
+        if not (fk and peer and fk["us"] and peer["us"]):
+            return None, None, None
+        return fk["us"], peer["us"], fk["us"] / peer["us"]
+
     worst_host = {v: 0.0 for v in others}
     for key, r in host[base].items():
         if r["variant"] != "fk":
             continue
-        row = [f"{key[0]} {key[1]} {key[2]}", key[3], _fmt(r["us"], 1)]
+        cells = {v: fk_over_torch(v, key) for v in versions}
+        row = [f"{key[0]} {key[1]} {key[2]}", key[3]]
+        row += [f"{_fmt(c[0], 1)} / {_fmt(c[1], 1)}" for c in cells.values()]
         for v in others:
-            o = host[v].get(key)
-            ratio = o["us"] / r["us"] if o and o["us"] and r["us"] else None
+            ratio = cells[v][2] / cells[base][2] if cells[v][2] and cells[base][2] else None
             if ratio is not None:
                 worst_host[v] = max(worst_host[v], ratio)
-            row += [_fmt(o["us"] if o else None, 1), _fmt(ratio, 2)]
-        for v in versions:
-            peer = next((p for k, p in host[v].items() if k[:4] == key[:4] and p["variant"] != "fk"), None)
-            row.append(_fmt(peer["us"] if peer else None, 1))
+            row.append(_fmt(ratio, 2))
+        row += [_fmt((host[v].get(key) or {}).get("dispatched"), 1) for v in versions]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Worst host ratio: " + ", ".join(f"{v} {worst_host[v]:.2f}x" for v in others), "",
+    lines += ["", "Worst host ratio (fk ÷ torch, against the baseline's): " + ", ".join(f"{v} {worst_host[v]:.2f}x" for v in others), "",
               "### Device time (ms)", ""]
     head = ["table", "row", "dir", "dtype", f"fk {base}"] + [c for v in others for c in (f"fk {v}", f"÷ {_release(base)}")]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -143,8 +202,9 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE) -> str:
     lines += ["", "Worst device ratio: " + ", ".join(f"{v} {w[0]:.3f} ({w[1]})" for v, w in worst.items())]
     for v in versions:
         if runs[v]["skipped"]:
-            lines.append(f"\n{v}: {len(runs[v]['skipped'])} rows not timed (budget): "
-                         + "; ".join(runs[v]["skipped"]))
+            tables = Counter(row.split()[0] for row in runs[v]["skipped"])
+            lines.append(f"\n{v}: {len(runs[v]['skipped'])} rows not timed (its budget ran out): "
+                         + ", ".join(f"{t} {n}" for t, n in tables.items()))
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{SECTION}.md").write_text(text)

@@ -67,8 +67,6 @@ def use_interpreter_without_gpu() -> bool:
             )
         os.environ[INTERPRET_ENV] = "1"
     backend.cache_clear()
-    if is_interpreter():
-        check_interpreter_numpy()
     return is_interpreter()
 
 
@@ -77,8 +75,8 @@ def use_interpreter_without_gpu() -> bool:
 INTERPRETER_NUMPY_LIMIT = {(3, 6): (2, 4)}
 
 
-def check_interpreter_numpy() -> None:
-    """Raise a clear error where this Triton's interpreter cannot run under this numpy."""
+def interpreter_numpy_problem() -> str | None:
+    """Why this Triton's interpreter cannot run kernels under the installed numpy, or None."""
     import numpy
     import triton
 
@@ -88,9 +86,17 @@ def check_interpreter_numpy() -> None:
 
     limit = INTERPRETER_NUMPY_LIMIT.get(release(triton.__version__))
     if limit is not None and release(numpy.__version__) >= limit:
-        raise RuntimeError(
-            f"Triton {triton.__version__}'s interpreter needs numpy < {limit[0]}.{limit[1]} (numpy "
-            f"{numpy.__version__} is installed): pip install 'numpy<{limit[0]}.{limit[1]}', or a newer triton")
+        return (f"Triton {triton.__version__}'s interpreter needs numpy < {limit[0]}.{limit[1]} (numpy "
+                f"{numpy.__version__} is installed): pip install 'numpy<{limit[0]}.{limit[1]}', or a newer triton")
+    return None
+
+
+def check_interpreter_numpy() -> None:
+    """Raise that problem as a clear error (the test setup and the main job call this when they
+    run on the interpreter, before any kernel fails deep inside it)."""
+    problem = interpreter_numpy_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def default_device() -> torch.device:

@@ -35,7 +35,7 @@ DEFAULT_OUT = "benchmarks"
 HOST_SECTION = "host"
 # Sections that sum up across ops come first in BENCHMARKS.md (by file stem in <out>), the
 # per-op sections after them in name order.
-LEADING_SECTIONS = ("decoder", HOST_SECTION)
+LEADING_SECTIONS = ("decoder", HOST_SECTION, "versions")
 # What the benchmarks import beyond torch and triton (fk-runtime's `bench` extra).
 BENCH_MODULES = ("matplotlib", "tqdm")
 
@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="of the sweeps, only these tables (a case's op name), each its own section")
     args = parser.parse_args(argv)
 
-    backend.use_interpreter_without_gpu()  # before any op module defines its kernels
+    if backend.use_interpreter_without_gpu():  # before any op module defines its kernels
+        backend.check_interpreter_numpy()
     from . import bench
 
     full = not backend.is_interpreter() and not args.small

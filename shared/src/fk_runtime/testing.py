@@ -48,7 +48,8 @@ SEED_ENV = "FK_TEST_SEED"
 
 def setup() -> torch.device:
     """Pick the test device, turning the interpreter on when there is no GPU."""
-    backend.use_interpreter_without_gpu()
+    if backend.use_interpreter_without_gpu():
+        backend.check_interpreter_numpy()
     seed = int(os.environ.get(SEED_ENV) or int.from_bytes(os.urandom(4), "little"))
     os.environ[SEED_ENV] = str(seed)
     torch.manual_seed(seed)

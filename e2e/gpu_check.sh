@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One Triton version's GPU check, on the Triton that `python3` imports (a GPU box without network:
+# run from source; another Triton is put first on PYTHONPATH by the caller):
+#   bash e2e/gpu_check.sh OUT_DIR [TEST_SECONDS] [DEVICE_BUDGET_S] [TESTS...]
+# 1. the test suite on the GPU, 10 workers (compiles run in parallel), stopped with SIGINT after
+#    TEST_SECONDS (default 560) so that pytest still prints its summary and slowest tests; every
+#    worker left is killed before anything is timed;
+# 2. e2e/triton_versions.py (host time per call, launches through Triton's dispatch, fk's device
+#    time on the main tables' rows until DEVICE_BUDGET_S, default 200; 0 skips it).
+# Logs and results in OUT_DIR: tests-<triton>.log, versions-<triton>.json, versions-<triton>.log.
+set -u
+out=${1:?usage: gpu_check.sh OUT_DIR [TEST_SECONDS] [DEVICE_BUDGET_S] [TESTS...]}
+test_s=${2:-560}
+budget_s=${3:-200}
+shift $(( $# < 3 ? $# : 3 ))
+tests=("$@")
+[ ${#tests[@]} -gt 0 ] || tests=(shared/tests packages tests)
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+version=$(python3 -c "import triton; print(triton.__version__)")
+python3 -c "import torch, numpy; print('triton $version, torch', torch.__version__, 'numpy', numpy.__version__,
+torch.cuda.get_device_name())"
+if [ "$test_s" -gt 0 ]; then
+  start=$(date +%s)
+  timeout -s INT -k 20 "$test_s" bash shared/from-source.sh python3 -m pytest -v -n 10 -p no:cacheprovider \
+    -p no:benchmark -rfE --durations=25 "${tests[@]}" > "$out/tests-$version.log" 2>&1
+  echo "tests: rc $?, $(( $(date +%s) - start )) s, $(grep -c ' PASSED ' "$out/tests-$version.log") passed," \
+    "$(grep -c ' SKIPPED ' "$out/tests-$version.log") skipped, of $(grep -oE '\[[0-9]+ items\]' "$out/tests-$version.log")"
+  grep -aE "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$out/tests-$version.log" | tail -30
+  pkill -f "pytest -v -n 10" 2>/dev/null; pkill -f execnet 2>/dev/null; sleep 2
+fi
+if [ "$budget_s" -gt 0 ]; then
+  start=$(date +%s)
+  timeout -k 20 $(( budget_s + 240 )) bash shared/from-source.sh python3 e2e/triton_versions.py --out "$out" \
+    --budget-s "$budget_s" > "$out/versions-$version.log" 2>&1
+  echo "versions: rc $?, $(( $(date +%s) - start )) s"; grep -a "^wrote" "$out/versions-$version.log"
+fi

@@ -1,0 +1,42 @@
+"""e2e/triton_versions.py: one run per Triton version, then a section that sets each against the
+baseline's run (host time as fk over torch in the same process, device time row by row)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "e2e" / "triton_versions.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("triton_versions", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(folder: Path, triton: str, fk_us: float, torch_us: float, ms: dict, dispatched=0.0) -> None:
+    meta = dict(device="GPU", torch="2.11", triton=triton, date="today", command="python e2e/triton_versions.py")
+    host = [dict(op="rms_norm", shape="4×4096", dtype="bfloat16", variant=variant, mode="fwd", us=us,
+                 device_us=None, error=None, dispatched=dispatched if variant == "fk" else None)
+            for variant, us in (("fk", fk_us), ("torch", torch_us))]
+    device = [dict(op="attention", shape=shape, direction="fwd", dtype="bfloat16", variant="fk", ms=value)
+              for shape, value in ms.items()]
+    (folder / f"versions-{triton}.json").write_text(json.dumps(dict(meta=meta, host=host, device=device,
+                                                                     skipped=[])))
+
+
+def test_summary_sets_each_version_against_the_baseline(tmp_path):
+    versions = _module()
+    _run(tmp_path, "3.6.0", 40.0, 20.0, {"B1 N128": 1.0, "B1 N4096": 2.0})
+    # A slower process: torch's op took twice as long, so fk's doubled time is no regression.
+    _run(tmp_path, "3.8.0", 80.0, 40.0, {"B1 N128": 1.1, "B1 N4096": 1.9}, dispatched=1.0)
+    out = tmp_path / "benchmarks"
+    text = versions.summarize([tmp_path], out)
+    assert (out / "versions.md").read_text() == text and (tmp_path / "BENCHMARKS.md").exists()
+    host_row = next(line for line in text.splitlines() if line.startswith("| rms_norm"))
+    assert "| 1.00 |" in host_row and host_row.rstrip(" |").endswith("1.0")  # normalized ratio, dispatched
+    slow = next(line for line in text.splitlines() if "B1 N128" in line)
+    fast = next(line for line in text.splitlines() if "B1 N4096" in line)
+    assert "1.100 !" in slow and "0.950" in fast and "!" not in fast
+    assert "Worst device ratio: 3.8.0 1.100 (attention B1 N128 fwd bfloat16)" in text
