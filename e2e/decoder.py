@@ -194,8 +194,8 @@ def rel_gap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def time_steps(steps: dict[str, Callable[[], object]], warmup: int, count: int) -> dict[str, float]:
     """Median ms of each step, every step between two synchronizations, the sides interleaved so
-    that a slow stretch of the machine weighs on both alike (`fk_runtime.bench`'s timer)."""
-    from fk_runtime import bench
+    that a slow stretch of the machine weighs on both alike (`fk_runtime.harness.bench`'s timer)."""
+    from fk_runtime.harness import bench
 
     return {name: s * 1e3 for name, s in bench.interleaved_seconds(steps, warmup, 1, count).items()}
 
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     backend.use_interpreter_without_gpu()  # before fk's ops define their kernels
-    from fk_runtime import bench, cli
+    from fk_runtime.harness import bench, cli
 
     sizes = small_sizes() if args.small or backend.is_interpreter() else FULL
     sides = [fk_ops(), torch_ops()]

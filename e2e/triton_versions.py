@@ -59,7 +59,8 @@ def _call(fn, inputs, mode: str):
 def dispatched_per_call(cases, calls: int = 4) -> dict:
     """{(op, shape, dtype, mode): launches per call that took Triton's dispatch (`Launch._slow`)
     once warm}: 0 where the direct path serves every launch."""
-    from fk_runtime import bench, launch
+    from fk_runtime import launch
+    from fk_runtime.harness import bench
 
     counts, real = [0], launch.Launch._slow
 
@@ -85,7 +86,8 @@ def dispatched_per_call(cases, calls: int = 4) -> dict:
 
 
 def measure(out: Path, tables: tuple[str, ...], budget_s: float) -> Path:
-    from fk_runtime import backend, bench
+    from fk_runtime import backend
+    from fk_runtime.harness import bench
 
     backend.use_interpreter_without_gpu()
     meta = bench.environment()
@@ -208,7 +210,7 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE) -> str:
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{SECTION}.md").write_text(text)
-    from fk_runtime import cli
+    from fk_runtime.harness import cli
 
     print(text)
     print(f"wrote {out / f'{SECTION}.md'} and {cli.rebuild_benchmarks_md(out)}")

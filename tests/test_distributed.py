@@ -8,7 +8,7 @@ unsharded)."""
 import pytest
 import torch
 import torch.distributed as dist
-from fk_runtime import testing
+from fk_runtime.harness import testing
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 

@@ -4,7 +4,7 @@ treating the backward kernels' outputs as constants (a silently wrong second-ord
 
 import pytest
 import torch
-from fk_runtime import testing
+from fk_runtime.harness import testing
 
 from fk_attention import attention
 from fk_layernorm import layer_norm, rms_norm
@@ -14,7 +14,7 @@ from fk_weightedsum import weighted_sum
 
 def _attention_op(q, k, v):
     """The registered op itself (its own autograd formula), as other code may call it."""
-    return torch.ops.fk.attention(q, k, v, q.shape[-1] ** -0.5, -1, -1, False, 0.0)[0]
+    return torch.ops.fk.attention(q, k, v, q.shape[-1] ** -0.5, [-1.0, -1.0, 0.0, 0.0])[0]
 
 
 def _inputs(name):

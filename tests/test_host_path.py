@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from fk_runtime import launch, testing
+from fk_runtime import launch
+from fk_runtime.harness import testing
 from fk_runtime import ops as fk_ops
 
 from fk_attention import attention
@@ -406,7 +407,7 @@ def test_quiet_calls_skip_the_checks_once_a_key_passed(name, monkeypatch):
     """A key's second quiet call does not check again (what makes it cheap), while a call that
     autograd records, or one of another layout, still does."""
     # (module of the check the full path runs, its name, module of the op's plan cache)
-    where = {"attention": ("fk_attention.ops", "_check", "fk_attention.plan"),
+    where = {"attention": ("fk_attention.ops", "check_attention_inputs", "fk_attention.plan"),
              "layer_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
              "rms_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
              "softmax": ("fk_softmax.plan", "check_dim", "fk_softmax.plan"),

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fk_runtime import cli
+from fk_runtime.harness import cli
 
 PACKAGES = Path(__file__).resolve().parent.parent / "packages"
 
@@ -103,7 +103,7 @@ def test_tables_run_after_a_whole_op_run_keeps_every_table_once(tmp_path):
     """A `--tables` run after a whole run of the op: a table run alone leaves the op's section
     (no table twice in BENCHMARKS.md); the op's main table run alone leaves the op's other tables
     sections of their own (they disappeared)."""
-    from fk_runtime import bench
+    from fk_runtime.harness import bench
 
     out = tmp_path / "benchmarks"
     out.mkdir()

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from fk_runtime import testing
+from fk_runtime.harness import testing
 
 from fk_attention import attention, attention_varlen, attention_with_kvcache
 from fk_layernorm import layer_norm, rms_norm
@@ -51,17 +51,17 @@ def _opcheck_cases():
                                                      False, False)),
         "weighted_sum": (fk.weighted_sum.default, (x, w)),
         "weighted_sum_backward": (fk.weighted_sum_backward.default, (_x(5), x.detach(), w.detach())),
-        "attention": (fk.attention.default, (q, k, v, 0.25, -1, 0, False, 0.0)),
-        "attention window softcap": (fk.attention.default, (q, k, v, 0.25, 3, 1, True, 5.0)),
+        "attention": (fk.attention.default, (q, k, v, 0.25, [-1.0, 0.0, 0.0, 0.0])),
+        "attention window softcap": (fk.attention.default, (q, k, v, 0.25, [3.0, 1.0, 1.0, 5.0])),
         "attention_backward": (fk.attention_backward.default,
                                (testing.randn(out.shape), None, q.detach(), k.detach(), v.detach(), out,
-                                lse, 0.25, -1, 0, False, 0.0)),
+                                lse, 0.25, [-1.0, 0.0, 0.0, 0.0])),
         "attention_varlen": (fk.attention_varlen.default,
-                             (qp, kp, vp, cu_q, cu_k, 6, 7, 0.25, -1, 0, True, 0.0)),
+                             (qp, kp, vp, cu_q, cu_k, 6, 7, 0.25, [-1.0, 0.0, 1.0, 0.0])),
         "attention_varlen_backward": (fk.attention_varlen_backward.default,
                                       (testing.randn(outp.shape), testing.randn(lsep.shape), qp.detach(),
-                                       kp.detach(), vp.detach(), outp, lsep, cu_q, cu_k, 6, 7, 0.25, 2, -1,
-                                       False, 0.0)),
+                                       kp.detach(), vp.detach(), outp, lsep, cu_q, cu_k, 6, 7, 0.25,
+                                       [2.0, -1.0, 0.0, 0.0])),
     }
 
 
@@ -84,24 +84,24 @@ def test_registered_ops_check_their_inputs():
     with pytest.raises(TypeError, match="one dtype"):
         torch.ops.fk.weighted_sum(x, w.half())
     q, k, v = _qkv()
-    torch.ops.fk.attention(q, k, v, 0.25, -1, -1, False, 0.0)
+    torch.ops.fk.attention(q, k, v, 0.25, [-1.0, -1.0, 0.0, 0.0])
     with pytest.raises(TypeError, match="dtype"):
-        torch.ops.fk.attention(q, k.double(), v, 0.25, -1, -1, False, 0.0)
+        torch.ops.fk.attention(q, k.double(), v, 0.25, [-1.0, -1.0, 0.0, 0.0])
     with pytest.raises(TypeError, match="one dtype"):
-        torch.ops.fk.attention(q, k.half(), v, 0.25, -1, -1, False, 0.0)
+        torch.ops.fk.attention(q, k.half(), v, 0.25, [-1.0, -1.0, 0.0, 0.0])
     # Index tensors: int32 only, read through their strides (the public functions' checks skipped).
     qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, k))
     cu_q = torch.tensor([0, 4, 9], dtype=torch.int32, device=q.device)
     cu_k = torch.tensor([0, 5, 11], dtype=torch.int32, device=q.device)
     strided = [torch.stack([cu, cu.flip(0)], 1)[:, 0] for cu in (cu_q, cu_k)]
-    args = (5, 6, 0.25, -1, 0, False, 0.0)
+    args = (5, 6, 0.25, [-1.0, 0.0, 0.0, 0.0])
     torch.testing.assert_close(torch.ops.fk.attention_varlen(qp, kp, vp, *strided, *args),
                                torch.ops.fk.attention_varlen(qp, kp, vp, cu_q, cu_k, *args))
     with pytest.raises(TypeError, match="cu_seqlens_q must have dtype int32"):
         torch.ops.fk.attention_varlen(qp, kp, vp, cu_q.long(), cu_k, *args)
     cache = testing.randn((1, 2, 8, 16), torch.float32)
     lengths = torch.tensor([[5, 1]], dtype=torch.int32, device=q.device)[:, 0]
-    kv_args = (None, None, None, 0.25, -1, 0, 0.0)
+    kv_args = (None, None, None, 0.25, [-1.0, 0.0, 1.0, 0.0])
     torch.testing.assert_close(torch.ops.fk.attention_with_kvcache(q[:, :, :1], cache, cache, lengths, *kv_args),
                                torch.ops.fk.attention_with_kvcache(q[:, :, :1], cache, cache, lengths.contiguous(),
                                                                    *kv_args))
@@ -129,7 +129,7 @@ def test_registered_ops_refuse_malformed_inputs():
     }
     q, k, v = _qkv()
     long_q = _x(1, 4, 80, 16)  # past the decode path's query rows: the dense plan
-    args = (0.25, -1, -1, False, 0.0)
+    args = (0.25, [-1.0, -1.0, 0.0, 0.0])
     for name, query in (("decode", q), ("dense", long_q)):
         cases |= {
             f"{name} batch": (lambda query=query: torch.ops.fk.attention(torch.cat([query] * 2), k, v, *args), "batch"),
@@ -140,15 +140,15 @@ def test_registered_ops_refuse_malformed_inputs():
         }
     out, lse = torch.ops.fk.attention(q, k, v, *args)
     cases["attention lse"] = (lambda: torch.ops.fk.attention_backward(out, None, q, k, v, out, lse[:, :, :4], 0.25,
-                                                                      -1, -1, False, 0.0), "lse")
+                                                                      [-1.0, -1.0, 0.0, 0.0]), "lse")
     cases["attention grad_out"] = (lambda: torch.ops.fk.attention_backward(out[:, :, :4], None, q, k, v, out, lse,
-                                                                           0.25, -1, -1, False, 0.0), "grad_out")
+                                                                           0.25, [-1.0, -1.0, 0.0, 0.0]), "grad_out")
     qp, kp = (t[0].transpose(0, 1).contiguous() for t in (q, k))
     cu_q, cu_k = (torch.tensor(b, dtype=torch.int32, device=q.device) for b in ([0, 4, 9], [0, 5, 11]))
     cases["cu_seqlens_k short"] = (lambda: torch.ops.fk.attention_varlen(qp, kp, kp, cu_q, cu_k[:2], 5, 6, *args),
                                    "cu_seqlens_k")
     cache, lengths = _x(1, 2, 8, 16), torch.tensor([5], dtype=torch.int32, device=q.device)
-    kv = (None, None, None, 0.25, -1, 0, 0.0)
+    kv = (None, None, None, 0.25, [-1.0, 0.0, 1.0, 0.0])
     cases["kvcache lengths"] = (lambda: torch.ops.fk.attention_with_kvcache(q[:, :, :1], cache, cache,
                                                                             lengths[:0], *kv), "cache_seqlens")
     cases["kvcache new rows"] = (lambda: torch.ops.fk.attention_with_kvcache(

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from fk_runtime import testing
+from fk_runtime.harness import testing
 
 from fk_attention import attention
 from fk_layernorm import LayerNorm, RMSNorm, layer_norm, rms_norm

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from fk_runtime import testing
+from fk_runtime.harness import testing
 
 from fk_layernorm import RMSNorm, swap_norms
 

@@ -2,7 +2,7 @@ import json
 
 import torch
 
-from fk_runtime import bench, cli, testing
+from fk_runtime.harness import bench, cli, testing
 
 
 def _cases():

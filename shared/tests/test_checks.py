@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from fk_runtime import alloc, checks, testing
+from fk_runtime import alloc, checks
+from fk_runtime.harness import testing
 
 
 def test_check_tensor_errors_name_the_argument():

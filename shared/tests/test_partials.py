@@ -1,6 +1,7 @@
 import pytest
 import torch
-from fk_runtime import alloc, partials, testing
+from fk_runtime import alloc, partials
+from fk_runtime.harness import testing
 
 
 @pytest.mark.parametrize("rows, cols", [(1, 1), (3, 17), (130, 1000), (7, 4097), (600, 33)])

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from fk_runtime import alloc, testing
+from fk_runtime import alloc
+from fk_runtime.harness import testing
 
 
 def test_inputs_are_fresh_random_and_laid_out_as_asked():

@@ -1,6 +1,7 @@
 import pytest
 import torch
-from fk_runtime import testing, views
+from fk_runtime import views
+from fk_runtime.harness import testing
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2, 3])

@@ -4,11 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fk_runtime import gluon as fk_gluon
-from fk_runtime import testing
+from fk_runtime.harness import testing
 from fk_runtime.launch import PlanCache
 
 from fk_attention import SelfAttention, attention, attention_varlen, hopper
-from fk_attention import plan as table
+from fk_attention import plan
+from fk_attention import config as fk_config, layout as fk_layout, mask as fk_mask
 
 # bf16 too on the interpreter, whose bf16 tl.dot is wrong: the plan runs it in fp32 there.
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -37,15 +38,15 @@ if testing.on_gpu():
         ((2, 4, 4, 1000, 1000, 96), torch.bfloat16), ((1, 2, 2, 600, 600, 256), torch.bfloat16),
         ((1, 2, 1, 16384, 16384, 128), torch.bfloat16), ((1, 2, 1, 4096, 4096, 64), torch.float16),
     ]
-FP8_DTYPES = table.FP8_DTYPES
+FP8_DTYPES = fk_layout.FP8_DTYPES
 
 
 @pytest.fixture(autouse=True)
 def fresh_plans(monkeypatch):
     """Each test binds its own plans: tests patch the table's limits and gates, which bound plans
     and tuned winners would otherwise keep from an earlier test."""
-    monkeypatch.setattr(table, "BOUND", PlanCache())
-    monkeypatch.setattr(table, "WINNERS", {})
+    monkeypatch.setattr(plan, "BOUND", PlanCache())
+    monkeypatch.setattr(plan, "WINNERS", {})
 # fp8 P @ V rounds P to the input's mantissa (3 bits e4m3, 2 bits e5m2): a few % relative error.
 FP8_TOLERANCE = {torch.float8_e4m3fn: 0.08, torch.float8_e5m2: 0.15}
 
@@ -118,13 +119,13 @@ def test_strided_bnhd_inputs(mode, causal):
 
 def test_strided_inputs_reach_the_kernel_without_copies(monkeypatch):
     seen = []
-    real = table._Kernel.__call__
+    real = plan.Kernel.__call__
 
     def spy(self, *args):
         seen.append([a.data_ptr() for a in args[:3]])
         return real(self, *args)
 
-    monkeypatch.setattr(table._Kernel, "__call__", spy)
+    monkeypatch.setattr(plan.Kernel, "__call__", spy)
     q, k, v = make((1, 2, 1, 20, 20, 16), torch.float32, layout="bnhd")
     attention(q, k, v).sum().backward()
     assert seen and all(ptrs == [q.data_ptr(), k.data_ptr(), v.data_ptr()] for ptrs in seen)
@@ -146,23 +147,23 @@ def test_strides_past_32bit_tile_offsets_are_copied_first(monkeypatch):
     shape, dtype = (1, 2, 1, 20, 40, 16), torch.float32
     b, hq, hk, nq, nk, d = shape
     inputs = _head_dim_major(shape, dtype)
-    assert table.tile_offsets_fit(inputs[0])
+    assert fk_layout.tile_offsets_fit(inputs[0])
     seen = []
-    real = table._Kernel.__call__
+    real = plan.Kernel.__call__
 
     def spy(self, *args):
         seen.append(all(a.is_contiguous() for a in args[:3]))
         return real(self, *args)
 
-    monkeypatch.setattr(table._Kernel, "__call__", spy)
+    monkeypatch.setattr(plan.Kernel, "__call__", spy)
     attention(*inputs).sum().backward()
     assert seen and not any(seen)
     # Just above the (B, N, H, D) outputs' in-tile offsets (token stride Hq * D): the inputs,
     # whose head-dim stride is B * N * H, cross it; the outputs do not.
-    monkeypatch.setattr(table, "TILE_OFFSET_LIMIT", (table.MAX_TILE_EXTENT - 1) * (hq * d + 2))
-    table.BOUND.clear()
-    assert not any(table.tile_offsets_fit(t) for t in inputs)
-    assert table.tile_offsets_fit(torch.empty((b, nq, hq, d)).transpose(1, 2))
+    monkeypatch.setattr(fk_layout, "TILE_OFFSET_LIMIT", (fk_layout.MAX_TILE_EXTENT - 1) * (hq * d + 2))
+    plan.BOUND.clear()
+    assert not any(fk_layout.tile_offsets_fit(t) for t in inputs)
+    assert fk_layout.tile_offsets_fit(torch.empty((b, nq, hq, d)).transpose(1, 2))
     seen.clear()
     for q in inputs:
         q.grad = None
@@ -177,11 +178,11 @@ def test_strides_past_32bit_tile_offsets_are_copied_first(monkeypatch):
 def test_tile_offset_bound_covers_every_tile():
     """tile_offsets_fit bounds in-tile offsets by MAX_TILE_EXTENT rows and head-dim columns:
     every block shape the tables can launch, and every padded head dim, must stay within it."""
-    blocks = [c.block_m for _, row in table.DEFAULTS_16BIT + table.DEFAULTS_32BIT for c in row.values()]
-    blocks += [c.block_n for _, row in table.DEFAULTS_16BIT + table.DEFAULTS_32BIT for c in row.values()]
-    blocks += [c.block_m for _, row in table.CANDIDATES for cs in row.values() for c in cs]
-    blocks += [c.block_n for _, row in table.CANDIDATES for cs in row.values() for c in cs]
-    assert max(blocks + [table.padded_head_dim(table.MAX_HEAD_DIM)]) <= table.MAX_TILE_EXTENT
+    blocks = [c.block_m for _, row in fk_config.DEFAULTS_16BIT + fk_config.DEFAULTS_32BIT for c in row.values()]
+    blocks += [c.block_n for _, row in fk_config.DEFAULTS_16BIT + fk_config.DEFAULTS_32BIT for c in row.values()]
+    blocks += [c.block_m for _, row in fk_config.CANDIDATES for cs in row.values() for c in cs]
+    blocks += [c.block_n for _, row in fk_config.CANDIDATES for cs in row.values() for c in cs]
+    assert max(blocks + [fk_layout.padded_head_dim(fk_layout.MAX_HEAD_DIM)]) <= fk_layout.MAX_TILE_EXTENT
 
 
 @pytest.mark.skipif(not testing.on_gpu(), reason="a 4.6 GiB view: GPU only")
@@ -194,7 +195,7 @@ def test_token_stride_past_32bit_tile_offsets():
     storage = torch.empty((n, stride_n), device=testing.device(), dtype=dtype)
     q = storage[:, :d].view(1, 1, n, d)
     q.copy_(testing.randn(q.shape, dtype))
-    assert (n - 1) * q.stride(2) >= table.TILE_OFFSET_LIMIT and not table.descriptors_allowed(q)
+    assert (n - 1) * q.stride(2) >= fk_layout.TILE_OFFSET_LIMIT and not fk_layout.descriptors_allowed(q)
     k, v = (testing.randn((1, 1, n, d), dtype) for _ in range(2))
     check(attention, [q.requires_grad_(), k.requires_grad_(), v.requires_grad_()], dtype, causal=False)
 
@@ -213,20 +214,20 @@ def test_every_tiling_and_load_path(tiling, lengths, causal):
     block_m, block_n, descriptors = tiling
     n_q, n_k = lengths
     q, k, v = make((1, 4, 2, n_q, n_k, 40), torch.float32, requires_grad=False)
-    if descriptors and testing.on_gpu() and not table.use_descriptors(q, k, v):
+    if descriptors and testing.on_gpu() and not fk_layout.use_descriptors(q, k, v):
         pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
-    fwd = table.Config(block_m, block_n, 4, 1, descriptors)
+    fwd = fk_config.Config(block_m, block_n, 4, 1, descriptors)
     # dK/dV walks queries in steps of BLOCK_M with BLOCK_N keys held: swap for the other shape.
-    bwd = (fwd, table.Config(block_n, block_m, 4, 1, descriptors))
+    bwd = (fwd, fk_config.Config(block_n, block_m, 4, 1, descriptors))
     scale = 0.3
-    mask = table.CAUSAL if causal else table.FULL
-    out, lse = table.forward(q, k, v, mask, scale, config=fwd)
+    mask = fk_mask.CAUSAL if causal else fk_mask.FULL
+    out, lse = plan.forward(q, k, v, mask, scale, config=fwd)
     ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference(*ref_inputs, causal=causal, scale=scale, lse=True)
     testing.assert_close("out", out, ref_out, torch.float32)
     testing.assert_close("lse", lse, ref_lse, torch.float32)
     g_out, g_lse = testing.randn(out.shape), testing.randn(lse.shape)
-    grads = table.backward(g_out, g_lse, q, k, v, out, lse, mask, scale, configs=bwd)
+    grads = plan.backward(g_out, g_lse, q, k, v, out, lse, mask, scale, configs=bwd)
     ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [g_out.double(), g_lse.double()])
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         testing.assert_close(f"grad {name}", g, r, torch.float32)
@@ -241,12 +242,12 @@ def test_descriptors_on_odd_strides(causal):
     storage = testing.randn((1, 3, 1, d + 1), torch.float32)
     q = storage[:, :1, :, :d]  # (1, 1, 1, 40), strides (123, 41, 41, 1): 164-byte head/token steps
     k, v = (testing.randn((1, 1, n_k, d), torch.float32) for _ in range(2))
-    assert table.descriptors_allowed(q, k, v) and table._descriptor_strides(q) == [40, 40, 40, 1]
-    if testing.on_gpu() and not table.use_descriptors(q, k, v):
+    assert fk_layout.descriptors_allowed(q, k, v) and fk_layout.descriptor_strides(q) == [40, 40, 40, 1]
+    if testing.on_gpu() and not fk_layout.use_descriptors(q, k, v):
         pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
-    config = table.Config(16, 16, 4, 1, True)
-    mask = table.CAUSAL if causal else table.FULL
-    out, lse = table.forward(q, k, v, mask, 0.3, config=config)
+    config = fk_config.Config(16, 16, 4, 1, True)
+    mask = fk_mask.CAUSAL if causal else fk_mask.FULL
+    out, lse = plan.forward(q, k, v, mask, 0.3, config=config)
     ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference(*ref_inputs, causal=causal, scale=0.3, lse=True)
     testing.assert_close("out", out, ref_out, torch.float32)
@@ -256,14 +257,14 @@ def test_descriptors_on_odd_strides(causal):
     # The backward reads q and the upstream gradient through the same kind of strides.
     g_out = testing.randn((1, 3, 1, d + 1), torch.float32)[:, :1, :, :d]
     g_lse = testing.randn(lse.shape)
-    grads = table.backward(g_out, g_lse, q, k, v, out, lse, mask, 0.3, configs=(config, config))
+    grads = plan.backward(g_out, g_lse, q, k, v, out, lse, mask, 0.3, configs=(config, config))
     ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [g_out.double(), g_lse.double()])
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         testing.assert_close(f"grad {name}", g, r, torch.float32)
     # K and V shared by 4 query heads through a zero head stride: pointers, right answer.
     q4 = testing.randn((1, 4, 5, d), torch.float32)
     k4, v4 = (t.expand(1, 4, n_k, d) for t in (k, v))
-    assert not table.descriptors_allowed(k4) and table.descriptors_allowed(q4)
+    assert not fk_layout.descriptors_allowed(k4) and fk_layout.descriptors_allowed(q4)
     out4 = attention(q4, k4, v4, causal=causal)
     testing.assert_close("out", out4, reference(q4.double(), k4.double(), v4.double(), causal), torch.float32)
 
@@ -294,10 +295,10 @@ def _hopper_launches(monkeypatch, name: str = "bind") -> list:
 # (B, Hq, Hk, Nq, Nk, D), mask: odd lengths, Nq != Nk both ways (lower-right causal leaves the
 # first rows of Nq > Nk without keys), GQA, head dims padded to 128, a single query block.
 HOPPER_CASES = [
-    ((2, 4, 2, 1000, 1000, 128), table.FULL), ((2, 4, 2, 1000, 1000, 128), table.CAUSAL),
-    ((1, 4, 1, 333, 1025, 96), table.CAUSAL), ((1, 4, 1, 1025, 333, 96), table.Mask(right=0, lower_right=True)),
-    ((1, 2, 2, 300, 700, 72), table.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 128), table.CAUSAL),
-    ((1, 2, 1, 4096, 4096, 128), table.CAUSAL),
+    ((2, 4, 2, 1000, 1000, 128), fk_mask.FULL), ((2, 4, 2, 1000, 1000, 128), fk_mask.CAUSAL),
+    ((1, 4, 1, 333, 1025, 96), fk_mask.CAUSAL), ((1, 4, 1, 1025, 333, 96), fk_mask.Mask(right=0, lower_right=True)),
+    ((1, 2, 2, 300, 700, 72), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 128), fk_mask.CAUSAL),
+    ((1, 2, 1, 4096, 4096, 128), fk_mask.CAUSAL),
 ]
 
 
@@ -311,10 +312,10 @@ def test_hopper_forward_matches_the_tl_kernels_and_float64(monkeypatch, shape, m
     ran = _hopper_launches(monkeypatch)
     q, k, v = make(shape, dtype, layout=layout, requires_grad=False)
     scale = 1 / math.sqrt(shape[-1])
-    out, lse = table.forward(q, k, v, mask, scale)
+    out, lse = plan.forward(q, k, v, mask, scale)
     assert len(ran) == 1
-    tl_out, tl_lse = table.forward(q, k, v, mask, scale, config=table.default_config(
-        table.Kind.FORWARD, shape[-1], dtype, True))
+    tl_out, tl_lse = plan.forward(q, k, v, mask, scale, config=fk_config.default_config(
+        fk_config.Kind.FORWARD, shape[-1], dtype, True))
     group = shape[1] // shape[2]
     k64, v64 = (t.double().repeat_interleave(group, 1) for t in (k, v))
     scores = q.double() @ k64.transpose(-1, -2) * scale
@@ -334,7 +335,7 @@ def test_hopper_forward_matches_the_tl_kernels_and_float64(monkeypatch, shape, m
     assert out.stride() == q.stride() if layout == "bnhd" else out.is_contiguous()
 
 
-def _masked_reference(q, k, v, mask: table.Mask, scale: float):
+def _masked_reference(q, k, v, mask: fk_mask.Mask, scale: float):
     """float64 attention with GQA and a causal mask of either alignment; rows that see no key give 0."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.double().repeat_interleave(group, 1) for t in (k, v))
@@ -358,12 +359,12 @@ def test_hopper_backward_matches_the_tl_kernels_and_float64(monkeypatch, shape, 
     ran = _hopper_launches(monkeypatch, "bind_dkdv")
     q, k, v = make(shape, dtype, layout=layout, requires_grad=False)
     scale = 1 / math.sqrt(shape[-1])
-    out, lse = table.forward(q, k, v, mask, scale)
+    out, lse = plan.forward(q, k, v, mask, scale)
     grad_out = testing.randn(out.shape, dtype)
-    grads = table.backward(grad_out, None, q, k, v, out, lse, mask, scale)
+    grads = plan.backward(grad_out, None, q, k, v, out, lse, mask, scale)
     assert len(ran) == 1
-    configs = tuple(table.default_config(kind, shape[-1], dtype, True) for kind in (table.Kind.DQ, table.Kind.DKDV))
-    tl_grads = table.backward(grad_out, None, q, k, v, out, lse, mask, scale, configs=configs)
+    configs = tuple(fk_config.default_config(kind, shape[-1], dtype, True) for kind in (fk_config.Kind.DQ, fk_config.Kind.DKDV))
+    tl_grads = plan.backward(grad_out, None, q, k, v, out, lse, mask, scale, configs=configs)
     assert len(ran) == 1
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     wants = torch.autograd.grad(_masked_reference(q64, k64, v64, mask, scale), (q64, k64, v64), grad_out.double())
@@ -382,11 +383,11 @@ def test_hopper_backward_leaves_unaligned_bases_to_tl(monkeypatch):
     q, v, grad_out = (testing.randn((1, 2, 300, 128), torch.bfloat16) for _ in range(3))
     storage = testing.randn((2 * 300 * 128 + 1,), torch.bfloat16)
     for k, launches in ((storage[1:].view(1, 2, 300, 128), 0), (storage[:-1].view(1, 2, 300, 128), 1)):
-        out, lse = table.forward(q, k, v, table.CAUSAL, 0.1)
-        grads = table.backward(grad_out, None, q, k, v, out, lse, table.CAUSAL, 0.1)
+        out, lse = plan.forward(q, k, v, fk_mask.CAUSAL, 0.1)
+        grads = plan.backward(grad_out, None, q, k, v, out, lse, fk_mask.CAUSAL, 0.1)
         assert len(ran) == launches
         q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-        wants = torch.autograd.grad(_masked_reference(q64, k64, v64, table.CAUSAL, 0.1), (q64, k64, v64),
+        wants = torch.autograd.grad(_masked_reference(q64, k64, v64, fk_mask.CAUSAL, 0.1), (q64, k64, v64),
                                     grad_out.double())
         for name, got, want in zip(("dq", "dk", "dv"), grads, wants, strict=True):
             testing.assert_close(name, got, want, torch.bfloat16)
@@ -410,7 +411,7 @@ def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch
     for kwargs in (dict(window=(64, 0)), dict(softcap=30.0)):
         attention(q, k, v, **kwargs)
     attention(*(t[..., :64].contiguous() for t in (q, k, v)), causal=True)
-    out, _ = table.forward(q, k, v, table.CAUSAL, -0.1)
+    out, _ = plan.forward(q, k, v, fk_mask.CAUSAL, -0.1)
     scores = (q.double() @ k.double().transpose(-1, -2) * -0.1).masked_fill(
         torch.ones(300, 300, dtype=torch.bool, device=q.device).triu(1), -math.inf)
     testing.assert_close("out", out, torch.softmax(scores, -1) @ v.double(), torch.bfloat16)
@@ -425,14 +426,14 @@ def test_hopper_forward_gate():
     assert not fk_gluon.supported("3.5.1") and not fk_gluon.supported("99.0.0")
     q = testing.randn((1, 2, 64, 128), torch.bfloat16)
     if not testing.on_gpu():
-        assert not hopper.takes(q, q, q, table.CAUSAL, 0.1)
-    assert not hopper.takes(q.float(), q.float(), q.float(), table.CAUSAL, 0.1)
-    assert not hopper.takes(q, q, q, table.Mask(left=8, right=0), 0.1)
-    assert not hopper.takes(q, q, q, table.CAUSAL, -0.1)
+        assert not hopper.takes(q, q, q, fk_mask.CAUSAL, 0.1)
+    assert not hopper.takes(q.float(), q.float(), q.float(), fk_mask.CAUSAL, 0.1)
+    assert not hopper.takes(q, q, q, fk_mask.Mask(left=8, right=0), 0.1)
+    assert not hopper.takes(q, q, q, fk_mask.CAUSAL, -0.1)
     if hopper.gluon is not None:
         from fk_runtime.launch import Descriptor
 
-        layout = hopper._layout(64, 128, torch.bfloat16)
+        layout = hopper.shared_layout(64, 128, torch.bfloat16)
         real = Descriptor(q, list(q.shape), list(q.stride()), [1, 1, 64, 128], layout=layout).real()
         assert real.layout == layout and list(real.block_shape) == [1, 1, 64, 128]
 
@@ -442,22 +443,21 @@ def test_autotuned_launch_runs_every_candidate(monkeypatch):
     chosen blocks). On the interpreter the tuner's timer is replaced by one run per candidate."""
     runs = []
     if not testing.on_gpu():
-        real = table.autotuned
+        real = plan.autotuned
 
         def with_fake_timer(kernel, kind, head_dim, descriptors, varlen):
             tuned = real(kernel, kind, head_dim, descriptors, varlen)
             tuned.__dict__["do_bench"] = lambda call, quantiles: (call(), runs.append(kind), [1.0] * 3)[2]
             return tuned
 
-        monkeypatch.setattr(table, "autotuned", with_fake_timer)
-        monkeypatch.setattr(table, "use_descriptors", table.descriptors_allowed)
-    monkeypatch.setattr(table, "should_autotune", lambda *args: True)
+        monkeypatch.setattr(plan, "autotuned", with_fake_timer)
+    monkeypatch.setattr(plan, "should_autotune", lambda *args: True)
     dtype = torch.float16
     inputs = make((1, 2, 1, 150, 130, 40), dtype)
     check(lambda q, k, v: attention(q, k, v, causal=True), inputs, dtype, True)
     if not testing.on_gpu():
-        tried = {kind: runs.count(kind) for kind in table.Kind}
-        expected = {kind: len(table.candidates(kind, 40, True)) for kind in table.Kind}
+        tried = {kind: runs.count(kind) for kind in fk_config.Kind}
+        expected = {kind: len(fk_config.candidates(kind, 40, True)) for kind in fk_config.Kind}
         assert tried == expected
     # Packed sequences tune apart (their own key and kernels).
     q, k, v = (t.detach().transpose(1, 2).flatten(0, 1)[:130].requires_grad_() for t in inputs)
@@ -468,7 +468,7 @@ def test_autotuned_launch_runs_every_candidate(monkeypatch):
                                    .transpose(0, 1) for a, b in ((0, 60), (60, 130))]),
         [q, k, v], dtype=dtype, names=["q", "k", "v"])
     if not testing.on_gpu():
-        assert {kind: runs.count(kind) for kind in table.Kind} == {kind: 2 * n for kind, n in expected.items()}
+        assert {kind: runs.count(kind) for kind in fk_config.Kind} == {kind: 2 * n for kind, n in expected.items()}
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -558,7 +558,7 @@ def test_compiled_graph_runs_the_fk_ops():
 def test_registered_op_is_differentiable(mode):
     """torch.ops.fk.attention on its own (register_autograd), eager and compiled."""
     inputs = make((1, 2, 1, 13, 21, 16), torch.float32)
-    fn = testing.maybe_compile(lambda q, k, v: torch.ops.fk.attention(q, k, v, 0.25, -1, 0, False, 0.0), mode)
+    fn = testing.maybe_compile(lambda q, k, v: torch.ops.fk.attention(q, k, v, 0.25, [-1.0, 0.0, 0.0, 0.0]), mode)
     results = testing.check_against_reference(
         fn, lambda q, k, v: reference(q, k, v, True, 0.25, lse=True), inputs, dtype=torch.float32,
     )
@@ -629,13 +629,13 @@ def test_fp8_forward(dtype, causal):
     TypeError elsewhere (the interpreter included)."""
     shape = (1, 4, 2, 300, 300, 64) if testing.on_gpu() else (1, 2, 1, 20, 20, 32)
     q, k, v = (t.to(dtype) for t in make(shape, torch.float32, requires_grad=False))
-    supported, _ = table.fp8_supported()
+    supported, _ = fk_layout.fp8_supported()
     if not supported:
         with pytest.raises(TypeError, match="fp8 attention needs"):
             attention(q, k, v, causal=causal)
         return
     out = attention(q, k, v, causal=causal)
-    assert out.dtype == table.FP8_OUTPUT_DTYPE
+    assert out.dtype == fk_layout.FP8_OUTPUT_DTYPE
     ref = reference(q.double(), k.double(), v.double(), causal)
     c = testing.Comparison("fp8 out", testing.rel_error(out, ref), FP8_TOLERANCE[dtype])
     assert c.ok, str(c)

@@ -6,18 +6,21 @@ import math
 
 import pytest
 import torch
-from fk_runtime import backend, sizing, testing
+from fk_runtime import backend, sizing
+from fk_runtime.harness import testing
 from fk_runtime.launch import PlanCache
 
 from fk_attention import attention, attention_with_kvcache, decode
-from fk_attention import plan as table
+from fk_attention import plan
+from fk_attention import config as fk_config, layout as fk_layout, mask as fk_mask
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
 def fresh_plans(monkeypatch):
-    monkeypatch.setattr(table, "BOUND", PlanCache())
+    monkeypatch.setattr(plan, "BOUND", PlanCache())
+    monkeypatch.setattr(decode, "BOUND", PlanCache())
 
 
 def seen(n_q, n_k, causal, window, lower_right):
@@ -106,7 +109,7 @@ def test_any_number_of_key_slices_merges_to_the_same_result(slices, dtype):
     log-sum-exp to the reference; rows that see no key (window past the start) give 0 and -inf."""
     q = testing.randn((2, 8, 2, 16), dtype)
     k, v = testing.randn((2, 2, 40, 16), dtype), testing.randn((2, 2, 40, 16), dtype)
-    mask = table.Mask(left=3, right=-39)  # row 0 sees nothing, row 1 key 0 only
+    mask = fk_mask.Mask(left=3, right=-39)  # row 0 sees nothing, row 1 key 0 only
     out, lse = decode.forward(q, k, v, mask, 0.3, slices)
     keep = seen(2, 40, False, (3, -39), False)
     for i in range(2):
@@ -132,16 +135,16 @@ def test_many_slices_merge_with_the_warps_that_hold_them(monkeypatch, slices, d)
     k, v = testing.randn((b, hk, capacity, d), dtype), testing.randn((b, hk, capacity, d), dtype)
     lengths = [capacity, capacity - block - 3]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
-    run = decode._bind(q, k, v, table.Mask(right=0, lower_right=True), d ** -0.5, decode.Cache(), slices)
+    run = decode.bind(q, k, v, fk_mask.Mask(right=0, lower_right=True), d ** -0.5, decode.Cache(), slices)
     out, _ = run(q, k, v, seqlens)
     ref_out, _ = cached_reference(q, k, v, lengths, True, None, None, d ** -0.5)
     check("out", out, ref_out, dtype)
     merge = [m for m in metas if "BLOCK_S" in m]
     warps = decode.merge_warps(slices, d)
     assert merge and all(m["num_warps"] == warps for m in merge)
-    values = sizing.next_power_of_2(slices) * table.padded_head_dim(d)
-    assert values <= 32 * warps * decode.MERGE_VALUES_PER_THREAD or warps == sizing.MIN_WARPS
-    assert warps == 1 or values > 32 * (warps // 2) * decode.MERGE_VALUES_PER_THREAD  # no fewer would do
+    values = sizing.next_power_of_2(slices) * fk_layout.padded_head_dim(d)
+    assert values <= 32 * warps * fk_config.MERGE_VALUES_PER_THREAD or warps == sizing.MIN_WARPS
+    assert warps == 1 or values > 32 * (warps // 2) * fk_config.MERGE_VALUES_PER_THREAD  # no fewer would do
 
 
 @pytest.mark.parametrize("n_k", [12, 300])  # one slice, several (merged)
@@ -154,7 +157,8 @@ def test_quiet_decode_calls_store_no_lse_they_do_not_return(monkeypatch, call, n
     real = decode.Launch
     monkeypatch.setattr(decode, "Launch", lambda kernel, grid, args, meta, device: metas.append(meta)
                         or real(kernel, grid, args, meta, device))
-    monkeypatch.setattr(table, "BOUND", PlanCache())
+    monkeypatch.setattr(plan, "BOUND", PlanCache())
+    monkeypatch.setattr(decode, "BOUND", PlanCache())
     dtype = torch.float16
     b, hq, hk, d = 2, 4, 2, 32
     q = testing.randn((b, hq, 1, d), dtype)
@@ -187,16 +191,16 @@ def test_key_slices_fill_the_device_and_respect_bounds():
     sms = backend.multiprocessor_count()
     assert decode.key_slices(64 * sms, 1 << 20, 128, 0) == 1  # a full grid is not sliced
     few = decode.key_slices(1, 1 << 20, 128, 0)
-    assert 1 < few <= decode.MAX_SLICES and few & (few - 1) == 0
+    assert 1 < few <= fk_config.MAX_SLICES and few & (few - 1) == 0
     assert decode.key_slices(1, 1 << 20, 64, 0) >= few  # narrower rows: more programs
     assert decode.key_slices(1, 1, 128, 0) == 1  # too few keys to slice
-    min_keys = decode.INTERPRETER_SLICE_KEYS if not testing.on_gpu() else decode.MIN_SLICE_KEYS
+    min_keys = fk_config.INTERPRETER_SLICE_KEYS if not testing.on_gpu() else fk_config.MIN_SLICE_KEYS
     assert decode.key_slices(1, 3 * min_keys, 128, 0) <= 3
 
 
 def _descriptors_here(monkeypatch) -> list:
     """Skip where TMA cannot run; else a list that grows by one per K/V descriptor decode builds."""
-    if testing.on_gpu() and not table._is_hopper_or_newer():
+    if testing.on_gpu() and not fk_layout.is_hopper_or_newer():
         pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
     built = []
     real = decode.Descriptor
@@ -205,7 +209,7 @@ def _descriptors_here(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mask", [table.FULL, table.Mask(right=0, lower_right=True), table.Mask(left=7, right=3)])
+@pytest.mark.parametrize("mask", [fk_mask.FULL, fk_mask.Mask(right=0, lower_right=True), fk_mask.Mask(left=7, right=3)])
 def test_decode_through_tensor_descriptors(dtype, mask, monkeypatch):
     """K/V tiles through TMA descriptors (forced: the interpreter runs them too), pointers beside
     them: odd key counts (the descriptor zero-fills past Nk), a padded head dim, sliced and not;
@@ -228,7 +232,7 @@ def test_decode_through_tensor_descriptors(dtype, mask, monkeypatch):
     assert torch.equal(lse.cpu(), torch.full(lse.shape, -math.inf))
 
 
-@pytest.mark.parametrize("page_size", [0, 2 * table.INTERPRETER_BLOCK if not testing.on_gpu() else 128])
+@pytest.mark.parametrize("page_size", [0, 2 * fk_config.INTERPRETER_BLOCK if not testing.on_gpu() else 128])
 def test_kvcache_descriptors_never_read_rows_past_a_length(page_size, monkeypatch):
     """Through TMA a block's rows past a sequence's length are loaded too: cache rows there that
     hold NaN must not reach the output (the masked steps zero them), with and without appends."""
@@ -327,7 +331,7 @@ def test_paged_reads_both_ways(per_row, monkeypatch):
     real = decode.Launch
     monkeypatch.setattr(decode, "Launch", lambda kernel, grid, args, meta, device: metas.append(meta)
                         or real(kernel, grid, args, meta, device))
-    page = 64 if testing.on_gpu() else table.INTERPRETER_BLOCK  # whole key blocks a page
+    page = 64 if testing.on_gpu() else fk_config.INTERPRETER_BLOCK  # whole key blocks a page
     b, hq, hk, d, capacity = 3, 4, 2, 16, 3 * page
     k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, torch.float32, page)
     lengths = [capacity, 37, 1]
@@ -352,7 +356,7 @@ def test_slices_longer_than_the_preloaded_pages_read_a_page_per_row(monkeypatch)
                         or real(kernel, grid, args, meta, device))
     # A few slices of more than one page each (the GPU slices (batch, KV head) programs up to
     # about one per multiprocessor, the interpreter up to a handful)
-    b, hq, hk, d, page = (4, 16, 8, 128, 64) if testing.on_gpu() else (1, 4, 2, 16, table.INTERPRETER_BLOCK)
+    b, hq, hk, d, page = (4, 16, 8, 128, 64) if testing.on_gpu() else (1, 4, 2, 16, fk_config.INTERPRETER_BLOCK)
     capacity = 10 * page
     k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, torch.float32, page)
     lengths = [capacity - 5, capacity, 1, 2 * page + 3][:b]
@@ -363,7 +367,7 @@ def test_slices_longer_than_the_preloaded_pages_read_a_page_per_row(monkeypatch)
     check("out", out, ref_out, torch.float32)
     attend = [(grid, meta) for grid, meta in launches if "ROW_PAGES" in meta]
     programs = b * hk
-    slices = decode.key_slices(programs, capacity, d, q.device.index or 0, fill=decode.ROW_PAGES_FILL)
+    slices = decode.key_slices(programs, capacity, d, q.device.index or 0, fill=fk_config.ROW_PAGES_FILL)
     assert attend and all(meta["ROW_PAGES"] and not meta["SLICE_PAGES"] for _, meta in attend)
     assert all(grid == (programs * slices,) for grid, _ in attend)
     assert slices > decode.key_slices(programs, capacity, d, q.device.index or 0)  # the fill took more
@@ -561,7 +565,7 @@ def test_wide_key_blocks_read_the_right_rows(capacity, d, page, monkeypatch):
     check("out", out, ref_out, dtype)
     attend = [meta for meta in launches if "ROW_PAGES" in meta]
     wide = decode.wide_blocks(hq // hk, d, dtype, b * hk, page, q.device.index or 0)
-    assert attend and all((meta["BLOCK_N"] == decode.WIDE_BLOCK_N) == wide for meta in attend)
+    assert attend and all((meta["BLOCK_N"] == fk_config.WIDE_BLOCK_N) == wide for meta in attend)
 
 
 def test_slices_preload_the_pages_they_span(monkeypatch):
@@ -580,7 +584,7 @@ def test_slices_preload_the_pages_they_span(monkeypatch):
     lengths = [capacity, 7 * block - 3]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=k_cache.device)
     q = testing.randn((b, hq, 1, d), dtype)
-    run = decode._bind(q, k_cache, v_cache, table.Mask(right=0, lower_right=True), d ** -0.5,
+    run = decode.bind(q, k_cache, v_cache, fk_mask.Mask(right=0, lower_right=True), d ** -0.5,
                        decode.Cache(0, page), 4, block_table)
     out, _ = run(q, k_cache, v_cache, seqlens, block_table)
     ref_out, _ = cached_reference(q, logical(k_cache), logical(v_cache), lengths, True, None, None, d ** -0.5)

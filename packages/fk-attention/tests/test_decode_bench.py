@@ -4,7 +4,8 @@ table, in float64."""
 
 import pytest
 import torch
-from fk_runtime import sizing, testing
+from fk_runtime import sizing
+from fk_runtime.harness import testing
 
 from fk_attention import bench
 

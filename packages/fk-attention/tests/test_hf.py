@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from fk_runtime import testing
+from fk_runtime.harness import testing
 
 transformers = pytest.importorskip("transformers")  # nox installs it (the "transformers" extra)
 

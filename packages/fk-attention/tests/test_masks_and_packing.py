@@ -5,20 +5,21 @@ import math
 
 import pytest
 import torch
-from fk_runtime import testing
+from fk_runtime.harness import testing
 from fk_runtime.launch import PlanCache
 
 from fk_attention import attention, attention_varlen
-from fk_attention import plan as table
-from fk_attention.ops import mask_args
+from fk_attention import plan
+from fk_attention.mask import op_args
+from fk_attention import config as fk_config, layout as fk_layout, mask as fk_mask
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
 def fresh_plans(monkeypatch):
-    monkeypatch.setattr(table, "BOUND", PlanCache())
-    monkeypatch.setattr(table, "WINNERS", {})
+    monkeypatch.setattr(plan, "BOUND", PlanCache())
+    monkeypatch.setattr(plan, "WINNERS", {})
 
 
 def visible(n_q, n_k, left=None, right=None, lower_right=False, device=None):
@@ -110,25 +111,25 @@ TILINGS = [(16, 16, False), (32, 16, True), (16, 64, True), (64, 16, False)]
 
 
 @pytest.mark.parametrize("tiling", TILINGS if not testing.on_gpu() else TILINGS[:2], ids=str)
-@pytest.mark.parametrize("mask", [table.Mask(5, 0), table.Mask(13, 2, True), table.Mask(None, 0, True, 3.0),
-                                  table.Mask(0, None)], ids=str)
+@pytest.mark.parametrize("mask", [fk_mask.Mask(5, 0), fk_mask.Mask(13, 2, True), fk_mask.Mask(None, 0, True, 3.0),
+                                  fk_mask.Mask(0, None)], ids=str)
 def test_window_edges_on_every_tiling(tiling, mask):
     """Windows narrower and wider than a block, on both load paths: the masked edges and the
     unmasked middle of each walk (forward, dQ, dK/dV) meet where they should."""
     block_m, block_n, descriptors = tiling
     q, k, v = make((1, 4, 2, 53, 77, 40), torch.float32, requires_grad=False)
-    if descriptors and testing.on_gpu() and not table.use_descriptors(q, k, v):
+    if descriptors and testing.on_gpu() and not fk_layout.use_descriptors(q, k, v):
         pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
-    fwd = table.Config(block_m, block_n, 4, 1, descriptors)
-    bwd = (fwd, table.Config(block_n, block_m, 4, 1, descriptors))
-    out, lse = table.forward(q, k, v, mask, 0.3, config=fwd)
+    fwd = fk_config.Config(block_m, block_n, 4, 1, descriptors)
+    bwd = (fwd, fk_config.Config(block_n, block_m, 4, 1, descriptors))
+    out, lse = plan.forward(q, k, v, mask, 0.3, config=fwd)
     keep = visible(53, 77, mask.left, mask.right, mask.lower_right, device=q.device)
     ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference(*ref_inputs, keep, 0.3, mask.softcap, lse=True)
     testing.assert_close("out", out, ref_out, torch.float32)
     testing.assert_close("lse", lse, ref_lse, torch.float32)
     g_out, g_lse = testing.randn(out.shape), testing.randn(lse.shape)
-    grads = table.backward(g_out, g_lse, q, k, v, out, lse, mask, 0.3, configs=bwd)
+    grads = plan.backward(g_out, g_lse, q, k, v, out, lse, mask, 0.3, configs=bwd)
     g_lse_ref = torch.where(ref_lse.isfinite(), g_lse.double(), 0.0)
     ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [g_out.double(), g_lse_ref])
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
@@ -347,20 +348,19 @@ def test_packed_on_both_load_paths_keeps_sequences_apart(tiling, causal):
     block_m, block_n, descriptors = tiling
     lengths_q, lengths_k = [21, 3, 40, 9], [21, 30, 40, 9]
     q, k, v, cu_q, cu_k = packed_inputs(lengths_q, lengths_k, 4, 2, 40, torch.float32, requires_grad=False)
-    if descriptors and testing.on_gpu() and not table.use_descriptors(table.packed(q), table.packed(k)):
+    if descriptors and testing.on_gpu() and not fk_layout.use_descriptors(fk_layout.packed(q), fk_layout.packed(k)):
         pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
     poisoned_q, poisoned_k = slice(21, 24), slice(21, 51)  # sequence 1
     q[poisoned_q], k[poisoned_k], v[poisoned_k] = 1e4, -1e4, 1e4
     g_out = testing.randn(q.shape)
     g_out[poisoned_q] = 1e4
     g_lse = testing.randn((4, q.shape[0]))
-    left, right, lower_right, _ = mask_args(causal, None, None)
-    mask = table.Mask(None if left < 0 else left, None if right < 0 else right, lower_right)
-    packing = table.Packing(4, max(lengths_q), max(lengths_k))
-    fwd = table.Config(block_m, block_n, 4, 1, descriptors)
-    bwd = (fwd, table.Config(block_n, block_m, 4, 1, descriptors))
-    out, lse = table.forward_packed(q, k, v, cu_q, cu_k, packing, mask, 0.3, config=fwd)
-    grads = table.backward_packed(g_out, g_lse, q, k, v, out, lse, cu_q, cu_k, packing, mask, 0.3, configs=bwd)
+    mask = fk_mask.from_op_args(op_args(causal, None, None))
+    packing = fk_layout.Packing(4, max(lengths_q), max(lengths_k))
+    fwd = fk_config.Config(block_m, block_n, 4, 1, descriptors)
+    bwd = (fwd, fk_config.Config(block_n, block_m, 4, 1, descriptors))
+    out, lse = plan.forward_packed(q, k, v, cu_q, cu_k, packing, mask, 0.3, config=fwd)
+    grads = plan.backward_packed(g_out, g_lse, q, k, v, out, lse, cu_q, cu_k, packing, mask, 0.3, configs=bwd)
     inputs = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = packed_reference(*inputs, cu_q, cu_k, causal, scale=0.3)
     clean_q = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
@@ -380,7 +380,7 @@ def test_bounded_windows_tune_apart_from_unbounded_masks():
     """A window bounded on both sides walks as many keys as its span, not the sequence: its tuning
     key says so (a causal call's tiles ran 15% slower on a 1024 window at N 16384)."""
     args = (16384, 16384, 16, torch.bfloat16)
-    causal = table._keys(*args, table.CAUSAL)
-    window = table._keys(*args, table.Mask(left=1024, right=0))
-    assert causal[1] == table.length_key(16384) and window[1] == table.length_key(1025) != causal[1]
-    assert table._keys(*args, table.Mask(left=1024)) == causal  # one side unbounded: the whole length
+    causal = plan.tuning_keys(*args, fk_mask.CAUSAL)
+    window = plan.tuning_keys(*args, fk_mask.Mask(left=1024, right=0))
+    assert causal[1] == plan.length_key(16384) and window[1] == plan.length_key(1025) != causal[1]
+    assert plan.tuning_keys(*args, fk_mask.Mask(left=1024)) == causal  # one side unbounded: the whole length

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from fk_runtime import backend, testing
+from fk_runtime import backend
+from fk_runtime.harness import testing
 
 from fk_attention import attention
 from fk_attention import ring, ring_bench

@@ -14,14 +14,14 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from fk_runtime import bench, testing
+from fk_runtime.harness import bench, testing
 from fk_runtime.launch import PlanCache
 
 testing.setup()
 
 from fk_attention import attention, attention_with_kvcache, decode  # noqa: E402
 from fk_attention import bench as attention_bench  # noqa: E402
-from fk_attention import plan as table  # noqa: E402
+from fk_attention import config as fk_config, mask as fk_mask  # noqa: E402
 
 SLICE_SHAPES = [(1, 32, 8, 131072, 128), (16, 32, 8, 8192, 128), (1, 32, 32, 131072, 64), (1, 32, 8, 1024, 128),
                 (16, 32, 8, 1024, 64), (64, 32, 8, 1024, 128), (64, 32, 32, 8192, 128), (1, 32, 8, 8192, 128),
@@ -47,11 +47,11 @@ def cudnn(q, k, v):
 
 
 def fixed_tiles(block_n, stages, *args):
-    return table.Config(16, block_n, 4, stages)
+    return fk_config.Config(16, block_n, 4, stages)
 
 
 def slices_sweep():
-    mask = table.Mask(right=0, lower_right=True)
+    mask = fk_mask.Mask(right=0, lower_right=True)
     default_tiles = decode.tiles
     for b, hq, hk, n, d in SLICE_SHAPES:
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
@@ -62,7 +62,7 @@ def slices_sweep():
             decode.tiles = functools.partial(fixed_tiles, block_n, stages)
             for s in SLICES:
                 if n // s >= block_n:
-                    run = decode._bind(q, k, v, mask, d ** -0.5, decode.Cache(), s)
+                    run = decode.bind(q, k, v, mask, d ** -0.5, decode.Cache(), s)
                     row[f"{block_n},{stages},{s}"] = graph_us(functools.partial(run, q, k, v, lengths))
         decode.tiles = default_tiles
         print(f"B{b} KV{n} {hq}:{hk} d{d}", row, flush=True)
@@ -78,7 +78,7 @@ def rule_times(q, k, v, lengths, pages, rule: str, variants: dict) -> dict:
     try:
         for name, variant in variants.items():
             setattr(decode, rule, variant or plan)
-            table.BOUND = PlanCache()
+            decode.BOUND = PlanCache()
             times[name] = graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, block_table=pages,
                                                      causal=True))
     finally:
@@ -128,9 +128,9 @@ def fill_sweep():
     `ROW_PAGES_FILL`), against a page per row with the dense cache's slices and with
     ROW_PAGES_FILL times them, and the plan."""
     rule = decode.row_pages
-    mask = table.Mask(right=0, lower_right=True)
+    mask = fk_mask.Mask(right=0, lower_right=True)
     print("| B, Hq:Hk, KV, d | cuDNN | dense | preloaded, slices it needs | per row, slices x1 | per row, "
-          f"x{decode.ROW_PAGES_FILL} | plan | cuDNN / plan |")
+          f"x{fk_config.ROW_PAGES_FILL} | plan | cuDNN / plan |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 
     def case(b, hq, hk, n, d, q, k, v, lengths, kp, vp, pages):
@@ -138,15 +138,15 @@ def fill_sweep():
         row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v)),
                "dense": graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))}
         slices = decode.key_slices(b * hk, n, d, 0)
-        variants = {"preloaded": (False, max(slices, -(-n // (decode.SLICE_PAGES * page)))),
+        variants = {"preloaded": (False, max(slices, -(-n // (fk_config.SLICE_PAGES * page)))),
                     "x1": (True, slices),
-                    "fill": (True, decode.key_slices(b * hk, n, d, 0, fill=decode.ROW_PAGES_FILL))}
+                    "fill": (True, decode.key_slices(b * hk, n, d, 0, fill=fk_config.ROW_PAGES_FILL))}
         for name, (per_row, s) in variants.items():
             decode.row_pages = lambda grid, device_index, per_row=per_row: per_row
-            run = decode._bind(q, kp, vp, mask, d ** -0.5, decode.Cache(0, page), s, pages)
+            run = decode.bind(q, kp, vp, mask, d ** -0.5, decode.Cache(0, page), s, pages)
             row[name] = graph_us(functools.partial(run, q, kp, vp, lengths, pages))
         decode.row_pages = rule
-        table.BOUND = PlanCache()
+        decode.BOUND = PlanCache()
         row["plan"] = graph_us(functools.partial(attention_with_kvcache, q, kp, vp, lengths, block_table=pages,
                                                  causal=True))
         print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['dense']} | {row['preloaded']} | {row['x1']} | "
@@ -220,14 +220,14 @@ def wide_depth_sweep():
         row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v))}
         for programs in (0.5, 1, 2):
             for stages in (2, 3, 4):
-                decode.WIDE_PROGRAMS, decode.WIDE_STAGES = programs, stages
-                table.BOUND = PlanCache()
+                decode.WIDE_PROGRAMS, decode.WIDE_STAGES = programs, stages  # as decode reads them
+                decode.BOUND = PlanCache()
                 try:
                     row[f"x{programs} s{stages}"] = graph_us(
                         functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))
                 except Exception as exc:  # more stages than shared memory holds
                     row[f"x{programs} s{stages}"] = type(exc).__name__
-        decode.WIDE_PROGRAMS, decode.WIDE_STAGES = 0.5, 3
+        decode.WIDE_PROGRAMS, decode.WIDE_STAGES = fk_config.WIDE_PROGRAMS, fk_config.WIDE_STAGES
         print(f"B{b} KV{n} {hq}:{hk} d{d}", row, flush=True)
 
     each_case(DEPTH_SHAPES, case)
@@ -249,7 +249,7 @@ def slice_pages_sweep():
     def case(b, hq, hk, n, d, q, k, v, lengths, kp, vp, pages):
         row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v))}
         row.update(rule_times(q, kp, vp, lengths, pages, "preloaded_pages",
-                              {"all": lambda spanned: decode.SLICE_PAGES, "plan": None}))
+                              {"all": lambda spanned: fk_config.SLICE_PAGES, "plan": None}))
         print(f"| {b}, {hq}:{hk}, {n}, {d} | {row['cudnn']} | {row['all']} | {row['plan']} | "
               f"{row['cudnn'] / row['plan']:.2f}x |", flush=True)
 
@@ -283,7 +283,7 @@ def _bound(paged: bool, descriptors: bool):
     def prepare(inputs):
         q, k, v, lengths, kp, vp, pages = inputs
         kk, vv, tt = (kp, vp, pages) if paged else (k, v, None)
-        run = decode._bind(q, kk, vv, table.Mask(right=0, lower_right=True), q.shape[-1] ** -0.5,
+        run = decode.bind(q, kk, vv, fk_mask.Mask(right=0, lower_right=True), q.shape[-1] ** -0.5,
                            decode.Cache(0, kp.shape[2] if paged else 0), None, tt, descriptors=descriptors)
         return functools.partial(run, q, kk, vv, lengths, tt)
     return prepare

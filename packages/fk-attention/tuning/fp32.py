@@ -1,4 +1,4 @@
-"""fp32 tiles (`plan.DEFAULTS_32BIT`): each kernel's time (torch.profiler, µs per call), registers
+"""fp32 tiles (`fk_config.DEFAULTS_32BIT`): each kernel's time (torch.profiler, µs per call), registers
 and spills per config, against the plan's and SDPA's fp32 forward + backward (TUNING.md:
 DEFAULTS_32BIT).
 
@@ -20,10 +20,11 @@ from triton.testing import do_bench
 
 from fk_attention import attention, kernels
 from fk_attention import plan as table
-from fk_runtime import bench
+from fk_attention import config as fk_config, layout as fk_layout
+from fk_runtime.harness import bench
 
 B, H, N = 2, 16, 2048
-FWD, DQ, DKDV = table.Kind.FORWARD, table.Kind.DQ, table.Kind.DKDV
+FWD, DQ, DKDV = fk_config.Kind.FORWARD, fk_config.Kind.DQ, fk_config.Kind.DKDV
 # (BLOCK_M, BLOCK_N, warps, stages); dK/dV: BLOCK_M query rows per step of a BLOCK_N-key program.
 TILES = {
     64: {FWD: [(64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (32, 16, 4, 2), (32, 32, 8, 2)],
@@ -36,7 +37,7 @@ TILES = {
 KERNELS = {FWD: kernels.attn_fwd_kernel, DQ: kernels.attn_bwd_dq_kernel, DKDV: kernels.attn_bwd_dkdv_kernel}
 
 
-def registers(kind: table.Kind, config: table.Config) -> str:
+def registers(kind: fk_config.Kind, config: fk_config.Config) -> str:
     """regs/spills of the newest compiled `kind` kernel with these tiles."""
     kernel = KERNELS[kind]
     found = "?"
@@ -52,14 +53,14 @@ def registers(kind: table.Kind, config: table.Config) -> str:
 
 def with_configs(head_dim: int, configs: dict) -> tuple:
     """DEFAULTS_32BIT with `configs` ({kind: Config}) at this head dim."""
-    padded = table.padded_head_dim(head_dim)
+    padded = fk_layout.padded_head_dim(head_dim)
     return tuple((limit, {**entry, **configs} if limit == padded else entry)
-                 for limit, entry in table.DEFAULTS_32BIT)
+                 for limit, entry in fk_config.DEFAULTS_32BIT)
 
 
 def use(defaults: tuple) -> None:
-    table.DEFAULTS_32BIT = defaults
-    table.default_config.cache_clear()
+    fk_config.DEFAULTS_32BIT = defaults
+    fk_config.default_config.cache_clear()
     table.BOUND.clear()
 
 
@@ -74,13 +75,13 @@ def sweep(d: int) -> dict:
     def backward():
         return torch.autograd.grad(forward(), (q, k, v), grad)
 
-    plan = table.DEFAULTS_32BIT
+    plan = fk_config.DEFAULTS_32BIT
     reference = {FWD: [forward().detach()], DQ: backward()[:1], DKDV: backward()[1:]}
     best = {}
     for kind, tiles in TILES[d].items():
         row = []
         for tile in tiles:
-            config = table.Config(*tile)
+            config = fk_config.Config(*tile)
             use(with_configs(d, {kind: config}))
             try:
                 call = forward if kind is FWD else backward
@@ -93,10 +94,10 @@ def sweep(d: int) -> dict:
                 row.append((us if error < 1e-4 else float("inf"), tile, notes))
             finally:
                 use(plan)
-        plan_tile = dataclasses.astuple(table.default_config(kind, d, torch.float32, False))[:4]
+        plan_tile = dataclasses.astuple(fk_config.default_config(kind, d, torch.float32, False))[:4]
         print(f"  d{d} {kind.value} (plan {plan_tile}): "
               + ", ".join(f"{t}: {us} µs ({notes})" for us, t, notes in sorted(row)), flush=True)
-        best[kind] = table.Config(*sorted(row)[0][1])
+        best[kind] = fk_config.Config(*sorted(row)[0][1])
     return best
 
 
@@ -104,7 +105,7 @@ def compare(d: int, best: dict) -> None:
     """fwd+bwd ms: SDPA, the plan, the fastest configs together; unmasked and causal."""
     q, k, v = (torch.randn(B, H, N, d, device="cuda", requires_grad=True) for _ in range(3))
     grad = torch.randn_like(q)
-    plan = table.DEFAULTS_32BIT
+    plan = fk_config.DEFAULTS_32BIT
     for causal in (False, True):
         def sdpa(causal=causal):
             torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v), grad)

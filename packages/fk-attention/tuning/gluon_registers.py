@@ -47,13 +47,14 @@ driver.set_active(OfflineHopper())
 from fk_runtime.launch import Descriptor  # noqa: E402
 
 from fk_attention import hopper  # noqa: E402
+from fk_attention import config as fk_config  # noqa: E402
 
 B, H, N, D = 1, 2, 512, 128
 
 
 def descriptor(t: torch.Tensor, rows: int):
     return Descriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, D],
-                      layout=hopper._layout(rows, D, t.dtype)).real()
+                      layout=hopper.shared_layout(rows, D, t.dtype)).real()
 
 
 def usage(compiled) -> str:
@@ -72,18 +73,18 @@ def usage(compiled) -> str:
 def main() -> None:
     q = torch.empty(B, H, N, D, dtype=torch.bfloat16)
     rows = torch.empty(B, H, N)
-    common = dict(HEAD_DIM=D, CONSUMER_REGISTERS=hopper.CONSUMER_REGISTERS,
-                  PRODUCER_REGISTERS=hopper.PRODUCER_REGISTERS, num_warps=4, grid=(1,))
+    common = dict(HEAD_DIM=D, CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS,
+                  PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
     print(f"triton {triton.__version__}, sm_90a, bf16, d{D}")
     for causal in (False, True):
         fwd = hopper.attn_fwd_hopper_kernel.warmup(
-            descriptor(q, hopper.ROWS), descriptor(q, hopper.BLOCK_N), descriptor(q, hopper.BLOCK_N),
-            descriptor(q, hopper.ROWS), rows, 0.1, N, N, H, 1, 0, H * N, N, CAUSAL=causal, BLOCK_N=hopper.BLOCK_N,
-            STAGES=hopper.STAGES, **common)
-        bwd = [descriptor(q, r) for r in (hopper.Q_ROWS, hopper.KEYS, hopper.KEYS, hopper.Q_ROWS, hopper.KEYS,
-                                          hopper.KEYS)]
+            descriptor(q, fk_config.GLUON_ROWS), descriptor(q, fk_config.GLUON_BLOCK_N), descriptor(q, fk_config.GLUON_BLOCK_N),
+            descriptor(q, fk_config.GLUON_ROWS), rows, 0.1, N, N, H, 1, 0, H * N, N, CAUSAL=causal, BLOCK_N=fk_config.GLUON_BLOCK_N,
+            STAGES=fk_config.GLUON_STAGES, **common)
+        bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
+                                          fk_config.GLUON_KEYS)]
         dkdv = hopper.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N,
-                                                         CAUSAL=causal, STAGES=hopper.BWD_STAGES, **common)
+                                                         CAUSAL=causal, STAGES=fk_config.GLUON_BWD_STAGES, **common)
         for name, compiled in (("forward", fwd), ("dK/dV", dkdv)):
             print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")
 

@@ -18,7 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from fk_attention import attention, hopper
-from fk_attention import plan as table
+from fk_attention import plan
+from fk_attention import mask as fk_mask
 
 SHAPES = [(4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (1, 16, 16384, 128, False),
           (1, 16, 16384, 128, True), (8, 16, 2048, 96, True), (16, 16, 1024, 128, False), (16, 16, 1024, 128, True)]
@@ -43,13 +44,13 @@ def kernel_ms(fn, calls: int = 5) -> str:
 
 def tl_only(fn):
     """fn's result with the Gluon kernels off (the tl plan, tuned once)."""
-    head_dims, hopper.HEAD_DIMS = hopper.HEAD_DIMS, ()
-    table.BOUND.clear()
+    head_dims, hopper.GLUON_HEAD_DIMS = hopper.GLUON_HEAD_DIMS, ()  # what hopper.serves reads
+    plan.BOUND.clear()
     try:
         return fn()
     finally:
-        hopper.HEAD_DIMS = head_dims
-        table.BOUND.clear()
+        hopper.GLUON_HEAD_DIMS = head_dims
+        plan.BOUND.clear()
 
 
 def forward_row(b: int, h: int, n: int, d: int, causal: bool, dtype: torch.dtype) -> str:
@@ -65,13 +66,13 @@ def forward_row(b: int, h: int, n: int, d: int, causal: bool, dtype: torch.dtype
 
 def backward_row(b: int, h: int, n: int, d: int, causal: bool, dtype: torch.dtype) -> str:
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
-    mask, scale = (table.CAUSAL if causal else table.FULL), d ** -0.5
-    out, lse = table.forward(q, k, v, mask, scale)
+    mask, scale = (fk_mask.CAUSAL if causal else fk_mask.FULL), d ** -0.5
+    out, lse = plan.forward(q, k, v, mask, scale)
     grad_out = torch.randn_like(out)
     work = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1) / 1e9
 
     def fk():
-        return table.backward(grad_out, None, q, k, v, out, lse, mask, scale)
+        return plan.backward(grad_out, None, q, k, v, out, lse, mask, scale)
 
     gluon, gluon_split = work / ms(fk), kernel_ms(fk)
     tl, tl_split = tl_only(lambda: (work / ms(fk), kernel_ms(fk)))

@@ -1,7 +1,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from fk_runtime import testing
+from fk_runtime.harness import testing
 from fk_layernorm import plan as plans
 
 from fk_layernorm import LayerNorm, RMSNorm, layer_norm, rms_norm

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from fk_runtime import testing
+from fk_runtime.harness import testing
 
 from fk_layernorm import LayerNorm, RMSNorm, swap_norms
 

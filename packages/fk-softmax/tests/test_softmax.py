@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from fk_runtime import testing
+from fk_runtime.harness import testing
 from fk_softmax import plan as plans
 from fk_softmax import LogSoftmax, Softmax, log_softmax, softmax
 

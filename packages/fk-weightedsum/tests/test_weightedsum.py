@@ -1,6 +1,6 @@
 import pytest
 import torch
-from fk_runtime import testing
+from fk_runtime.harness import testing
 from fk_weightedsum import plan as plans
 
 from fk_weightedsum import WeightedSum, weighted_sum

@@ -5,7 +5,7 @@ capturing stream), do_bench medians.
     bash shared/from-source.sh python packages/fk-weightedsum/tuning/one_sided_backward.py
 """
 import torch
-from fk_runtime import bench
+from fk_runtime.harness import bench
 from fk_weightedsum import weighted_sum
 from triton.testing import do_bench
 

@@ -1,5 +1,6 @@
 """fk-runtime: what every fk op shares (backend, sizing, checks, allocation, the op and launch
-helpers, shared kernel protocols, and the test and benchmark harnesses)."""
+helpers, shared kernel protocols); its test and benchmark harness lives apart, in
+`fk_runtime.harness`, which no op call imports."""
 
 from . import alloc, backend, checks, sizing
 from .backend import Backend
@@ -13,8 +14,8 @@ __version__ = package_version(__name__, __file__)
 # < the next minor (tests/test_runtime_surface.py checks both against the op packages).
 SURFACE_VERSION = "0.1"
 PUBLIC = {
-    "fk_runtime": ("Backend", "alloc", "backend", "bench", "checks", "cli", "gluon", "launch", "ops", "package_version",
-                   "partials", "siblings", "sizing", "testing", "views"),
+    "fk_runtime": ("Backend", "alloc", "backend", "checks", "gluon", "harness", "launch", "ops", "package_version",
+                   "partials", "siblings", "sizing", "timing", "views"),
     "alloc": ("empty", "empty_like", "new_empty", "new_empty_strided", "poisoned_outputs", "poisoning"),
     "backend": ("Backend", "backend", "check_interpreter_numpy", "default_device", "device_name", "gpu_available",
                 "interpreter_numpy_problem", "is_hip", "is_interpreter", "kernel_device_type", "l2_cache_bytes",
@@ -24,8 +25,9 @@ PUBLIC = {
                "normalize_dim"),
     "gluon": ("TensorDescriptor", "VERSIONS", "fence_async_shared", "gl", "gluon", "mbarrier", "reinterpret",
               "store_wait", "supported", "tma_load", "tma_store", "warpgroup_mma", "warpgroup_mma_wait"),
-    "launch": ("Descriptor", "Launch", "PLAN_CACHE_SIZE", "PlanCache", "bind_context"),
-    "ops": ("Op", "autocast", "define", "quiet_key", "resolve_negated", "traced", "transforms_active"),
+    "launch": ("FP_FUSION", "Descriptor", "Launch", "PLAN_CACHE_SIZE", "PlanCache", "bind_context", "layout_key"),
+    "ops": ("Op", "autocast", "define", "keep_quiet", "quiet_key", "quiet_run", "resolve_negated", "traced",
+            "transforms_active"),
     "partials": ("bind_sum_rows", "sum_rows"),
     "siblings": ("PROGRAM_WARPS", "RowPath", "await_row", "chunk_columns", "claim_abandoned", "lane", "max_siblings", "partials",
                  "publish", "scratch", "spin_limit", "widen_held"),
@@ -33,11 +35,13 @@ PUBLIC = {
                "launch_options", "looped_row_block", "max_warps", "next_power_of_2", "num_warps_for",
                "persistent_grid", "row_warps", "rows_per_program", "tile_2d", "vector_elements"),
     "views": ("around", "in_place", "rows"),
-    # The harnesses: tests, benchmarks, the main job.
-    "bench": "*",
-    "testing": "*",
-    "pytest_plugin": "*",
-    "cli": "*",
+    "timing": ("MIN_SAMPLES", "REP_MS", "WARMUP_MS", "do_bench"),
+    # The harness: tests, benchmarks, the main job.
+    "harness": ("bench", "cli", "pytest_plugin", "testing"),
+    "harness.bench": "*",
+    "harness.testing": "*",
+    "harness.pytest_plugin": "*",
+    "harness.cli": "*",
 }
 
 __all__ = ["Backend", "PUBLIC", "SURFACE_VERSION", "alloc", "backend", "checks", "package_version", "sizing",

@@ -1,3 +1,3 @@
-from .cli import main
+from .harness.cli import main
 
 raise SystemExit(main())

@@ -396,6 +396,12 @@ class Launch:
         return torch.cuda.device(self.device)
 
 
+def layout_key(*tensors) -> tuple:
+    """What a bound plan is specialized on, for each tensor: (shape, strides, dtype, device index),
+    None for None. A plan's key is this and the op's other arguments."""
+    return tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors])
+
+
 class PlanCache(dict):
     """A bounded dict of an op's bound plans: `get_or_build(key, build)`; cleared when full."""
 

@@ -94,6 +94,23 @@ def autocast(*tensors) -> tuple:
 _KEY_VALUES = frozenset((type(None), bool, int, float, str))
 
 
+def quiet_run(cache, name: str, tensors: tuple, values: tuple) -> tuple:
+    """A public function's first step: (key, run), the call's `quiet_key` and what `cache` (the
+    op's PlanCache) keeps under it. A run: the call's whole answer is `run(*tensors)`. None: the
+    call takes the op's full path, and once it passed the checks `keep_quiet(cache, key, build)`."""
+    key = quiet_key(name, tensors, values)
+    return key, (None if key is None else cache.get(key))
+
+
+def keep_quiet(cache, key, build):
+    """The run a quiet call's key keeps, built once by `build()` after a call of that key passed the
+    checks; None where there is no key or `build` gave a falsy value (that key's calls then take
+    the full path every time)."""
+    if key is None:
+        return None
+    return cache.get_or_build(key, build) or None
+
+
 def quiet_key(name: str, tensors: tuple, values: tuple) -> tuple | None:
     """The key of a plain eager call that autograd does not record, under which an op may keep
     what the call resolves to (checks passed, arguments parsed, the bound plan): `name`, each
@@ -177,6 +194,8 @@ def _slice_rule(apply):
     """A vmap rule for any op: the op on each slice of the batch, the results stacked on dim 0."""
 
     def rule(info, in_dims, *args):
+        # Only tensors carry a batch dim (a list argument's in_dims entry is a list of Nones).
+        in_dims = [d if isinstance(a, torch.Tensor) else None for a, d in zip(args, in_dims, strict=True)]
         if info.batch_size == 0:  # nothing to run: one slice of zeros gives the results' shapes, none kept
             probe = apply(*[a if d is None else a.new_zeros(a.shape[:d] + a.shape[d + 1:])
                             for a, d in zip(args, in_dims, strict=True)])

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from fk_runtime import backend, bench, sizing, testing
+from fk_runtime import backend, sizing
+from fk_runtime.harness import bench, testing
 
 from .ops import attention, attention_varlen, attention_with_kvcache
 

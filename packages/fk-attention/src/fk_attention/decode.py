@@ -17,63 +17,23 @@ import math
 import torch
 
 from fk_runtime import alloc, backend, checks, sizing
-from fk_runtime.launch import Descriptor, Launch
+from fk_runtime.launch import Descriptor, Launch, PlanCache, layout_key
 
 from . import kernels
-from . import plan as table
+from .config import (APPEND_ROWS, CACHE_SIZE, DECODE_DESCRIPTOR_MIN_HEAD_DIM, DECODE_MAX_BLOCK_M,
+                     DECODE_MAX_QUERIES, DECODE_MIN_BLOCK_M, DECODE_TILES_16BIT, DECODE_TILES_32BIT,
+                     INTERPRETER_BLOCK, INTERPRETER_SLICED_PROGRAMS, INTERPRETER_SLICE_KEYS, MAX_SLICES,
+                     MERGE_VALUES_PER_THREAD, MIN_SLICE_KEYS, ROW_PAGES_FILL, SHALLOW_PIPELINE_GRID,
+                     SHARED_RESERVE, SLICED_PROGRAMS_D128, SLICE_PAGES, WIDE_BLOCK_N, WIDE_PROGRAMS,
+                     WIDE_STAGES, WIDE_WARPS, Config)
+from .layout import (bases_aligned, check_heads, check_inputs, descriptor_strides, descriptors_may_serve, fit,
+                     heads_inside_tokens, is_hopper_or_newer, new_output, padded_head_dim, precision, widened)
+from .mask import Mask
 
-# `attention` takes the decode path up to this many query rows (a decode step, speculative or
-# chunked decoding); longer queries fill the GPU with query blocks alone.
-DECODE_MAX_QUERIES = 64
+# The decode path's bound plans (dense and KV-cache calls).
+BOUND = PlanCache(CACHE_SIZE)
+
 DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Query rows per program: a GQA group's rows x queries, padded to a tl.dot's smallest M (16).
-MIN_BLOCK_M = 16
-MAX_BLOCK_M = 64
-# Key tiles by padded head dim, (max head dim, (BLOCK_N, warps, stages)), 2- and 4-byte inputs;
-# a grid of at least SHALLOW_PIPELINE_GRID programs per multiprocessor takes one stage less
-# (more of them fit an SM, and together they keep enough loads in flight) (TUNING.md: decode).
-TILES_16BIT = ((64, (64, 4, 3)), (128, (64, 4, 3)), (256, (32, 4, 3)))
-TILES_32BIT = ((64, (32, 4, 2)), (128, (32, 4, 2)), (256, (16, 4, 2)))
-SHALLOW_PIPELINE_GRID = 2
-# K/V at padded head dim 64 or 128, 16-bit, at most MIN_BLOCK_M query rows per KV head, dense or
-# in pages that hold whole blocks,
-# fewer (batch, KV head) programs than multiprocessors: key blocks of WIDE_BLOCK_N rows, slices
-# for WIDE_PROGRAMS times the usual programs (each at least one block), WIDE_STAGES stages where
-# the grid is no larger and a slice holds more than one block, else one less; where a program's
-# shared memory holds WIDE_STAGES stages of K and V blocks and SHARED_RESERVE bytes more
-# (TUNING.md: decode, wide key blocks).
-WIDE_BLOCK_N, WIDE_WARPS = 128, 4
-WIDE_PROGRAMS = 0.5
-WIDE_STAGES = 3
-SHARED_RESERVE = 16 << 10
-# Key slices: about SLICED_PROGRAMS_D128 programs per multiprocessor at head dim 128 (twice as
-# many at 64: each reads half the bytes per step), as a power of two, of at least
-# MIN_SLICE_KEYS keys each and at most MAX_SLICES (the merge reads them in one tile).
-SLICED_PROGRAMS_D128 = 1
-MIN_SLICE_KEYS = 64
-MAX_SLICES = 64
-# The merge: as few warps as hold a query row's slices at MERGE_VALUES_PER_THREAD values a thread
-# (one warp's reductions need no shared memory: 0.1-0.9 µs a call less than 4 warps in graph
-# replays, TUNING.md: decode, the merge).
-MERGE_VALUES_PER_THREAD = 64
-# The interpreter: small tiles and slices, and a few programs' worth of slices (it runs programs
-# one by one: slicing costs it time), so that tiny tests of one or two heads still slice and merge.
-INTERPRETER_SLICE_KEYS = 16
-INTERPRETER_SLICED_PROGRAMS = 8
-# Paged caches whose pages hold whole key blocks, on grids of few programs: each slice's page
-# indices are read into registers first (at most SLICE_PAGES). Grids of at least
-# SHALLOW_PIPELINE_GRID programs per multiprocessor, and slices of more pages, read each block's
-# page per row in the walk instead (TUNING.md: decode, paged reads); on a grid of few programs
-# that takes ROW_PAGES_FILL times the slices: the page load ahead of each key block stalls a lone
-# program's pipeline, a second program per multiprocessor hides it.
-SLICE_PAGES = 128
-ROW_PAGES_FILL = 2
-# K/V through TMA from this padded head dim, on grids below SHALLOW_PIPELINE_GRID programs per
-# SM: there it beat or matched pointers at d128; at d64 it lost up to 16% on paged caches, on
-# fuller grids up to 7% (TUNING.md: decode).
-DESCRIPTOR_MIN_HEAD_DIM = 128
-# New cache rows written per append program.
-APPEND_ROWS = 16
 
 
 def takes(q: torch.Tensor) -> bool:
@@ -81,17 +41,17 @@ def takes(q: torch.Tensor) -> bool:
     return q.shape[2] <= DECODE_MAX_QUERIES and q.dtype in DECODE_DTYPES
 
 
-def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_index: int) -> table.Config:
+def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_index: int) -> Config:
     """The tiles of a decode launch with `rows` query rows per KV head over `programs` programs."""
-    block_m = min(max(sizing.next_power_of_2(rows), MIN_BLOCK_M), MAX_BLOCK_M)
+    block_m = min(max(sizing.next_power_of_2(rows), DECODE_MIN_BLOCK_M), DECODE_MAX_BLOCK_M)
     if backend.is_interpreter():
-        return table.Config(block_m, table.INTERPRETER_BLOCK, sizing.MIN_WARPS, 1)
-    padded = table.padded_head_dim(head_dim)
-    rows_by_dim = TILES_32BIT if dtype.itemsize > 2 else TILES_16BIT
+        return Config(block_m, INTERPRETER_BLOCK, sizing.MIN_WARPS, 1)
+    padded = padded_head_dim(head_dim)
+    rows_by_dim = DECODE_TILES_32BIT if dtype.itemsize > 2 else DECODE_TILES_16BIT
     block_n, warps, stages = next(entry for limit, entry in rows_by_dim if padded <= limit)
     if programs >= SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index):
         stages = max(stages - 1, 1)
-    return table.Config(block_m, block_n, warps, stages)
+    return Config(block_m, block_n, warps, stages)
 
 
 def wide_blocks(rows: int, head_dim: int, dtype: torch.dtype, programs: int, page_size: int,
@@ -99,9 +59,9 @@ def wide_blocks(rows: int, head_dim: int, dtype: torch.dtype, programs: int, pag
     """Whether a decode launch of `programs` (batch, KV head) programs with `rows` query rows each
     over a dense cache (page_size 0) or pages of `page_size` rows takes WIDE_BLOCK_N-row key blocks
     (module constants)."""
-    padded = table.padded_head_dim(head_dim)
+    padded = padded_head_dim(head_dim)
     pages_fit = page_size == 0 or page_size % WIDE_BLOCK_N == 0
-    if (backend.is_interpreter() or not pages_fit or dtype.itemsize != 2 or rows > MIN_BLOCK_M
+    if (backend.is_interpreter() or not pages_fit or dtype.itemsize != 2 or rows > DECODE_MIN_BLOCK_M
             or padded not in (64, 128) or programs >= backend.multiprocessor_count(device_index)):
         return False
     needed = WIDE_STAGES * 2 * WIDE_BLOCK_N * padded * dtype.itemsize + SHARED_RESERVE
@@ -123,17 +83,17 @@ def preloaded_pages(spanned: int) -> int:
 
 def merge_warps(slices: int, head_dim: int) -> int:
     """The merge launch's warps for `slices` partial outputs of a query row."""
-    values = sizing.next_power_of_2(slices) * table.padded_head_dim(head_dim)
+    values = sizing.next_power_of_2(slices) * padded_head_dim(head_dim)
     return min(sizing.MIN_WARPS, max(1, values // (32 * MERGE_VALUES_PER_THREAD)))
 
 
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int) -> bool:
     """TMA (host descriptors) for K/V tiles where the forward takes them (Hopper or newer, 16- or
     32-bit K/V with aligned strides; bases are checked per call), for head dims padded to at
-    least DESCRIPTOR_MIN_HEAD_DIM on a grid of fewer than SHALLOW_PIPELINE_GRID programs per
+    least DECODE_DESCRIPTOR_MIN_HEAD_DIM on a grid of fewer than SHALLOW_PIPELINE_GRID programs per
     multiprocessor."""
-    return (table.padded_head_dim(k.shape[-1]) >= DESCRIPTOR_MIN_HEAD_DIM
-            and table.descriptors_may_serve(k.device, (k, v))
+    return (padded_head_dim(k.shape[-1]) >= DECODE_DESCRIPTOR_MIN_HEAD_DIM
+            and descriptors_may_serve(k.device, (k, v))
             and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(k.device.index or 0))
 
 
@@ -142,7 +102,7 @@ def sliced_programs(head_dim: int, device_index: int, fill: float = 1) -> float:
     if backend.is_interpreter():
         return INTERPRETER_SLICED_PROGRAMS * fill
     return (backend.multiprocessor_count(device_index) * SLICED_PROGRAMS_D128 * fill * 128
-            / table.padded_head_dim(head_dim))
+            / padded_head_dim(head_dim))
 
 
 def key_slices(programs: int, n_k: int, head_dim: int, device_index: int, fill: float = 1,
@@ -170,7 +130,7 @@ class Cache:
     page_size: int = 0
 
 
-def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slices: int | None,
+def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int | None,
           block_table=None, descriptors: bool | None = None, with_lse: bool = True):
     """run(q, k, v, seqlens, block_table) -> (out, lse): out laid out like q, lse (B, Hq, Nq)
     fp32 (None without `with_lse`: nothing allocated or stored for it). Dense attention (cache
@@ -179,7 +139,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     sequence) int32 page table; sequence b holds seqlens[b] + cache.n_new keys. `descriptors`
     forces K/V through TMA on or off (tests; None: `kv_descriptors`)."""
     if cache is None:  # the registered ops can be called unchecked: once per plan, here (caches: `check_cache`)
-        table.check_inputs(q, k, v)
+        check_inputs(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_kernel_device(name, t)
     b, hq, n_q, d = q.shape
@@ -191,12 +151,12 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     device, dtype = q.device, q.dtype
     out_proto = torch.empty(0, dtype=dtype, device=device)
     fp32 = torch.empty(0, dtype=torch.float32, device=device)
-    bnhd = table._heads_inside_tokens(q)
+    bnhd = heads_inside_tokens(q)
 
     q_shape = q.shape  # (the plan outlives this call's tensors: it holds none of them)
 
     def new_outputs():
-        out = table._new(q_shape, bnhd, out_proto)
+        out = new_output(q_shape, bnhd, out_proto)
         return out, alloc.new_empty(fp32, (b, hq, n_q)) if with_lse else None
 
     if q.numel() == 0:
@@ -211,7 +171,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
                   else key_slices(programs, n_k, d, index))
     if wide:
         deep = programs * slices <= sliced_programs(d, index, WIDE_PROGRAMS) and n_k > slices * WIDE_BLOCK_N
-        tile = table.Config(MIN_BLOCK_M, WIDE_BLOCK_N, WIDE_WARPS, WIDE_STAGES - (not deep))
+        tile = Config(DECODE_MIN_BLOCK_M, WIDE_BLOCK_N, WIDE_WARPS, WIDE_STAGES - (not deep))
     else:
         tile = tiles(group * n_q, d, dtype, programs * slices, index)
     full = row_pages(programs * slices, index)
@@ -226,25 +186,25 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     # the pages a slice spans (one more where it may start inside a page)
     spanned = sizing.cdiv(sizing.cdiv(n_k, slices), cache.page_size) + (cache.page_size > tile.block_n) if paged else 0
     slice_pages = preloaded_pages(spanned) if paged and not per_row else 0
-    padded = table.padded_head_dim(d)
+    padded = padded_head_dim(d)
     meta = {"SOFTCAP": mask.softcap is not None, "SEQLENS": cache is not None,
             "PAGED": paged, "PAGE_SIZE": max(cache.page_size if paged else 1, 1), "SLICE_PAGES": slice_pages,
             "ROW_PAGES": per_row,
             "HEAD_DIM": d,
-            "HEAD_DIM_PADDED": padded, "PRECISION": table._precision(dtype), "BLOCK_M": tile.block_m,
+            "HEAD_DIM_PADDED": padded, "PRECISION": precision(dtype), "BLOCK_M": tile.block_m,
             "BLOCK_N": tile.block_n, "num_warps": tile.num_warps, "num_stages": tile.num_stages,
             "STORE_LSE": with_lse}
     softcap, lower_right, left, right = mask.kernel_args()
-    (k_, k_ok), (v_, v_ok) = table._fit(k), table._fit(v)
+    (k_, k_ok), (v_, v_ok) = fit(k), fit(v)
     # TMA where a key block lies in one page (the descriptor's box), K/V used as given.
     # TMA descriptors take no empty dim: no keys go through pointers (they read nothing).
     use_desc = (not per_row and k_ok and v_ok and k.numel() > 0
                 and (kv_descriptors(k, v, programs * slices) if descriptors is None else descriptors))
-    kv_layouts = [(list(t.shape), table._descriptor_strides(t)) for t in (k, v)] if use_desc else []
+    kv_layouts = [(list(t.shape), descriptor_strides(t)) for t in (k, v)] if use_desc else []
     kv_block = [1, 1, tile.block_n, padded]
     out_example = new_outputs()[0]
     # Programmatic dependent launch of the merge (its launch overlaps the slices' tail): Hopper on.
-    pdl = slices > 1 and table._is_hopper_or_newer(device)
+    pdl = slices > 1 and is_hopper_or_newer(device)
     meta.update(SLICED=slices > 1, PDL=pdl)
     # The partial outputs (B, Hq, Nq, slices, D), then their log-sum-exps: one fp32 buffer.
     part_numel = b * hq * n_q * slices * d
@@ -259,7 +219,7 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
         if use_desc else None
 
     def kv(k, v):  # K/V as the launch takes them: descriptors where their bases are aligned
-        if attend_tma is not None and table.bases_aligned((k, v)):
+        if attend_tma is not None and bases_aligned((k, v)):
             return attend_tma, *(Descriptor(t, shape, strides, kv_block)
                                  for t, (shape, strides) in zip((k, v), kv_layouts, strict=True))
         return attend, k if k_ok else k.contiguous(), v if v_ok else v.contiguous()
@@ -288,25 +248,24 @@ def _bind(q, k, v, mask: table.Mask, sm_scale: float, cache: Cache | None, slice
     return run
 
 
-def forward(q, k, v, mask: table.Mask, sm_scale: float, slices: int | None = None,
+def forward(q, k, v, mask: Mask, sm_scale: float, slices: int | None = None,
             descriptors: bool | None = None):
     """(out, lse) of dense attention through the decode path; `slices` and `descriptors` override
     the plan's (tests; not cached)."""
-    if table._widened(q.dtype):
+    if widened(q.dtype):
         out, lse = forward(q.float(), k.float(), v.float(), mask, sm_scale, slices, descriptors)
         return out.to(q.dtype), lse
     if slices is not None or descriptors is not None:
-        return _bind(q, k, v, mask, sm_scale, None, slices, descriptors=descriptors)(q, k, v)
+        return bind(q, k, v, mask, sm_scale, None, slices, descriptors=descriptors)(q, k, v)
     return bound(q, k, v, mask, sm_scale)(q, k, v)
 
 
-def bound(q, k, v, mask: table.Mask, sm_scale: float, with_lse: bool = True):
+def bound(q, k, v, mask: Mask, sm_scale: float, with_lse: bool = True):
     """run(q, k, v) -> (out, lse): the decode plan bound for these inputs' layouts (not widened);
     lse None without `with_lse`."""
-    key = ("decode", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-           q.get_device(), k.get_device(), v.get_device(), mask, sm_scale, with_lse)
-    return table.BOUND.get(key) or table.BOUND.get_or_build(
-        key, lambda: _bind(q, k, v, mask, sm_scale, None, None, with_lse=with_lse))
+    key = ("decode", *layout_key(q, k, v), mask, sm_scale, with_lse)
+    return BOUND.get(key) or BOUND.get_or_build(
+        key, lambda: bind(q, k, v, mask, sm_scale, None, None, with_lse=with_lse))
 
 
 def check_cache(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> None:
@@ -322,7 +281,7 @@ def check_cache(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> None:
     if cache_seqlens.shape[0] != b:
         raise ValueError(f"cache_seqlens must hold one length per batch row ({b}), got shape "
                          f"{tuple(cache_seqlens.shape)}")
-    table.check_heads(q, k_cache, v_cache, 1, same=False)  # dtypes and devices: with k, v, lengths below
+    check_heads(q, k_cache, v_cache, 1, same=False)  # dtypes and devices: with k, v, lengths below
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new rows for both caches) or both be None")
     hk, d = k_cache.shape[1], q.shape[-1]
@@ -358,14 +317,13 @@ def layouts(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> tuple:
     fail that check here."""
     tensors = (q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
     try:
-        return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad)
-                     for t in tensors)
+        return layout_key(*tensors), tuple(t is not None and t.requires_grad for t in tensors)
     except (AttributeError, RuntimeError, TypeError):
         check_cache(*tensors)
         raise
 
 
-def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float,
+def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: Mask, sm_scale: float,
                     facts: tuple | None = None):
     """(out, lse) of q against a KV cache after writing k_new / v_new (may be None) into it at
     each sequence's length. One plan per `layouts` (`facts`, if the caller has them), mask and
@@ -374,7 +332,7 @@ def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mas
         q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
 
 
-def bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float,
+def bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: Mask, sm_scale: float,
                   facts: tuple | None = None, with_lse: bool = True):
     """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> (out, lse): the KV-cache
     plan of these inputs' `layouts` (`facts`, if the caller has them), mask and scale, the
@@ -382,29 +340,29 @@ def bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask:
     if facts is None:
         facts = layouts(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
     key = ("kvcache", facts, mask, sm_scale, with_lse)
-    return table.BOUND.get(key) or table.BOUND.get_or_build(
+    return BOUND.get(key) or BOUND.get_or_build(
         key, lambda: _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale,
                                    with_lse))
 
 
-def _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: table.Mask, sm_scale: float,
+def _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: Mask, sm_scale: float,
                   with_lse: bool = True):
     """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> (out, lse): the append (if
     new rows come) and the attention launches of one KV-cache call's layouts."""
     check_cache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
     cache = Cache(0 if k_new is None else k_new.shape[2], 0 if block_table is None else k_cache.shape[2])
     append = None if k_new is None else _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache)
-    widened = table._widened(q.dtype)  # the interpreter's bf16 dot: fp32 copies
-    if widened:
-        attend = _bind(q.float(), k_cache.float(), v_cache.float(), mask, sm_scale, cache, None, block_table,
+    fp32_copies = widened(q.dtype)  # the interpreter's bf16 dot: fp32 copies
+    if fp32_copies:
+        attend = bind(q.float(), k_cache.float(), v_cache.float(), mask, sm_scale, cache, None, block_table,
                        with_lse=with_lse)
     else:
-        attend = _bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table, with_lse=with_lse)
+        attend = bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table, with_lse=with_lse)
 
     def run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table):
         if append is not None:
             append(k_cache, v_cache, seqlens, k_new, v_new, block_table)
-        if widened:
+        if fp32_copies:
             out, lse = attend(q.float(), k_cache.float(), v_cache.float(), seqlens, block_table)
             return out.to(q.dtype), lse
         return attend(q, k_cache, v_cache, seqlens, block_table)
@@ -426,7 +384,7 @@ def _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache: Cache):
                     (n_new, hk, capacity, k_cache.shape[0] - 1 if paged else 0, *k_new.stride(), *v_new.stride(),
                      *k_cache.stride(), *v_cache.stride(), block_table.stride(0) if paged else 0),
                     {"PAGED": paged, "PAGE_SIZE": max(cache.page_size, 1), "HEAD_DIM": d,
-                     "HEAD_DIM_PADDED": table.padded_head_dim(d), "BLOCK_R": APPEND_ROWS,
+                     "HEAD_DIM_PADDED": padded_head_dim(d), "BLOCK_R": APPEND_ROWS,
                      "num_warps": sizing.MIN_WARPS}, k_cache.device)
 
     def run(k_cache, v_cache, seqlens, k_new, v_new, block_table=None):

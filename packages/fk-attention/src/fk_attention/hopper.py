@@ -33,31 +33,25 @@ from fk_runtime.gluon import (fence_async_shared, gl, gluon, mbarrier, reinterpr
                               tma_store, warpgroup_mma, warpgroup_mma_wait)
 from fk_runtime.launch import Descriptor, Launch
 
-from . import plan as table
+from .config import (GLUON_BLOCK_N, GLUON_BWD_STAGES, GLUON_CONSUMER_REGISTERS, GLUON_HEAD_DIMS, GLUON_KEYS,
+                     GLUON_PRODUCER_REGISTERS, GLUON_Q_ROWS, GLUON_ROWS, GLUON_STAGES)
+from .layout import descriptor_strides, descriptors_may_serve, padded_head_dim
+from .mask import Mask
 
 DTYPES = (torch.float16, torch.bfloat16)
-# Padded head dims taken: 128 beat the tl kernels by 7-33%; 64 and 256 lost to them (TUNING.md).
-HEAD_DIMS = (128,)
-# Query rows per consumer warpgroup (two per program), keys per step, K/V ring stages, the
-# consumers' registers after the producer warp gives its own back (240: no spills at d128).
-ROWS = 64
-BLOCK_N = 128
-STAGES = 3
-CONSUMER_REGISTERS = 240
-PRODUCER_REGISTERS = 24
 LOG2E = 1.4426950408889634
 
 
-def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: table.Mask) -> bool:
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
     """Whether dense attention of these tensors runs here, forward and dK/dV (bases are checked per
     call)."""
-    return (q.dtype in DTYPES and table.padded_head_dim(q.shape[-1]) in HEAD_DIMS
+    return (q.dtype in DTYPES and padded_head_dim(q.shape[-1]) in GLUON_HEAD_DIMS
             and mask.left is None and mask.right in (None, 0) and mask.softcap is None and fk_gluon.supported()
-            and table.descriptors_may_serve(q.device, (q, k, v))
+            and descriptors_may_serve(q.device, (q, k, v))
             and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
-def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: table.Mask, sm_scale: float) -> bool:
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> bool:
     """Whether the forward of these tensors runs here: the row max is taken on unscaled scores, so
     the scale must be positive."""
     return sm_scale > 0 and serves(q, k, v, mask)
@@ -218,15 +212,6 @@ if gluon is not None:
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
-# ---- backward: dK and dV (the dQ kernel, which also writes the row terms, stays tl) ----------
-#
-# Each program takes 2 x KEYS keys of one (batch, KV head): one consumer warpgroup per KEYS keys,
-# which keeps its K, V and its dK, dV accumulators (fp32, registers) while the producer warp
-# streams Q and dO blocks of Q_ROWS rows of every query head of the group through a ring.
-KEYS = 64
-Q_ROWS = 64
-BWD_STAGES = 2
-
 if gluon is not None:
 
     @gluon.jit
@@ -358,30 +343,30 @@ if gluon is not None:
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
-def _layout(rows: int, padded: int, dtype: torch.dtype):
+def shared_layout(rows: int, padded: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, padded], gl.float16 if dtype == torch.float16
                                                 else gl.bfloat16)
 
 
 def _descriptors(tensors, rows, padded: int, dtype: torch.dtype) -> list:
     """(shape, strides, block, layout) of each tensor's TMA descriptor, tiles of `rows` rows."""
-    return [(list(t.shape), table._descriptor_strides(t), [1, 1, r, padded], _layout(r, padded, dtype))
+    return [(list(t.shape), descriptor_strides(t), [1, 1, r, padded], shared_layout(r, padded, dtype))
             for t, r in zip(tensors, rows, strict=True)]
 
 
-def bind(q, k, v, out, lse_strides: tuple[int, int], mask: table.Mask, sm_scale: float):
+def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float):
     """launch(q, k, v, out, lse) of the forward for tensors laid out like these (`takes` holds), out
     like q and lse (B, H, N) fp32 with strides (*lse_strides, 1); the caller checks
-    `table.bases_aligned` per call."""
+    `bases_aligned` per call."""
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
-    padded = table.padded_head_dim(d)
-    layouts = _descriptors((q, k, v, out), (ROWS, BLOCK_N, BLOCK_N, ROWS), padded, q.dtype)
-    launch = Launch(attn_fwd_hopper_kernel, (sizing.cdiv(n_q, 2 * ROWS) * b * hq,),
+    padded = padded_head_dim(d)
+    layouts = _descriptors((q, k, v, out), (GLUON_ROWS, GLUON_BLOCK_N, GLUON_BLOCK_N, GLUON_ROWS), padded, q.dtype)
+    launch = Launch(attn_fwd_hopper_kernel, (sizing.cdiv(n_q, 2 * GLUON_ROWS) * b * hq,),
                     (sm_scale * LOG2E, n_q, n_k, hq, hq // hk, int(mask.lower_right) * (n_k - n_q),
                      *lse_strides),
-                    {"CAUSAL": mask.right == 0, "BLOCK_N": BLOCK_N, "HEAD_DIM": padded, "STAGES": STAGES,
-                     "CONSUMER_REGISTERS": CONSUMER_REGISTERS, "PRODUCER_REGISTERS": PRODUCER_REGISTERS,
+                    {"CAUSAL": mask.right == 0, "BLOCK_N": GLUON_BLOCK_N, "HEAD_DIM": padded, "STAGES": GLUON_STAGES,
+                     "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "num_warps": 4}, q.device)
 
     def run(q, k, v, out, lse):
@@ -391,21 +376,21 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: table.Mask, sm_scale:
     return run
 
 
-def bind_dkdv(q, k, v, grad_out, dk, dv, scratch_strides: tuple[int, int], mask: table.Mask, sm_scale: float):
+def bind_dkdv(q, k, v, grad_out, dk, dv, scratch_strides: tuple[int, int], mask: Mask, sm_scale: float):
     """launch(q, k, v, grad_out, lse2, delta, dk, dv) of the dK/dV kernel for tensors laid out like
     these (`serves` holds for q, k, v; grad_out, dk and dv take descriptors too), lse2 and delta the
     dQ kernel's scratch rows, (B, H, N) with strides (*scratch_strides, 1); the caller checks
-    `table.bases_aligned` per call."""
+    `bases_aligned` per call."""
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
-    padded = table.padded_head_dim(d)
+    padded = padded_head_dim(d)
     tensors = (q, k, v, grad_out, dk, dv)
-    layouts = _descriptors(tensors, (Q_ROWS, KEYS, KEYS, Q_ROWS, KEYS, KEYS), padded, q.dtype)
-    launch = Launch(attn_bwd_dkdv_hopper_kernel, (sizing.cdiv(n_k, 2 * KEYS) * b * hk,),
+    layouts = _descriptors(tensors, (GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS, GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS), padded, q.dtype)
+    launch = Launch(attn_bwd_dkdv_hopper_kernel, (sizing.cdiv(n_k, 2 * GLUON_KEYS) * b * hk,),
                     (sm_scale * LOG2E, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q),
                      *scratch_strides),
-                    {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": BWD_STAGES,
-                     "CONSUMER_REGISTERS": CONSUMER_REGISTERS, "PRODUCER_REGISTERS": PRODUCER_REGISTERS,
+                    {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": GLUON_BWD_STAGES,
+                     "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "num_warps": 4}, q.device)
 
     def run(q, k, v, grad_out, lse2, delta, dk, dv):

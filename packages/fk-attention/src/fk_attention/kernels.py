@@ -606,10 +606,6 @@ def attn_bwd_dkdv_kernel(
 
 # ---- packed sequences: the rows of a padded buffer past its last sequence -------------------------
 
-# Rows and columns one program fills per step (see `fill_tail_kernel`).
-TAIL_ROWS = 64
-TAIL_COLS = 128
-
 
 @triton.jit
 def _fill_rows(t_ptr, rows, keep, n_cols, stride_r, stride_c, value, BLOCK_C: tl.constexpr):

@@ -6,7 +6,7 @@ import torch
 from einops import rearrange
 from fk_runtime import checks
 
-from . import plan as table
+from .layout import check_head_dim
 from .ops import attention
 
 
@@ -30,7 +30,7 @@ class SelfAttention(torch.nn.Module):
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.head_dim = dim // num_heads
         try:
-            table.check_head_dim(self.head_dim)
+            check_head_dim(self.head_dim)
         except ValueError as e:
             raise ValueError(f"dim / num_heads ({dim} / {num_heads}) is the head dim, and fk attention's {e}") \
                 from None

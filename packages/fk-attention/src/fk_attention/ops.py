@@ -9,56 +9,44 @@ query heads). Nothing N x N is ever stored. Calls that autograd does not record 
 their key's bound plan once a call of that key passed the checks (`fk_runtime.ops.quiet_key`):
 no checks, no argument parsing, no autograd.Function.
 
-The registered ops take the mask as plain values: window sides (-1: unbounded), lower-right
-alignment, softcap (0.0: none).
+The registered ops carry the mask as one list of floats (`mask.op_args`: window sides, -1 for
+unbounded; lower-right alignment; softcap, 0.0 for none).
 """
 
 from __future__ import annotations
-
-import math
-import numbers
 
 import torch
 from fk_runtime import checks
 from fk_runtime import ops as fk_ops
 
-from . import decode
-from . import plan as table
-
-ATTENTION_DTYPES = table.DTYPES
-CAUSAL_ALIGNMENTS = ("upper_left", "lower_right")
-
-
-def _mask(left: int, right: int, lower_right: bool, softcap: float) -> table.Mask:
-    return table.Mask(None if left < 0 else left, None if right < 0 else right, lower_right,
-                      softcap if softcap > 0 else None)
+from . import decode, plan
+from .layout import Packing, check_attention_inputs, fake_like, output_dtype, softmax_scale, widened
+from .mask import from_op_args, lower_right, op_args
 
 
 def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, left: int, right: int,
-    lower_right: bool, softcap: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, mask: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    mask = _mask(left, right, lower_right, softcap)
+    mask = from_op_args(mask)
     if decode.takes(q):  # few query rows: keys sliced across programs (split-KV)
         return decode.forward(q, k, v, mask, sm_scale)
-    return table.forward(q, k, v, mask, sm_scale)
+    return plan.forward(q, k, v, mask, sm_scale)
 
 
-def _forward_fake(q, k, v, sm_scale, left, right, lower_right, softcap):
-    return table.fake_like(q, table.output_dtype(q.dtype)), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _forward_fake(q, k, v, sm_scale, mask):
+    return fake_like(q, output_dtype(q.dtype)), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _backward(
     grad_out: torch.Tensor, grad_lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
-    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sm_scale: float, left: int, right: int,
-    lower_right: bool, softcap: float,
+    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sm_scale: float, mask: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return table.backward(grad_out, grad_lse, q, k, v, out, lse, _mask(left, right, lower_right, softcap),
+    return plan.backward(grad_out, grad_lse, q, k, v, out, lse, from_op_args(mask),
                           sm_scale)
 
 
 def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, *mask):
-    return table.fake_like(q), table.fake_like(k), table.fake_like(v)
+    return fake_like(q), fake_like(k), fake_like(v)
 
 
 def _backward_args(saved, other, grads, needs):
@@ -81,10 +69,10 @@ ATTENTION = fk_ops.define(
 )
 
 
-def _packing(cu_q: torch.Tensor, max_q: int, max_k: int) -> table.Packing:
+def _packing(cu_q: torch.Tensor, max_q: int, max_k: int) -> Packing:
     # At least one block per sequence: a max_seqlen of 0 would size an empty grid (sequences that
     # hold rows anyway are then walked in turn, as past any smaller max_seqlen).
-    return table.Packing(cu_q.shape[0] - 1, max(max_q, 1), max(max_k, 1))
+    return Packing(cu_q.shape[0] - 1, max(max_q, 1), max(max_k, 1))
 
 
 def _index(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -100,26 +88,26 @@ def _index(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _forward_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-    max_k: int, sm_scale: float, left: int, right: int, lower_right: bool, softcap: float,
+    max_k: int, sm_scale: float, mask: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cu_q, cu_k = _index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k)
-    return table.forward_packed(q, k, v, cu_q, cu_k, _packing(cu_q, max_q, max_k),
-                                _mask(left, right, lower_right, softcap), sm_scale)
+    return plan.forward_packed(q, k, v, cu_q, cu_k, _packing(cu_q, max_q, max_k),
+                                from_op_args(mask), sm_scale)
 
 
 def _forward_varlen_fake(q, k, v, cu_q, cu_k, *args):
-    out = q.new_empty(q.shape, dtype=table.output_dtype(q.dtype))
+    out = q.new_empty(q.shape, dtype=output_dtype(q.dtype))
     return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def _backward_varlen(
     grad_out: torch.Tensor, grad_lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    max_q: int, max_k: int, sm_scale: float, left: int, right: int, lower_right: bool, softcap: float,
+    max_q: int, max_k: int, sm_scale: float, mask: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cu_q, cu_k = _index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k)
-    return table.backward_packed(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k,
-                                 _packing(cu_q, max_q, max_k), _mask(left, right, lower_right, softcap),
+    return plan.backward_packed(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k,
+                                 _packing(cu_q, max_q, max_k), from_op_args(mask),
                                  sm_scale)
 
 
@@ -136,76 +124,6 @@ ATTENTION_VARLEN = fk_ops.define(
     input_grads=lambda other, grads, needs: (*grads, None, None, *(None,) * len(other)),
     materialize_grads=False,
 )
-
-
-def _forward_only_fp8(q, k, v) -> None:
-    if q.dtype in table.FP8_DTYPES and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise ValueError("fp8 attention is forward-only (inference): q, k, v must not require grad")
-
-
-def _check(q, k, v, dtypes=ATTENTION_DTYPES, packed: bool = False) -> None:
-    table.check_inputs(q, k, v, packed, dtypes)
-    _forward_only_fp8(q, k, v)
-
-
-def _window_side(name: str, value) -> int:
-    """A window side as the registered op takes it: an int >= 0, or -1 for unbounded (None, or -1
-    as FlashAttention writes it)."""
-    if value is None:
-        return -1
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{name} must be None or an int, got {type(value).__name__}")
-    if value < -1:
-        raise ValueError(f"{name} must be >= 0 (or None / -1: unbounded), got {value}")
-    # A side past any length is unbounded (kernels' int32 bounds must not overflow).
-    return -1 if value >= table.UNBOUNDED else int(value)
-
-
-def mask_args(causal, window, softcap) -> tuple[int, int, bool, float]:
-    """(left, right, lower_right, softcap) for the registered ops from the public arguments.
-
-    causal: a bool (True: "upper_left"), "upper_left", "lower_right", or torch's CausalVariant;
-    window: None or (left, right), each None / -1 (unbounded) or an int >= 0, under the causal
-    argument's alignment (top-left unless "lower_right"), causal capping right at 0; softcap: None
-    (or 0.0, as FlashAttention writes it) or a positive number."""
-    variant = getattr(causal, "name", None) if type(causal).__name__ == "CausalVariant" else None
-    if variant is not None:
-        causal = variant.lower()
-    if isinstance(causal, str):
-        if causal not in CAUSAL_ALIGNMENTS:
-            raise ValueError(f"causal must be a bool, 'upper_left' or 'lower_right', got {causal!r}")
-        is_causal, lower_right = True, causal == "lower_right"
-    else:
-        is_causal, lower_right = checks.check_flag("causal", causal), False
-    left = right = -1
-    if window is not None:
-        if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
-            raise TypeError(f"window must be None or a (left, right) pair, got {window!r}")
-        left, right = _window_side("window[0]", window[0]), _window_side("window[1]", window[1])
-    if is_causal:
-        right = 0 if right < 0 else min(right, 0)
-    cap = 0.0
-    zero = isinstance(softcap, numbers.Real) and not isinstance(softcap, bool) and softcap == 0
-    if softcap is not None and not zero:
-        cap = _bounded("softcap", softcap)
-    return left, right, lower_right, cap
-
-
-# The kernels scale in fp32 (sm_scale * log2(e) included): a larger scale or cap is inf there.
-MAX_SCALE = torch.finfo(torch.float32).max / 2
-
-
-def _bounded(name: str, value) -> float:
-    checks.check_positive(name, value)
-    if value > MAX_SCALE:
-        raise ValueError(f"{name} must be at most {MAX_SCALE:.3g} (the kernels scale in fp32), got {value!r}")
-    return float(value)
-
-
-def _scale(sm_scale, head_dim: int) -> float:
-    if sm_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    return _bounded("sm_scale", sm_scale)
 
 
 def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: bool = False,
@@ -230,33 +148,32 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
     scaled scores, natural log: what merging partial attentions needs. It is differentiable too.
     The output is laid out like q ((B, N, H, D) storage for such a view). Under `torch.autocast`
     q, k, v are taken in its dtype, as SDPA takes them."""
-    key = fk_ops.quiet_key("attention", (q, k, v), (causal, sm_scale, return_lse, window, softcap))
-    run = table.BOUND.get(key)
+    key, run = fk_ops.quiet_run(plan.BOUND, "attention", (q, k, v),
+                                (causal, sm_scale, return_lse, window, softcap))
     if run:
         return run(q, k, v)
     q, k, v = fk_ops.autocast(q, k, v)
-    _check(q, k, v)
-    mask = mask_args(causal, window, softcap)
+    check_attention_inputs(q, k, v)
+    mask = op_args(causal, window, softcap)
     return_lse = checks.check_flag("return_lse", return_lse)
-    scale = _scale(sm_scale, q.shape[-1])
-    if key is not None:  # checked, and autograd records nothing: this key's calls go straight to the plan
-        run = table.BOUND.get_or_build(key, lambda: _quiet(q, k, v, scale, mask, return_lse))
-        if run:
-            return run(q, k, v)
-    out, lse = ATTENTION.apply(q, k, v, scale, *mask)
+    scale = softmax_scale(sm_scale, q.shape[-1])
+    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(q, k, v, scale, mask, return_lse))
+    if run:  # checked, and autograd records nothing: this key's calls go straight to the plan
+        return run(q, k, v)
+    out, lse = ATTENTION.apply(q, k, v, scale, mask)
     return (out, lse) if return_lse else out
 
 
-def _quiet(q, k, v, sm_scale: float, mask: tuple, return_lse: bool):
+def _quiet(q, k, v, sm_scale: float, mask: list[float], return_lse: bool):
     """run(q, k, v) of a quiet `attention` call (`fk_runtime.ops.quiet_key`): the bound plan's
     outputs, which are tensors of their own; False where the interpreter widens bf16."""
-    if table._widened(q.dtype):
+    if widened(q.dtype):
         return False
-    m = _mask(*mask)
+    m = from_op_args(mask)
     if decode.takes(q):  # no lse asked for: none allocated or stored
         run = decode.bound(q, k, v, m, sm_scale, with_lse=return_lse)
     else:
-        run = table.bound_forward(q, k, v, m, sm_scale)
+        run = plan.bound_forward(q, k, v, m, sm_scale)
     return run if return_lse else (lambda q, k, v: run(q, k, v)[0])
 
 
@@ -290,7 +207,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     Returns out (total_q, Hq, D), and with `return_lse=True` also lse (Hq, total_q) fp32. Under
     `torch.autocast` q, k, v are taken in its dtype, as in `attention`."""
     q, k, v = fk_ops.autocast(q, k, v)
-    _check(q, k, v, packed=True)
+    check_attention_inputs(q, k, v, packed=True)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
@@ -298,23 +215,23 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                          f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
     max_q = checks.check_size("max_seqlen_q", max_seqlen_q, minimum=0)
     max_k = checks.check_size("max_seqlen_k", max_seqlen_k, minimum=0)
-    mask = mask_args(causal, window, softcap)
+    mask = op_args(causal, window, softcap)
     return_lse = checks.check_flag("return_lse", return_lse)
     out, lse = ATTENTION_VARLEN.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                                      _scale(sm_scale, q.shape[-1]), *mask)
+                                      softmax_scale(sm_scale, q.shape[-1]), mask)
     return (out, lse) if return_lse else out
 
 
 def _forward_kvcache(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-    k: torch.Tensor | None, v: torch.Tensor | None, block_table: torch.Tensor | None, sm_scale: float, left: int,
-    right: int, softcap: float,
+    k: torch.Tensor | None, v: torch.Tensor | None, block_table: torch.Tensor | None, sm_scale: float,
+    mask: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale, left, right, softcap)
+    return _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale, mask)
 
 
-def _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: float, left: int, right: int,
-             softcap: float, facts: tuple | None = None):
+def _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: float, mask: list[float],
+             facts: tuple | None = None):
     """The registered op's implementation; `facts`: the inputs' `decode.layouts`, where the
     caller has them (eager calls)."""
     cache_seqlens, block_table = _index("cache_seqlens", cache_seqlens), _index("block_table", block_table)
@@ -325,7 +242,7 @@ def _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: fl
                                    f"inplace updates to inference tensors outside InferenceMode are not allowed; "
                                    f"call under torch.inference_mode(), or allocate the cache outside it")
     return decode.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                                  _mask(left, right, True, softcap), sm_scale, facts)
+                                  from_op_args(mask), sm_scale, facts)
 
 
 # Forward only (an inference call); writes the new rows into the caches in place.
@@ -335,7 +252,7 @@ ATTENTION_KVCACHE = torch.library.custom_op("fk::attention_with_kvcache", _forwa
 
 @ATTENTION_KVCACHE.register_fake
 def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *args):
-    return table.fake_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return fake_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, causal=False,
@@ -370,7 +287,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
     if key is not None and k_cache is not None and v_cache is not None:
         # torch's rule on writes into inference tensors (`_kvcache`) reads the mode and the caches
         key = (key, torch.is_inference_mode_enabled(), k_cache.is_inference(), v_cache.is_inference())
-        run = table.BOUND.get(key)
+        run = decode.BOUND.get(key)
         if run:
             return run(*tensors)
     else:
@@ -383,13 +300,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
         facts = decode.layouts(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
     else:
         decode.check_cache(q, k_cache, v_cache, cache_seqlens, k, v, block_table)
-    left, right, _, cap = mask_args(causal, window, softcap)
+    mask = lower_right(op_args(causal, window, softcap))
     variant = causal.name if type(causal).__name__ == "CausalVariant" else causal
     if isinstance(variant, str) and variant.lower() == "upper_left":
         raise ValueError("attention_with_kvcache aligns causal masks lower-right (the cache's end): "
                          "pass causal=True or 'lower_right'")
     return_lse = checks.check_flag("return_lse", return_lse)
-    args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, _scale(sm_scale, q.shape[-1]), left, right, cap)
+    args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, softmax_scale(sm_scale, q.shape[-1]), mask)
     if not eager:
         out, lse = ATTENTION_KVCACHE(*args)
     else:
@@ -404,20 +321,20 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
         if k is not None:  # as the registered op would: autograd sees the caches written
             torch.autograd.graph.increment_version(k_cache)
             torch.autograd.graph.increment_version(v_cache)
-        if key is not None:  # this call passed every check: the key's next calls go straight to its plan
-            table.BOUND.get_or_build(key, lambda: _quiet_kvcache(*args, return_lse))
+        # this call passed every check: the key's next calls go straight to its plan
+        fk_ops.keep_quiet(decode.BOUND, key, lambda: _quiet_kvcache(*args, return_lse))
     return (out, lse) if return_lse else out
 
 
-def _quiet_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: float, left: int, right: int,
-                   cap: float, return_lse: bool):
+def _quiet_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: float, mask: list[float],
+                   return_lse: bool):
     """run(q, k_cache, v_cache, cache_seqlens, k, v, block_table) of a quiet
     `attention_with_kvcache` call (`fk_runtime.ops.quiet_key`) whose checks passed: its plan,
     the caches' versions bumped where rows are written; False where `_index` would copy."""
     if any(t is not None and t.stride(-1) != 1 for t in (cache_seqlens, block_table)):
         return False
     run = decode.bound_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                               _mask(left, right, True, cap), sm_scale, with_lse=return_lse)
+                               from_op_args(mask), sm_scale, with_lse=return_lse)
     written = k is not None
 
     def quiet(q, k_cache, v_cache, cache_seqlens, k, v, block_table):

@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from fk_runtime import checks
 
-from .ops import _check, _scale, attention, mask_args
+from .layout import check_attention_inputs, softmax_scale
+from .mask import op_args
+from .ops import attention
 
 LAYOUTS = ("zigzag", "contiguous")
 RING_DTYPES = checks.FLOAT_DTYPES
@@ -141,7 +143,7 @@ def _ring_backward(grad_out, grad_lse, q, k, v, out, lse, ring: _Ring, causal: b
                    sm_scale: float):
     if ring.world == 1:  # the whole sequence is local
         return torch.ops.fk.attention_backward(grad_out, grad_lse, q, k, v, out, lse, sm_scale,
-                                               *mask_args(causal, None, None))
+                                               op_args(causal, None, None))
     kv = torch.stack((k, v))  # stacked again, not saved: the forward keeps the caller's k and v only
     dq = grad_kv = arriving_grad = None
     for step in range(ring.world):
@@ -153,7 +155,7 @@ def _ring_backward(grad_out, grad_lse, q, k, v, out, lse, ring: _Ring, causal: b
             dq_block, dk_block, dv_block = torch.ops.fk.attention_backward(
                 grad_out[:, :, rows], None if grad_lse is None else grad_lse[:, :, rows],
                 q[:, :, rows], kv[0, :, :, cols], kv[1, :, :, cols], out[:, :, rows],
-                lse[:, :, rows], sm_scale, *mask_args(masked, None, None))
+                lse[:, :, rows], sm_scale, op_args(masked, None, None))
             if step == 0:  # the own shard, every row and key
                 dq = dq_block.float()
                 # dK/dV of the shard held now: this block's (no rank before has added to it).
@@ -221,11 +223,11 @@ def ring_attention(q, k, v, group=None, causal: bool = False, sm_scale: float | 
     (B, Hq, n) of each query row over the whole sequence; both are differentiable: the gradients
     of q, k, v land on the rank that holds them (dK/dV travel back around the ring). Tested in
     eager mode; not under `torch.compile`."""
-    _check(q, k, v, RING_DTYPES)  # here, before any rank starts sending
+    check_attention_inputs(q, k, v, RING_DTYPES)  # here, before any rank starts sending
     causal = checks.check_flag("causal", causal)
     return_lse = checks.check_flag("return_lse", return_lse)
     layout = _check_layout(layout)
-    sm_scale = _scale(sm_scale, q.shape[-1])
+    sm_scale = softmax_scale(sm_scale, q.shape[-1])
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"causal ring attention needs query and key shards of one length, got q's "
                          f"{q.shape[2]} and k's {k.shape[2]}")

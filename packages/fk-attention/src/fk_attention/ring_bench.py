@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from fk_runtime import testing
-from fk_runtime.bench import environment
+from fk_runtime.harness import testing
+from fk_runtime.harness.bench import environment
 
 from .ops import attention
 from .ring import gather_sequence, ring_attention, shard_sequence
@@ -104,7 +104,7 @@ def section(results: list[dict]) -> str:
 
 def write_section(folder: Path) -> Path:
     """folder/ring.md from every folder/ring-*.json; BENCHMARKS.md rebuilt as the main job does."""
-    from fk_runtime import cli
+    from fk_runtime.harness import cli
 
     results = [json.loads(p.read_text()) for p in sorted(folder.glob("ring-*.json"))]
     (folder / "ring.md").write_text(section(results))

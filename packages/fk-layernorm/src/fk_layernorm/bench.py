@@ -14,7 +14,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from fk_runtime import bench, testing
+from fk_runtime.harness import bench, testing
 
 from .ops import layer_norm, rms_norm
 

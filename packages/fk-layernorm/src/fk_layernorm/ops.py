@@ -86,14 +86,14 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, stable: bool = Fals
     but for eps, and no sum overflows. fp32 statistics for every dtype; a row whose sums overflow
     fp32 is normalised again from x / max|x| where the row fits in registers, else comes back NaN
     (see `fk_layernorm.kernels`)."""
-    key = fk_ops.quiet_key("layer_norm", (x, weight, bias), (eps, stable))
-    run = plan.BOUND.get(key)
+    key, run = fk_ops.quiet_run(plan.BOUND, "layer_norm", (x, weight, bias), (eps, stable))
     if run:
         return run(x, weight, bias)
     plan.check_inputs(x, weight, bias, eps)
     stable = checks.check_flag("stable", stable)
-    if key is not None:  # checked, and autograd records nothing: this key's calls go straight to the plan
-        return plan.BOUND.get_or_build(key, lambda: _quiet(x, weight, bias, eps, False, stable))(x, weight, bias)
+    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(x, weight, bias, eps, False, stable))
+    if run:  # checked, and autograd records nothing: this key's calls go straight to the plan
+        return run(x, weight, bias)
     return _norm(x, weight, bias, eps, False, stable)
 
 
@@ -107,15 +107,15 @@ def rms_norm(x, weight=None, eps: float | None = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim (`torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps)`).
     The default eps is 1e-6 (Llama's), not torch's functional default: `eps=None` gives that
     (`default_rms_eps`, as the `RMSNorm` module and torch's do by default)."""
-    key = fk_ops.quiet_key("rms_norm", (x, weight), (eps,))
-    run = plan.BOUND.get(key)
+    key, run = fk_ops.quiet_run(plan.BOUND, "rms_norm", (x, weight), (eps,))
     if run:
         return run(x, weight, None)
     if eps is None and isinstance(x, torch.Tensor):
         eps = default_rms_eps(x)
     plan.check_inputs(x, weight, None, eps)
-    if key is not None:
-        return plan.BOUND.get_or_build(key, lambda: _quiet(x, weight, None, eps, True, False))(x, weight, None)
+    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(x, weight, None, eps, True, False))
+    if run:
+        return run(x, weight, None)
     return _norm(x, weight, None, eps, True, False)
 
 

@@ -27,7 +27,7 @@ import math
 import torch
 
 from fk_runtime import alloc, backend, checks, partials, siblings, sizing, views
-from fk_runtime.launch import PLAN_CACHE_SIZE, Launch, PlanCache
+from fk_runtime.launch import PLAN_CACHE_SIZE, Launch, PlanCache, layout_key
 from fk_runtime.siblings import RowPath as Path
 from fk_runtime.siblings import PROGRAM_WARPS, max_siblings, spin_limit
 
@@ -397,8 +397,7 @@ def forward(x, weight, bias, eps: float, is_rms: bool, stable: bool, save_stats:
 def bound_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: bool, y_only: bool = False):
     """run(x, w, b) -> (y, stats), or y alone (`y_only`: nothing saved), for these inputs'
     layouts, w and b contiguous (or None)."""
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), None if w is None else (w.shape, w.dtype, w.get_device()),
-           None if b is None else (b.shape, b.dtype, b.get_device()), eps, is_rms, stable, save_stats, y_only)
+    key = (*layout_key(x, w, b), eps, is_rms, stable, save_stats, y_only)
     return BOUND.get(key) or BOUND.get_or_build(
         key, lambda: _bind_forward(x, w, b, eps, is_rms, stable, save_stats, y_only))
 
@@ -409,10 +408,7 @@ def backward(grad_y, x, weight, bias, stats, is_rms: bool, stable: bool):
     stats = stats.contiguous()  # read as rows (a saved-tensor hook may hand back other strides)
     w_dtype = None if weight is None else weight.dtype
     b_dtype = None if bias is None else bias.dtype
-    key = (x.shape, x.stride(), grad_y.shape, grad_y.stride(), x.dtype, grad_y.dtype, x.get_device(),
-           grad_y.get_device(), None if weight is None else (weight.shape, w_dtype, weight.get_device()),
-           None if bias is None else (bias.shape, b_dtype, bias.get_device()), stats.shape, stats.dtype,
-           stats.get_device(), is_rms, stable, "backward")
+    key = (*layout_key(x, grad_y, weight, bias, stats), is_rms, stable, "backward")
 
     def build():
         _check_backward(grad_y, x, weight, bias, stats, is_rms, stable)

@@ -41,16 +41,16 @@ SOFTMAX = fk_ops.define(
 
 
 def _apply(x: torch.Tensor, dim, causal, log: bool) -> torch.Tensor:
-    key = fk_ops.quiet_key("log_softmax" if log else "softmax", (x,), (dim, causal))
-    run = plan.BOUND.get(key)
+    key, run = fk_ops.quiet_run(plan.BOUND, "log_softmax" if log else "softmax", (x,), (dim, causal))
     if run:
         return run(x)
     d = plan.check_dim(x, dim, causal)
     if x.dim() == 0:
         y = SOFTMAX.apply(x.reshape(1), 0, False, log).reshape(())
         return y if y.requires_grad else y.detach()  # a tensor of its own, as torch's (not a view)
-    if key is not None:  # checked, and autograd records nothing: this key's calls go straight to the plan
-        return plan.BOUND.get_or_build(key, lambda: plan.bound_forward(x, d, bool(causal), log))(x)
+    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: plan.bound_forward(x, d, bool(causal), log))
+    if run:  # checked, and autograd records nothing: this key's calls go straight to the plan
+        return run(x)
     return SOFTMAX.apply(x, d, bool(causal), log)
 
 

@@ -23,7 +23,7 @@ import functools
 import torch
 
 from fk_runtime import alloc, checks, siblings, sizing, views
-from fk_runtime.launch import PLAN_CACHE_SIZE, Launch, PlanCache
+from fk_runtime.launch import PLAN_CACHE_SIZE, Launch, PlanCache, layout_key
 from fk_runtime.siblings import RowPath as Path
 from fk_runtime.siblings import PROGRAM_WARPS, max_siblings, spin_limit
 
@@ -219,13 +219,12 @@ def forward(x: torch.Tensor, dim: int, causal: bool, log: bool) -> torch.Tensor:
 
 def bound_forward(x: torch.Tensor, dim: int, causal: bool, log: bool):
     """run(x) -> y: the forward bound for x's layout, `dim` and flags."""
-    key = (x.shape, x.stride(), x.dtype, x.get_device(), dim, causal, log)
+    key = (*layout_key(x), dim, causal, log)
     return BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(x, dim, causal, log))
 
 
 def backward(y: torch.Tensor, grad_y: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     """grad_x (contiguous, y's shape) from the forward's output y and its gradient."""
-    key = (y.shape, y.stride(), grad_y.shape, grad_y.stride(), y.dtype, grad_y.dtype, y.get_device(),
-           grad_y.get_device(), dim, log, "backward")
+    key = (*layout_key(y, grad_y), dim, log, "backward")
     run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_backward(y, grad_y, dim, log))
     return run(y, grad_y)

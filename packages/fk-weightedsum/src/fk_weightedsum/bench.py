@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from fk_runtime import bench, testing
+from fk_runtime.harness import bench, testing
 
 from .ops import weighted_sum
 

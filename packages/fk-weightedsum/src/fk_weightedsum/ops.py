@@ -46,16 +46,16 @@ def weighted_sum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     strides (copied only when its leading dims cannot be merged into one). Differentiable in both
     arguments; the backward reads x once. Under `torch.autocast` both in its dtype, as `x @ weight`.
     """
-    key = fk_ops.quiet_key("weighted_sum", (x, weight), ())
-    run = plan.BOUND.get(key)
+    key, run = fk_ops.quiet_run(plan.BOUND, "weighted_sum", (x, weight), ())
     if run:
         return run(x, weight)
     checks.check_tensor("x", x, min_dim=1)
     checks.check_tensor("weight", weight, min_dim=1, max_dim=1)
     x, weight = fk_ops.autocast(x, weight)
     plan.check_inputs(x, weight)
-    if key is not None:  # checked, and autograd records nothing: this key's calls go straight to the plan
-        return plan.BOUND.get_or_build(key, lambda: _quiet(x, weight))(x, weight)
+    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(x, weight))
+    if run:  # checked, and autograd records nothing: this key's calls go straight to the plan
+        return run(x, weight)
     return WEIGHTED_SUM.apply(x, weight)
 
 

@@ -16,7 +16,7 @@ import functools
 import torch
 
 from fk_runtime import alloc, backend, checks, partials, sizing, views
-from fk_runtime.launch import PLAN_CACHE_SIZE, Launch, PlanCache
+from fk_runtime.launch import PLAN_CACHE_SIZE, Launch, PlanCache, layout_key
 
 from . import kernels
 
@@ -206,15 +206,13 @@ def forward(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def bound_forward(x: torch.Tensor, weight: torch.Tensor):
     """run(x, weight) -> y: the forward bound for these inputs' layouts."""
-    key = (x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype, x.get_device(),
-           weight.get_device())
+    key = layout_key(x, weight)
     return BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_forward(x, weight))
 
 
 def backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool = True, need_w: bool = True):
     """(grad_x like x, contiguous; grad_weight); one not needed (need_x / need_w false) comes back
     empty, uncomputed."""
-    key = (x.shape, x.stride(), grad_y.shape, grad_y.stride(), x.dtype, grad_y.dtype, weight.shape, weight.stride(),
-           weight.dtype, x.get_device(), grad_y.get_device(), weight.get_device(), "backward", need_x, need_w)
+    key = (*layout_key(x, grad_y, weight), "backward", need_x, need_w)
     run = BOUND.get(key) or BOUND.get_or_build(key, lambda: _bind_backward(grad_y, x, weight, need_x, need_w))
     return run(grad_y, x, weight)

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import backend
+from .. import backend
 
 RUNTIME_MODULE = "fk_runtime"
 OP_PREFIX = "fk_"
@@ -50,7 +50,7 @@ def discover_ops() -> list[str]:
 
 
 def run_checks(op: str, bench_module, full: bool) -> bool:
-    from . import alloc
+    from .. import alloc
 
     ok = True
     print(f"\n== check {op} on {backend.device_name()}")

@@ -1,6 +1,6 @@
 """pytest hooks every fk test directory loads from its conftest.py.
 
-`from fk_runtime.pytest_plugin import *` in a conftest sets the test device up before any test
+`from fk_runtime.harness.pytest_plugin import *` in a conftest sets the test device up before any test
 module imports an op (and so before any kernel is defined), reports backend and seed, and hands
 large cached GPU memory back after each test.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from . import backend, testing
+from .. import backend
+from . import testing
 
 testing.setup()
 
@@ -26,6 +27,13 @@ def release_cached_gpu_memory():
     yield
     if testing.on_gpu() and torch.cuda.memory_reserved() > KEEP_CACHED_GPU_BYTES:
         torch.cuda.empty_cache()
+
+
+def pytest_configure(config):
+    # Triton 3.6's interpreter turns one-element arrays into ints (numpy deprecated that in 1.25):
+    # a warning per kernel step, tens of thousands a run, Triton's and harmless below numpy 2.4.
+    config.addinivalue_line("filterwarnings",
+                            "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
 
 
 def pytest_report_header(config):

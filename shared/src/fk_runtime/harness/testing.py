@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import alloc, backend, sizing
+from .. import alloc, backend, sizing
 
 # Relative error ||out - ref|| / ||ref|| allowed against a float64 reference, by input dtype.
 # fp32 math with fp32 inputs lands near 1e-7..1e-6; half precisions are bound by their rounding
@@ -268,7 +268,7 @@ def siblings_give_up_at_once(*plan_caches):
     """Split-row programs stop waiting for their siblings at once (fk_runtime.siblings), so the
     hand-off of chunks to a row's last program runs on every backend. `plan_caches` (lru-cached
     plan functions, which hold the spin limit) are cleared on the way in and out."""
-    from . import siblings  # defines Triton helpers: only once the backend is set up
+    from .. import siblings  # defines Triton helpers: only once the backend is set up
 
     saved = siblings.SPIN_LIMIT, siblings.INTERPRETER_SPIN_LIMIT
     siblings.SPIN_LIMIT = siblings.INTERPRETER_SPIN_LIMIT = 0

@@ -1,0 +1,260 @@
+"""fk-attention's numbers: every tile, warp count, pipeline depth and threshold of the prefill
+kernels (defaults and autotune candidates), the split-KV decode path and the Hopper Gluon kernels,
+with the rules that pick among them by head dim and dtype. TUNING.md says how each was measured.
+A tile size for any attention path is changed here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import torch
+from fk_runtime import backend, sizing
+
+from . import layout
+
+
+# The interpreter: 16 x 16 blocks, the smallest tl.dot shape.
+INTERPRETER_BLOCK = 16
+
+# Autotune when B * H * Nq * Nk reaches this (N = 1024 with 64 heads; every case of the
+# benchmark sweep is above it). Below it a launch takes tens of microseconds on an H100, too
+# little for a sweep of compiles to pay back: the head dim's default runs (a prior, not measured).
+AUTOTUNE_MIN_SCORES = 1 << 26
+AUTOTUNE_DTYPES = (torch.float16, torch.bfloat16)
+
+# FK_AUTOTUNE=0 in the environment: never autotune, the head dim's defaults run (read when a plan
+# is bound; e2e/triton_versions.py compares Triton versions on the same tiles this way).
+AUTOTUNE_ENV = "FK_AUTOTUNE"
+
+# Each candidate's warm-up before its timing (fk_runtime.timing.do_bench: at least 25 timed calls).
+# 100 ms: with Triton's 25 ms the fastest candidate, timed first on a cold clock, lost (TUNING.md).
+AUTOTUNE_WARMUP_MS = 100
+
+# Autotune keys: sequence lengths and B * H rounded up to a power of two, lengths clamped to this
+# range (past 16384 the best tiles no longer change; below 128 every candidate is one block), and
+# the input dtype as a number (`dtype_key`: Triton's tuner adds the dtypes of tensor arguments to
+# its key, and TMA descriptors carry none).
+KEY_MIN_LENGTH = 128
+KEY_MAX_LENGTH = 16384
+KEY_MAX_HEADS = 1024
+KEY_ARGS = ["n_q_key", "n_k_key", "bh_key", "dtype_key", "WINDOW", "SOFTCAP", "VARLEN", "HEAD_DIM"]
+
+# HIP (AMD): waves per execution unit by padded head dim, (max head dim, waves); one stage.
+HIP_WAVES_PER_EU = ((64, 3), (None, 2))
+HIP_NUM_STAGES = 1
+CACHE_SIZE = 256
+
+
+class Kind(str, enum.Enum):
+    FORWARD = "fwd"
+    DQ = "dq"
+    DKDV = "dkdv"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One launch: BLOCK_M queries x BLOCK_N keys per step, warps, pipeline stages, and whether
+    tiles move through tensor descriptors (TMA) or pointers."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    descriptors: bool = False
+
+    def meta(self, varlen: bool = False) -> dict:
+        """The kernels' meta-parameters; packed sequences read inputs through descriptors and write
+        through pointers (USE_DESC = 2, kernels.py)."""
+        use_desc = (2 if varlen else 1) if self.descriptors else 0
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "USE_DESC": use_desc}
+
+
+def _configs(*rows: tuple[int, int, int, int]) -> tuple[Config, ...]:
+    return tuple(Config(*row) for row in rows)
+
+
+# Defaults (fixed launches on a GPU), by padded head dim then element size: (max head dim,
+# {kind: config}); first match wins.
+# 16-bit head dims 64 and 128: the winners of the H100 sweeps (TUNING.md); the rest are priors.
+DEFAULTS_16BIT = (
+    (64, {Kind.FORWARD: Config(64, 128, 4, 2), Kind.DQ: Config(128, 64, 4, 3),
+          Kind.DKDV: Config(64, 64, 4, 3)}),
+    (128, {Kind.FORWARD: Config(128, 64, 4, 2), Kind.DQ: Config(128, 64, 8, 3),
+           Kind.DKDV: Config(64, 128, 8, 2)}),
+    (256, {Kind.FORWARD: Config(64, 64, 4, 2), Kind.DQ: Config(64, 32, 4, 2),
+           Kind.DKDV: Config(32, 64, 4, 2)}),
+)
+
+# 4-byte head dims 64 and 128: the fastest of the tiles an sm_90 compile left with the fewest
+# spills (exact fp32 products are FMA loops held in registers; TUNING.md: DEFAULTS_32BIT); 256
+# keeps its priors.
+DEFAULTS_32BIT = (
+    (64, {Kind.FORWARD: Config(32, 32, 4, 2), Kind.DQ: Config(32, 16, 4, 2),
+          Kind.DKDV: Config(16, 64, 8, 2)}),
+    (128, {Kind.FORWARD: Config(32, 64, 8, 2), Kind.DQ: Config(32, 64, 8, 2),
+           Kind.DKDV: Config(16, 64, 8, 2)}),
+    (256, {Kind.FORWARD: Config(32, 32, 4, 1), Kind.DQ: Config(32, 32, 4, 1),
+           Kind.DKDV: Config(32, 32, 4, 1)}),
+)
+
+# Autotune candidates (CUDA), by padded head dim: (max head dim, {kind: configs}). Each list
+# starts with the default and stays short: every candidate is a compile per (dtype, head dim,
+# causal) before the first tuned call.
+CANDIDATES = (
+    (64, {
+        Kind.FORWARD: _configs((64, 128, 4, 2), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3)),
+        Kind.DQ: _configs((128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)),
+        Kind.DKDV: _configs((64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 4, 4), (64, 64, 4, 2)),
+    }),
+    (128, {
+        Kind.FORWARD: _configs((128, 64, 4, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)),
+        Kind.DQ: _configs((128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)),
+        Kind.DKDV: _configs((64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)),
+    }),
+    (256, {
+        Kind.FORWARD: _configs((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)),
+        Kind.DQ: _configs((64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2)),
+        Kind.DKDV: _configs((32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 1)),
+    }),
+)
+
+
+def _row(table, head_dim: int):
+    padded = layout.padded_head_dim(head_dim)
+    for limit, entry in table:
+        if padded <= limit:
+            return entry
+    raise ValueError(f"head dim {head_dim} is above {layout.MAX_HEAD_DIM}")
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def default_config(kind: Kind, head_dim: int, dtype: torch.dtype, descriptors: bool) -> Config:
+    """The fixed launch for `kind`: tiny blocks on the interpreter, the head dim's default on a
+    GPU (fp32: its own tiles, sized to registers); through descriptors when `use_descriptors` allowed them."""
+    if backend.is_interpreter():
+        return Config(INTERPRETER_BLOCK, INTERPRETER_BLOCK, sizing.MIN_WARPS, 1, descriptors)
+    table = DEFAULTS_32BIT if dtype.itemsize > 2 else DEFAULTS_16BIT
+    config = dataclasses.replace(_row(table, head_dim)[kind], descriptors=descriptors)
+    if backend.is_hip():
+        config = dataclasses.replace(config, num_stages=HIP_NUM_STAGES)
+    return config
+
+
+def candidates(kind: Kind, head_dim: int, descriptors: bool) -> tuple[Config, ...]:
+    """What the autotuner tries: every candidate through TMA where descriptors are allowed (host
+    descriptors beat pointers on every tiling measured), else through pointers."""
+    configs = _row(CANDIDATES, head_dim)[kind]
+    if backend.is_hip():
+        configs = tuple(dict.fromkeys(dataclasses.replace(c, num_stages=HIP_NUM_STAGES) for c in configs))
+    return tuple(dataclasses.replace(c, descriptors=descriptors) for c in configs)
+
+
+def launch_options(config: Config, head_dim: int) -> dict:
+    """Launch keywords for a fixed config, with HIP's waves per EU for this head dim."""
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if backend.is_hip():
+        options["waves_per_eu"] = hip_waves_per_eu(head_dim)
+    return options
+
+
+def hip_waves_per_eu(head_dim: int) -> int:
+    padded = layout.padded_head_dim(head_dim)
+    return next(w for limit, w in HIP_WAVES_PER_EU if limit is None or padded <= limit)
+
+
+# Packed rows past the last sequence: rows and columns one program fills per step
+# (`kernels.fill_tail_kernel`).
+TAIL_ROWS = 64
+TAIL_COLS = 128
+
+
+# ---- split-KV decode (decode.py) --------------------------------------------------------------
+
+
+# `attention` takes the decode path up to this many query rows (a decode step, speculative or
+# chunked decoding); longer queries fill the GPU with query blocks alone.
+DECODE_MAX_QUERIES = 64
+
+# Query rows per program: a GQA group's rows x queries, padded to a tl.dot's smallest M (16).
+DECODE_MIN_BLOCK_M = 16
+DECODE_MAX_BLOCK_M = 64
+
+# Key tiles by padded head dim, (max head dim, (BLOCK_N, warps, stages)), 2- and 4-byte inputs;
+# a grid of at least SHALLOW_PIPELINE_GRID programs per multiprocessor takes one stage less
+# (more of them fit an SM, and together they keep enough loads in flight) (TUNING.md: decode).
+DECODE_TILES_16BIT = ((64, (64, 4, 3)), (128, (64, 4, 3)), (256, (32, 4, 3)))
+DECODE_TILES_32BIT = ((64, (32, 4, 2)), (128, (32, 4, 2)), (256, (16, 4, 2)))
+SHALLOW_PIPELINE_GRID = 2
+
+# K/V at padded head dim 64 or 128, 16-bit, at most DECODE_MIN_BLOCK_M query rows per KV head, dense or
+# in pages that hold whole blocks,
+# fewer (batch, KV head) programs than multiprocessors: key blocks of WIDE_BLOCK_N rows, slices
+# for WIDE_PROGRAMS times the usual programs (each at least one block), WIDE_STAGES stages where
+# the grid is no larger and a slice holds more than one block, else one less; where a program's
+# shared memory holds WIDE_STAGES stages of K and V blocks and SHARED_RESERVE bytes more
+# (TUNING.md: decode, wide key blocks).
+WIDE_BLOCK_N, WIDE_WARPS = 128, 4
+WIDE_PROGRAMS = 0.5
+WIDE_STAGES = 3
+SHARED_RESERVE = 16 << 10
+
+# Key slices: about SLICED_PROGRAMS_D128 programs per multiprocessor at head dim 128 (twice as
+# many at 64: each reads half the bytes per step), as a power of two, of at least
+# MIN_SLICE_KEYS keys each and at most MAX_SLICES (the merge reads them in one tile).
+SLICED_PROGRAMS_D128 = 1
+MIN_SLICE_KEYS = 64
+MAX_SLICES = 64
+
+# The merge: as few warps as hold a query row's slices at MERGE_VALUES_PER_THREAD values a thread
+# (one warp's reductions need no shared memory: 0.1-0.9 µs a call less than 4 warps in graph
+# replays, TUNING.md: decode, the merge).
+MERGE_VALUES_PER_THREAD = 64
+
+# The interpreter: small tiles and slices, and a few programs' worth of slices (it runs programs
+# one by one: slicing costs it time), so that tiny tests of one or two heads still slice and merge.
+INTERPRETER_SLICE_KEYS = 16
+INTERPRETER_SLICED_PROGRAMS = 8
+
+# Paged caches whose pages hold whole key blocks, on grids of few programs: each slice's page
+# indices are read into registers first (at most SLICE_PAGES). Grids of at least
+# SHALLOW_PIPELINE_GRID programs per multiprocessor, and slices of more pages, read each block's
+# page per row in the walk instead (TUNING.md: decode, paged reads); on a grid of few programs
+# that takes ROW_PAGES_FILL times the slices: the page load ahead of each key block stalls a lone
+# program's pipeline, a second program per multiprocessor hides it.
+SLICE_PAGES = 128
+ROW_PAGES_FILL = 2
+
+# K/V through TMA from this padded head dim, on grids below SHALLOW_PIPELINE_GRID programs per
+# SM: there it beat or matched pointers at d128; at d64 it lost up to 16% on paged caches, on
+# fuller grids up to 7% (TUNING.md: decode).
+DECODE_DESCRIPTOR_MIN_HEAD_DIM = 128
+
+# New cache rows written per append program.
+APPEND_ROWS = 16
+
+
+# ---- Hopper kernels in Gluon (hopper.py) -------------------------------------------------------
+
+
+# Padded head dims taken: 128 beat the tl kernels by 7-33%; 64 and 256 lost to them (TUNING.md).
+GLUON_HEAD_DIMS = (128,)
+
+# Query rows per consumer warpgroup (two per program), keys per step, K/V ring stages, the
+# consumers' registers after the producer warp gives its own back (240: no spills at d128).
+GLUON_ROWS = 64
+GLUON_BLOCK_N = 128
+GLUON_STAGES = 3
+GLUON_CONSUMER_REGISTERS = 240
+GLUON_PRODUCER_REGISTERS = 24
+
+# ---- backward: dK and dV (the dQ kernel, which also writes the row terms, stays tl) ----------
+#
+# Each program takes 2 x GLUON_KEYS keys of one (batch, KV head): one consumer warpgroup per GLUON_KEYS keys,
+# which keeps its K, V and its dK, dV accumulators (fp32, registers) while the producer warp
+# streams Q and dO blocks of GLUON_Q_ROWS rows of every query head of the group through a ring.
+GLUON_KEYS = 64
+GLUON_Q_ROWS = 64
+GLUON_BWD_STAGES = 2
