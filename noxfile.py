@@ -107,7 +107,7 @@ def tested(name: str) -> str:
 
 def pytest(session: nox.Session, *targets: Path | str) -> None:
     # importlib mode: test modules of different packages may share a file name.
-    session.run("python", "-m", "pytest", "--import-mode=importlib", "--numprocesses=auto",
+    session.run("python", "-m", "pytest", "--import-mode=importlib", "--numprocesses=auto", "--durations=15",
                 f"--maxprocesses={PYTEST_WORKERS}", *map(str, targets), *session.posargs)
 
 
