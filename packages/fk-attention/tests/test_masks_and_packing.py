@@ -384,3 +384,24 @@ def test_bounded_windows_tune_apart_from_unbounded_masks():
     window = plan.tuning_keys(*args, fk_mask.Mask(left=1024, right=0))
     assert causal[1] == plan.length_key(16384) and window[1] == plan.length_key(1025) != causal[1]
     assert plan.tuning_keys(*args, fk_mask.Mask(left=1024)) == causal  # one side unbounded: the whole length
+
+
+def test_align_places_windows_without_causal():
+    """`align` moves a window without causal to the bottom-right corner (FlashAttention's place),
+    agrees with causal's own alignment, and is refused where the two disagree or it names no corner."""
+    q = testing.randn((1, 2, 4, 16), torch.float32)
+    k, v = (testing.randn((1, 2, 9, 16), torch.float32) for _ in range(2))
+    shift = 9 - 4  # query i sits at key position i + 5
+    keep = torch.zeros(4, 9, dtype=torch.bool)
+    for i in range(4):
+        keep[i, max(0, i + shift - 1):i + shift + 2] = True  # window (1, 1) around i + shift
+    scores = (q.double() @ k.double().transpose(-1, -2)) * 16 ** -0.5
+    ref = torch.softmax(scores.masked_fill(~keep.to(q.device), -math.inf), -1) @ v.double()
+    testing.assert_close("lower-right window", attention(q, k, v, window=(1, 1), align="lower_right"), ref,
+                         torch.float32)
+    torch.testing.assert_close(attention(q, k, v, causal=True, align="lower_right"),
+                               attention(q, k, v, causal="lower_right"), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="disagree"):
+        attention(q, k, v, causal="upper_left", align="lower_right")
+    with pytest.raises(ValueError, match="align"):
+        attention(q, k, v, align="bottom_right")

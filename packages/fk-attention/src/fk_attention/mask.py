@@ -86,13 +86,14 @@ def _window_side(name: str, value) -> int:
     return -1 if value >= UNBOUNDED else int(value)
 
 
-def op_args(causal, window, softcap) -> list[float]:
+def op_args(causal, window, softcap, align=None) -> list[float]:
     """The registered ops' `mask` argument (`OP_FIELDS`) from the public arguments.
 
     causal: a bool (True: "upper_left"), "upper_left", "lower_right", or torch's CausalVariant;
-    window: None or (left, right), each None / -1 (unbounded) or an int >= 0, under the causal
-    argument's alignment (top-left unless "lower_right"), causal capping right at 0; softcap: None
-    (or 0.0, as FlashAttention writes it) or a positive number."""
+    window: None or (left, right), each None / -1 (unbounded) or an int >= 0, causal capping right
+    at 0; softcap: None (or 0.0, as FlashAttention writes it) or a positive number; align: where
+    windows and causal masks sit when Nq != Nk, "upper_left" (SDPA's) or "lower_right"
+    (FlashAttention's); None takes causal's ("lower_right" only when causal says so)."""
     variant = getattr(causal, "name", None) if type(causal).__name__ == "CausalVariant" else None
     if variant is not None:
         causal = variant.lower()
@@ -102,6 +103,12 @@ def op_args(causal, window, softcap) -> list[float]:
         is_causal, lower_right = True, causal == "lower_right"
     else:
         is_causal, lower_right = checks.check_flag("causal", causal), False
+    if align is not None:
+        if align not in CAUSAL_ALIGNMENTS:
+            raise ValueError(f"align must be None, 'upper_left' or 'lower_right', got {align!r}")
+        if isinstance(causal, str) and causal != align:
+            raise ValueError(f"causal={causal!r} and align={align!r} disagree on the alignment")
+        lower_right = align == "lower_right"
     left = right = -1
     if window is not None:
         if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:

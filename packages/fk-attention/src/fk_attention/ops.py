@@ -127,7 +127,7 @@ ATTENTION_VARLEN = fk_ops.define(
 
 
 def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: bool = False,
-              window=None, softcap: float | None = None):
+              window=None, softcap: float | None = None, align: str | None = None):
     """`scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=True)`,
     with sliding windows, softcapping and lower-right causal alignment.
 
@@ -141,7 +141,9 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
     CausalVariant.LOWER_RIGHT, what a KV cache or chunked prefill needs). `window=(left, right)`
     (None for unbounded on a side): query i sees keys j with -left <= j - (i + shift) <= right,
     shift = Nk - Nq under "lower_right", else 0; with causal, right is at most 0. Key blocks outside
-    the window are skipped. `softcap=c`: scores become c * tanh(scores / c) before the softmax
+    the window are skipped. `align="lower_right"` (or "upper_left") sets that alignment for a
+    window without causal too (FlashAttention aligns every mask lower-right); None takes causal's.
+    `softcap=c`: scores become c * tanh(scores / c) before the softmax
     (Gemma 2). A query that sees no key gets a zero output and a log-sum-exp of -inf.
 
     `return_lse=True` returns (out, lse) with lse the fp32 row log-sum-exp (B, Hq, Nq) of the
@@ -149,12 +151,12 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
     The output is laid out like q ((B, N, H, D) storage for such a view). Under `torch.autocast`
     q, k, v are taken in its dtype, as SDPA takes them."""
     key, run = fk_ops.quiet_run(plan.BOUND, "attention", (q, k, v),
-                                (causal, sm_scale, return_lse, window, softcap))
+                                (causal, sm_scale, return_lse, window, softcap, align))
     if run:
         return run(q, k, v)
     q, k, v = fk_ops.autocast(q, k, v)
     check_attention_inputs(q, k, v)
-    mask = op_args(causal, window, softcap)
+    mask = op_args(causal, window, softcap, align)
     return_lse = checks.check_flag("return_lse", return_lse)
     scale = softmax_scale(sm_scale, q.shape[-1])
     run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(q, k, v, scale, mask, return_lse))
@@ -187,15 +189,15 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor) -> None:
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal=False,
                      sm_scale: float | None = None, window=None, softcap: float | None = None,
-                     return_lse: bool = False):
+                     return_lse: bool = False, align: str | None = None):
     """Attention over packed sequences, as FlashAttention's `flash_attn_varlen_func`.
 
     q (total_q, Hq, D), k and v (total_k, Hk, D): the sequences' tokens one after another;
     `cu_seqlens_q` / `cu_seqlens_k` int32 (S + 1,) prefix sums of their lengths (sequence i is rows
     cu[i]:cu[i + 1]), on q's device; `max_seqlen_q` / `max_seqlen_k` the longest lengths (they
     size the grid: a smaller value costs parallelism, never correctness). No attention crosses
-    sequences and no work is spent on padding. `causal`, `window`, `softcap`, `sm_scale` as in
-    `attention`, per sequence (lower-right alignment uses each sequence's own lengths). Bounds
+    sequences and no work is spent on padding. `causal`, `window`, `softcap`, `sm_scale`, `align` as
+    in `attention`, per sequence (lower-right alignment uses each sequence's own lengths). Bounds
     are read on the GPU without a sync: out-of-range or decreasing ones are clamped to [0, total]
     (wrong rows, never an out-of-range access). Gradients for q, k, v; the backward is
     deterministic. On Hopper the inputs are read in TMA tiles that may cross a sequence's end;
@@ -215,7 +217,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                          f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
     max_q = checks.check_size("max_seqlen_q", max_seqlen_q, minimum=0)
     max_k = checks.check_size("max_seqlen_k", max_seqlen_k, minimum=0)
-    mask = op_args(causal, window, softcap)
+    mask = op_args(causal, window, softcap, align)
     return_lse = checks.check_flag("return_lse", return_lse)
     out, lse = ATTENTION_VARLEN.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
                                       softmax_scale(sm_scale, q.shape[-1]), mask)
