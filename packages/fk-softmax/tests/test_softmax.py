@@ -129,7 +129,10 @@ def test_infinities_and_huge_values_as_torch(cols, log):
     g[nan_rows] = 0
     (gx,) = torch.autograd.grad(ours, [x], g)
     (rgx,) = torch.autograd.grad(ref, [xd], g.double())
-    testing.assert_close("grad x", gx[keep], rgx[keep], torch.float32)
+    # Near-ties at 1e4 scale cancel in fp32 (torch's own error reached 1e-2 in 17 of 3000 seeds).
+    xt = x.detach().clone().requires_grad_(True)
+    (tgx,) = torch.autograd.grad(ref_fn(xt, -1), [xt], g)
+    testing.assert_close("grad x", gx[keep], rgx[keep], torch.float32, baseline=tgx[keep])
 
 
 def test_empty_and_scalar():
