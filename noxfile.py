@@ -1,7 +1,7 @@
 """Sessions for every fk package, generated from the folders under packages/.
 
     nox -s tests                 every package's tests and the cross-package tests (newest Triton)
-    nox -s tests-oldest          the same on the oldest supported Triton (3.6) and its numpy
+    nox -s tests-oldest          the kernels' and launch path's tests on the oldest Triton (3.6)
     nox -s test-weightedsum      one op's tests (test-runtime for fk-runtime)
     nox -s lint                  ruff, and the GitHub workflows against their JSON schema
     nox -s build                 sdist + wheel of every distribution, metadata checked
@@ -35,10 +35,21 @@ BENCH_DEPS = ["matplotlib>=3.8", "tqdm>=4.66", NUMPY]
 # The oldest Triton fk supports and the numpy its interpreter runs under (3.6's needs < 2.4);
 # `tests` takes the newest that the packages' range admits.
 OLDEST = ["triton==3.6.0", "numpy>=2.3,<2.4"]
-# What does not depend on the Triton version, run once (in `tests`): building the distributions,
-# and the main job's whole interpreter run (about 4 of CI's minutes; the ops' own tests cover its checks).
-OLDEST_SKIPS = ["--ignore", str(ROOT / "tests" / "test_packaging.py"),
-                "--deselect", "tests/test_main_job.py::test_main_job_checks_and_benchmarks_every_op"]
+# What the oldest Triton runs: the tests of what its version reaches, every op's kernels under its
+# interpreter (dense, windowed, packed, decode builds) and fk-runtime's launch path. The layers above
+# them (transformers, rings, the flash_attn layer, the main job, packaging, torch.compile) do not
+# depend on the Triton version and run once, in `tests` (CI's two sessions fit about 20 minutes).
+OLDEST_TARGETS = [
+    RUNTIME / "tests",
+    *(OPS["attention"] / "tests" / name for name in ("test_attention.py", "test_alibi.py")),
+    OPS["attention"] / "tests" / "test_masks_and_packing.py::test_masks_match_float64_reference",
+    OPS["attention"] / "tests" / "test_masks_and_packing.py::test_packed_equals_dense_on_equal_lengths",
+    OPS["layernorm"] / "tests" / "test_layernorm.py",
+    OPS["softmax"] / "tests",
+    OPS["weightedsum"] / "tests",
+    *(ROOT / "tests" / name for name in ("test_host_path.py", "test_op_contract.py", "test_double_backward.py")),
+]
+OLDEST_SKIPS = ["--deselect", "packages/fk-attention/tests/test_attention.py::test_strided_bnhd_inputs"]
 # Each op's extras its tests need (optional integrations: fk_attention.hf, swap_norms on
 # transformers models), so that no test of them skips in CI.
 TEST_EXTRAS = {"attention": "transformers", "layernorm": "transformers"}
@@ -115,23 +126,24 @@ def pytest(session: nox.Session, *targets: Path | str) -> None:
 PACKAGING_DEPS = ["build>=1.2", "setuptools>=77", "setuptools-scm>=10"]
 
 
-def all_tests(session: nox.Session, pins: list[str], skips: list[str]) -> None:
+def all_tests(session: nox.Session, pins: list[str], targets: list) -> None:
     install_packages(session, *map(tested, OPS), extras=TEST_DEPS + BENCH_DEPS + PACKAGING_DEPS)
     if pins:  # after the packages: pip then moves only what the pins name
         session.install(*pins)
-    pytest(session, RUNTIME / "tests", *(p / "tests" for p in OPS.values()), ROOT / "tests", *skips)
+    pytest(session, *targets)
 
 
 @nox.session(name="tests")
 def tests(session: nox.Session) -> None:
     """Every package's tests and the cross-package tests, in one environment (the newest Triton)."""
-    all_tests(session, [], [])
+    all_tests(session, [], [RUNTIME / "tests", *(p / "tests" for p in OPS.values()), ROOT / "tests"])
 
 
 @nox.session(name="tests-oldest")
 def tests_oldest(session: nox.Session) -> None:
-    """The same tests on the oldest supported Triton and a numpy its interpreter runs under."""
-    all_tests(session, OLDEST, OLDEST_SKIPS)
+    """The kernels' and launch path's tests (OLDEST_TARGETS) on the oldest supported Triton and a
+    numpy its interpreter runs under."""
+    all_tests(session, OLDEST, [*OLDEST_TARGETS, *OLDEST_SKIPS])
 
 
 @nox.session(name="test-runtime")

@@ -8,8 +8,8 @@ the other on the same warm machine:
   still go through Triton's own dispatch (0 where every launch is direct);
 - fk's device time (CUDA-graph replays, `do_bench` medians) on every row of the chosen tables of
   the main job (default: attention, layernorm, rmsnorm, softmax), fk's variant alone, with
-  attention's autotuning off (FK_AUTOTUNE=0: every version runs the same default tiles, and a
-  version's run does not spend minutes compiling candidates; `--autotune` keeps it on).
+  attention's fixed tiles (FK_AUTOTUNE=0, the default: every version runs the same tiles, and a
+  version's run does not spend minutes compiling candidates; `--autotune` turns tuning on).
 
     bash shared/from-source.sh python e2e/triton_versions.py --out DIR      # once per version
     python e2e/triton_versions.py --summarize DIR [DIR ...] --out benchmarks  # after the last
@@ -227,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default=BASELINE)
     parser.add_argument("--autotune", action="store_true", help="let attention autotune (off by default)")
     args = parser.parse_args(argv)
-    if not args.autotune:
-        os.environ["FK_AUTOTUNE"] = "0"
+    os.environ["FK_AUTOTUNE"] = "1" if args.autotune else "0"
     if args.summarize is not None:
         summarize(args.summarize, args.out, args.baseline)
     else:

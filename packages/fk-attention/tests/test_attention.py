@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from fk_attention import config as fk_config, layout as fk_layout, mask as fk_ma
 # bf16 too on the interpreter, whose bf16 tl.dot is wrong: the plan runs it in fp32 there.
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (B, Hq, Hk, Nq, Nk, D): two queries (causal: the first sees one key), odd lengths, Nq != Nk both ways, GQA and MQA, padded head
-# dims (24, 40), several blocks per program on the interpreter's 16 x 16 blocks. The two-query case
+# dims (21: not a multiple of 8; 40), several blocks per program on the interpreter's 16 x 16 blocks. The two-query case
 # spans 8 heads: in one head alone, the causal gradient is a single 2-key row (the first row's is
 # rounding noise: delta = rowsum(dO * O) against dP), and where that row's gradient happens to be
 # small the fp32 relative error reached 5e-4 (2500 trials, 9 above 1e-4); over 8 heads it stayed
@@ -23,13 +24,13 @@ SHAPES = [
     (2, 4, 2, 2, 5, 16),
     (2, 4, 2, 33, 33, 40),
     (1, 3, 1, 17, 50, 16),
-    (1, 2, 2, 50, 17, 24),
+    (1, 2, 2, 50, 17, 21),
     (1, 2, 1, 70, 70, 64),
 ]
 CASES = [(shape, dtype) for shape in SHAPES for dtype in DTYPES]
 if testing.on_gpu():
     # The issue's sizes in half precision: long and odd lengths, head dims 64, 80, 96, 128, 192,
-    # 256, Nq != Nk, GQA/MQA, N = 16384 (autotuned; float64 reference of 2 x 16384^2 scores).
+    # 256, Nq != Nk, GQA/MQA, N = 16384 (float64 reference of 2 x 16384^2 scores).
     # Each shape in one of the two dtypes (every head dim is a compile per dtype), both overall.
     CASES += [
         ((2, 8, 2, 1000, 1000, 64), torch.bfloat16), ((1, 4, 4, 333, 1025, 96), torch.float16),
@@ -37,6 +38,7 @@ if testing.on_gpu():
         ((1, 4, 1, 129, 77, 80), torch.bfloat16), ((1, 2, 2, 700, 700, 192), torch.float16),
         ((2, 4, 4, 1000, 1000, 96), torch.bfloat16), ((1, 2, 2, 600, 600, 256), torch.bfloat16),
         ((1, 2, 1, 16384, 16384, 128), torch.bfloat16), ((1, 2, 1, 4096, 4096, 64), torch.float16),
+        ((1, 4, 2, 300, 300, 100), torch.bfloat16), ((1, 2, 1, 77, 129, 5), torch.float16),
     ]
 FP8_DTYPES = fk_layout.FP8_DTYPES
 
@@ -438,9 +440,14 @@ def test_hopper_forward_gate():
         assert real.layout == layout and list(real.block_shape) == [1, 1, 64, 128]
 
 
-def test_autotuned_launch_runs_every_candidate(monkeypatch):
+def test_autotuned_launch_runs_every_candidate(monkeypatch, tmp_path):
     """The GPU's autotuned path (candidates through TMA where allowed, pruning, grids from the
-    chosen blocks). On the interpreter the tuner's timer is replaced by one run per candidate."""
+    chosen blocks), its picks kept on disk for the next process. On the interpreter the tuner's
+    timer is replaced by one run per candidate."""
+    monkeypatch.setenv(plan.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(plan, "WINNERS", {})
+    monkeypatch.setattr(plan, "_WINNER_FILES", {})
+    plan.BOUND.clear()
     runs = []
     if not testing.on_gpu():
         real = plan.autotuned
@@ -469,6 +476,16 @@ def test_autotuned_launch_runs_every_candidate(monkeypatch):
         [q, k, v], dtype=dtype, names=["q", "k", "v"])
     if not testing.on_gpu():
         assert {kind: runs.count(kind) for kind in fk_config.Kind} == {kind: 2 * n for kind, n in expected.items()}
+    stored = json.loads(plan.winners_file(q.device).read_text())
+    assert len(stored) == 2 * len(fk_config.Kind)
+    # A new process: nothing in memory, the picks read back from disk, no candidate timed again.
+    monkeypatch.setattr(plan, "WINNERS", {})
+    monkeypatch.setattr(plan, "_WINNER_FILES", {})
+    plan.BOUND.clear()
+    tuned = len(runs)
+    check(lambda q, k, v: attention(q, k, v, causal=True), inputs, dtype, True)
+    assert len(runs) == tuned and len(plan.WINNERS) == 0
+    plan.BOUND.clear()
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -646,9 +663,8 @@ def test_fp8_forward(dtype, causal):
     [
         (((1, 2, 8, 16), (1, 2, 8, 24), (1, 2, 8, 24)), None, ValueError, "head dim"),
         (((1, 3, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)), None, ValueError, "multiple of"),
-        (((1, 2, 8, 12),) * 3, None, ValueError, "multiple of 8"),
-        (((1, 2, 8, 8),) * 3, None, ValueError, "from 16 to 256"),
-        (((1, 2, 8, 264),) * 3, None, ValueError, "from 16 to 256"),
+        (((1, 2, 8, 0),) * 3, None, ValueError, "from 1 to 256"),
+        (((1, 2, 8, 264),) * 3, None, ValueError, "from 1 to 256"),
         (((1, 2, 8, 16), (1, 2, 9, 16), (1, 2, 8, 16)), None, ValueError, "one shape"),
         (((2, 2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16)), None, ValueError, "batch size"),
         (((1, 2, 8, 16),) * 3, (torch.float32, torch.float16), TypeError, "one dtype"),

@@ -212,9 +212,13 @@ PACKED_MASKS = [(False, None, None), (True, None, None), ("lower_right", None, N
                 ("lower_right", (6, 0), None), (False, (4, 3), 3.0)]
 
 
+# The interpreter runs bf16 in fp32 (`layout.widened`): there bf16 would repeat the fp32 cases.
+PACKED_DTYPES = DTYPES if testing.on_gpu() else [torch.float32, torch.float16]
+
+
 @pytest.mark.parametrize("mask", PACKED_MASKS, ids=str)
 @pytest.mark.parametrize("lengths", PACKED, ids=str)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=str)
 def test_packed_sequences_match_each_sequence_alone(lengths, mask, dtype):
     causal, window, softcap = mask
     q, k, v, cu_q, cu_k = packed_inputs(*lengths, 4, 2, 24, dtype)

@@ -25,8 +25,9 @@ INTERPRETER_BLOCK = 16
 AUTOTUNE_MIN_SCORES = 1 << 26
 AUTOTUNE_DTYPES = (torch.float16, torch.bfloat16)
 
-# FK_AUTOTUNE=0 in the environment: never autotune, the head dim's defaults run (read when a plan
-# is bound; e2e/triton_versions.py compares Triton versions on the same tiles this way).
+# Autotuning runs only when asked: FK_AUTOTUNE=1 in the environment (read when a plan is bound).
+# Otherwise the fixed defaults below run: no call times candidates, and a new shape compiles
+# nothing that its dtype, head dim and mask have not compiled already.
 AUTOTUNE_ENV = "FK_AUTOTUNE"
 
 # Each candidate's warm-up before its timing (fk_runtime.timing.do_bench: at least 25 timed calls).
@@ -88,6 +89,16 @@ DEFAULTS_16BIT = (
            Kind.DKDV: Config(32, 64, 4, 2)}),
 )
 
+# Two-sided windows of at most WINDOW_MAX_SPAN keys (their walks are as long as the window, not the
+# sequence), 16-bit, by padded head dim (exact): smaller forward and dK/dV tiles at 128; other
+# kinds and head dims take the dense defaults (WINDOW_MAX_SPAN: a prior). Window 1024 at N 16384
+# (TUNING.md: windows tuned apart): forward 64 x 64 325 µs against 375-393 for 128 x 128, dK/dV
+# 64 x 64 644-661 against 734-746 for 64 x 128.
+WINDOW_MAX_SPAN = 2048
+WINDOW_DEFAULTS_16BIT = (
+    (128, {Kind.FORWARD: Config(64, 64, 4, 3), Kind.DKDV: Config(64, 64, 4, 2)}),
+)
+
 # 4-byte head dims 64 and 128: the fastest of the tiles an sm_90 compile left with the fewest
 # spills (exact fp32 products are FMA loops held in registers; TUNING.md: DEFAULTS_32BIT); 256
 # keeps its priors.
@@ -131,13 +142,19 @@ def _row(table, head_dim: int):
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
-def default_config(kind: Kind, head_dim: int, dtype: torch.dtype, descriptors: bool) -> Config:
+def default_config(kind: Kind, head_dim: int, dtype: torch.dtype, descriptors: bool,
+                   span: int | None = None) -> Config:
     """The fixed launch for `kind`: tiny blocks on the interpreter, the head dim's default on a
-    GPU (fp32: its own tiles, sized to registers); through descriptors when `use_descriptors` allowed them."""
+    GPU (fp32: its own tiles, sized to registers; a two-sided window of `span` keys: its own
+    where measured); through descriptors when `descriptors` says so."""
     if backend.is_interpreter():
         return Config(INTERPRETER_BLOCK, INTERPRETER_BLOCK, sizing.MIN_WARPS, 1, descriptors)
     table = DEFAULTS_32BIT if dtype.itemsize > 2 else DEFAULTS_16BIT
-    config = dataclasses.replace(_row(table, head_dim)[kind], descriptors=descriptors)
+    config = _row(table, head_dim)[kind]
+    if dtype.itemsize <= 2 and span is not None and span <= WINDOW_MAX_SPAN:
+        padded = layout.padded_head_dim(head_dim)
+        config = next((row[kind] for dim, row in WINDOW_DEFAULTS_16BIT if dim == padded and kind in row), config)
+    config = dataclasses.replace(config, descriptors=descriptors)
     if backend.is_hip():
         config = dataclasses.replace(config, num_stages=HIP_NUM_STAGES)
     return config

@@ -26,8 +26,9 @@ from .config import (APPEND_ROWS, CACHE_SIZE, DECODE_DESCRIPTOR_MIN_HEAD_DIM, DE
                      MERGE_VALUES_PER_THREAD, MIN_SLICE_KEYS, ROW_PAGES_FILL, SHALLOW_PIPELINE_GRID,
                      SHARED_RESERVE, SLICED_PROGRAMS_D128, SLICE_PAGES, WIDE_BLOCK_N, WIDE_PROGRAMS,
                      WIDE_STAGES, WIDE_WARPS, Config)
-from .layout import (bases_aligned, check_heads, check_inputs, descriptor_strides, descriptors_may_serve, fit,
-                     heads_inside_tokens, is_hopper_or_newer, new_output, padded_head_dim, precision, widened)
+from .layout import (alibi_strides, bases_aligned, check_alibi, check_heads, check_inputs, descriptor_strides,
+                     descriptors_may_serve, fit, heads_inside_tokens, is_hopper_or_newer, new_output, padded_head_dim,
+                     precision, widened)
 from .mask import Mask
 
 # The decode path's bound plans (dense and KV-cache calls).
@@ -131,8 +132,8 @@ class Cache:
 
 
 def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int | None,
-          block_table=None, descriptors: bool | None = None, with_lse: bool = True):
-    """run(q, k, v, seqlens, block_table) -> (out, lse): out laid out like q, lse (B, Hq, Nq)
+          block_table=None, descriptors: bool | None = None, with_lse: bool = True, alibi=None):
+    """run(q, k, v, seqlens, block_table, alibi) -> (out, lse): out laid out like q, lse (B, Hq, Nq)
     fp32 (None without `with_lse`: nothing allocated or stored for it). Dense attention (cache
     None): k, v (B, Hk, Nk, D). A cache: k, v the cache tensors,
     dense (B, Hk, capacity, D) or paged (pages, Hk, page_size, D) with the (B, pages per
@@ -187,7 +188,7 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
     spanned = sizing.cdiv(sizing.cdiv(n_k, slices), cache.page_size) + (cache.page_size > tile.block_n) if paged else 0
     slice_pages = preloaded_pages(spanned) if paged and not per_row else 0
     padded = padded_head_dim(d)
-    meta = {"SOFTCAP": mask.softcap is not None, "SEQLENS": cache is not None,
+    meta = {"SOFTCAP": mask.softcap is not None, "ALIBI": alibi is not None, "SEQLENS": cache is not None,
             "PAGED": paged, "PAGE_SIZE": max(cache.page_size if paged else 1, 1), "SLICE_PAGES": slice_pages,
             "ROW_PAGES": per_row,
             "HEAD_DIM": d,
@@ -213,7 +214,7 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
     attend_args = ((programs * slices,),
                    (sm_scale, softcap, n_q, n_k, cache.n_new if cache else 0, hk, group, lower_right, left, right,
                     slices, last_page, part_numel, *q.stride(), *k_.stride(), *v_.stride(), *out_example.stride(),
-                    hq * n_q, n_q, 1, table_stride))
+                    hq * n_q, n_q, 1, table_stride, *alibi_strides(alibi)))
     attend = Launch(kernels.attn_decode_kernel, *attend_args, {**meta, "USE_DESC": False}, device)
     attend_tma = Launch(kernels.attn_decode_kernel, *attend_args, {**meta, "USE_DESC": True}, device) \
         if use_desc else None
@@ -231,17 +232,18 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
                         "PDL": pdl, "STORE_LSE": with_lse, "num_warps": merge_warps(slices, d),
                         **({"launch_pdl": True} if pdl else {})}, device)
 
-    def run(q, k, v, seqlens=None, block_table=None):
+    def run(q, k, v, seqlens=None, block_table=None, alibi=None):
         out, lse = new_outputs()
         unused = out if lse is None else lse  # stands in for pointers no launch follows
         seqlens = unused if seqlens is None else seqlens
         block_table = unused if block_table is None else block_table
+        alibi = unused if alibi is None else alibi
         attend, k, v = kv(k, v)
         if merge is None:
-            attend(q, k, v, out, unused, unused, seqlens, block_table)
+            attend(q, k, v, out, unused, unused, seqlens, block_table, alibi)
             return out, lse
         parts = alloc.new_empty(fp32, (parts_numel,))
-        attend(q, k, v, out, unused, parts, seqlens, block_table)
+        attend(q, k, v, out, unused, parts, seqlens, block_table, alibi)
         merge(parts, out, unused)
         return out, lse
 
@@ -249,23 +251,24 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
 
 
 def forward(q, k, v, mask: Mask, sm_scale: float, slices: int | None = None,
-            descriptors: bool | None = None):
+            descriptors: bool | None = None, alibi=None):
     """(out, lse) of dense attention through the decode path; `slices` and `descriptors` override
-    the plan's (tests; not cached)."""
+    the plan's (tests; not cached); `alibi`: fp32 slopes, (Hq,) or (B, Hq)."""
     if widened(q.dtype):
-        out, lse = forward(q.float(), k.float(), v.float(), mask, sm_scale, slices, descriptors)
+        out, lse = forward(q.float(), k.float(), v.float(), mask, sm_scale, slices, descriptors, alibi)
         return out.to(q.dtype), lse
     if slices is not None or descriptors is not None:
-        return bind(q, k, v, mask, sm_scale, None, slices, descriptors=descriptors)(q, k, v)
-    return bound(q, k, v, mask, sm_scale)(q, k, v)
+        return bind(q, k, v, mask, sm_scale, None, slices, descriptors=descriptors, alibi=alibi)(
+            q, k, v, alibi=alibi)
+    return bound(q, k, v, mask, sm_scale, alibi=alibi)(q, k, v, alibi=alibi)
 
 
-def bound(q, k, v, mask: Mask, sm_scale: float, with_lse: bool = True):
-    """run(q, k, v) -> (out, lse): the decode plan bound for these inputs' layouts (not widened);
-    lse None without `with_lse`."""
-    key = ("decode", *layout_key(q, k, v), mask, sm_scale, with_lse)
+def bound(q, k, v, mask: Mask, sm_scale: float, with_lse: bool = True, alibi=None):
+    """run(q, k, v, alibi=None) -> (out, lse): the decode plan bound for these inputs' layouts
+    (not widened); lse None without `with_lse`."""
+    key = ("decode", *layout_key(q, k, v, alibi), mask, sm_scale, with_lse)
     return BOUND.get(key) or BOUND.get_or_build(
-        key, lambda: bind(q, k, v, mask, sm_scale, None, None, with_lse=with_lse))
+        key, lambda: bind(q, k, v, mask, sm_scale, None, None, with_lse=with_lse, alibi=alibi))
 
 
 def check_cache(q, k_cache, v_cache, cache_seqlens, k, v, block_table) -> None:
@@ -324,48 +327,50 @@ def layouts(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> tuple:
 
 
 def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: Mask, sm_scale: float,
-                    facts: tuple | None = None):
+                    facts: tuple | None = None, alibi=None):
     """(out, lse) of q against a KV cache after writing k_new / v_new (may be None) into it at
-    each sequence's length. One plan per `layouts` (`facts`, if the caller has them), mask and
-    scale, the inputs checked once as it is made (`check_cache`)."""
-    return bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale, facts)(
-        q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
+    each sequence's length. One plan per `layouts` (`facts`, if the caller has them), mask, scale
+    and ALiBi slopes' layout, the inputs checked once as it is made (`check_cache`)."""
+    return bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale, facts,
+                         alibi=alibi)(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, alibi)
 
 
 def bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: Mask, sm_scale: float,
-                  facts: tuple | None = None, with_lse: bool = True):
-    """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> (out, lse): the KV-cache
-    plan of these inputs' `layouts` (`facts`, if the caller has them), mask and scale, the
-    inputs checked as it is made (`check_cache`); lse None without `with_lse`."""
+                  facts: tuple | None = None, with_lse: bool = True, alibi=None):
+    """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, alibi=None) -> (out, lse): the
+    KV-cache plan of these inputs' `layouts` (`facts`, if the caller has them), mask, scale and
+    slopes' layout, the inputs checked as it is made (`check_cache`); lse None without
+    `with_lse`."""
     if facts is None:
         facts = layouts(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
-    key = ("kvcache", facts, mask, sm_scale, with_lse)
+    key = ("kvcache", facts, layout_key(alibi), mask, sm_scale, with_lse)
     return BOUND.get(key) or BOUND.get_or_build(
         key, lambda: _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale,
-                                   with_lse))
+                                   with_lse, alibi))
 
 
 def _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: Mask, sm_scale: float,
-                  with_lse: bool = True):
-    """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> (out, lse): the append (if
-    new rows come) and the attention launches of one KV-cache call's layouts."""
+                  with_lse: bool = True, alibi=None):
+    """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, alibi=None) -> (out, lse): the
+    append (if new rows come) and the attention launches of one KV-cache call's layouts."""
     check_cache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
+    check_alibi(alibi, q, q.shape[0], q.shape[1])
     cache = Cache(0 if k_new is None else k_new.shape[2], 0 if block_table is None else k_cache.shape[2])
     append = None if k_new is None else _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache)
     fp32_copies = widened(q.dtype)  # the interpreter's bf16 dot: fp32 copies
     if fp32_copies:
         attend = bind(q.float(), k_cache.float(), v_cache.float(), mask, sm_scale, cache, None, block_table,
-                       with_lse=with_lse)
+                       with_lse=with_lse, alibi=alibi)
     else:
-        attend = bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table, with_lse=with_lse)
+        attend = bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table, with_lse=with_lse, alibi=alibi)
 
-    def run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table):
+    def run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, alibi=None):
         if append is not None:
             append(k_cache, v_cache, seqlens, k_new, v_new, block_table)
         if fp32_copies:
-            out, lse = attend(q.float(), k_cache.float(), v_cache.float(), seqlens, block_table)
+            out, lse = attend(q.float(), k_cache.float(), v_cache.float(), seqlens, block_table, alibi)
             return out.to(q.dtype), lse
-        return attend(q, k_cache, v_cache, seqlens, block_table)
+        return attend(q, k_cache, v_cache, seqlens, block_table, alibi)
 
     return run
 

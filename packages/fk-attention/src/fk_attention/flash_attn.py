@@ -7,14 +7,15 @@ Signatures, defaults, layouts and return values are `flash_attn.flash_attn_inter
 `cu_seqlens`; masks aligned to the bottom-right corner where Nq != Nk (causal and
 `window_size`, -1 for an unbounded side); `softcap` 0.0 for none; the default scale
 1 / sqrt(headdim); rows that see no key give a zero output and a log-sum-exp of +inf; GQA/MQA by
-fewer key/value heads. Head dims that are not a multiple of 8, or below 16, are zero-padded
-inside and the output sliced back, as FlashAttention pads them (not in the KV-cache call, whose
-caches are written in place). fk's backward is always deterministic (`deterministic` changes
-nothing), and it picks its own key slicing (`num_splits` changes nothing).
+fewer key/value heads; any head dim up to 256 (fk masks the padding inside, as FlashAttention
+pads); `alibi_slopes` ((nheads,) or (batch, nheads) fp32) added as FlashAttention adds them,
+-slope * |i + seqlen_k - seqlen_q - j| on the scaled scores. fk's backward is always
+deterministic (`deterministic` changes nothing), and it picks its own key slicing (`num_splits`
+changes nothing).
 
-Not honoured yet, each refused with a ValueError naming it: `dropout_p` > 0, `alibi_slopes`,
-`block_table` in the varlen call, `cache_leftpad`. `return_attn_probs=True` returns
-(out, softmax_lse, None): like FlashAttention without dropout, no probabilities.
+Not honoured yet, each refused with a ValueError naming it: `dropout_p` > 0, `block_table` in
+the varlen call, `cache_leftpad`. `return_attn_probs=True` returns (out, softmax_lse, None): like
+FlashAttention without dropout, no probabilities.
 """
 
 from __future__ import annotations
@@ -23,24 +24,21 @@ import math
 import numbers
 
 import torch
-import torch.nn.functional as F
 from fk_runtime import checks
 
-from .layout import DTYPES, HEAD_DIM_STEP, MIN_HEAD_DIM
+from .layout import DTYPES
 from .ops import attention, attention_varlen, attention_with_kvcache
 
 # FlashAttention's alignment of every mask where Nq != Nk.
 ALIGN = "lower_right"
 
 
-def _refuse(dropout_p, alibi_slopes) -> None:
+def _refuse(dropout_p) -> None:
     if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if dropout_p != 0:
         raise ValueError(f"dropout_p={dropout_p}: fk_attention.flash_attn has no attention dropout yet; pass 0.0 "
                          "(evaluation) or call flash_attn for training with dropout")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes: fk_attention.flash_attn has no ALiBi bias yet; pass None")
 
 
 def _side(name: str, value) -> int | None:
@@ -69,14 +67,6 @@ def _scale(softmax_scale, head_dim: int) -> float | None:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
 
 
-def _padded(head_dim: int) -> int:
-    return max(MIN_HEAD_DIM, -(-head_dim // HEAD_DIM_STEP) * HEAD_DIM_STEP)
-
-
-def _pad(t: torch.Tensor, padded: int) -> torch.Tensor:
-    return t if t.shape[-1] == padded else F.pad(t, (0, padded - t.shape[-1]))
-
-
 def _lse(lse: torch.Tensor) -> torch.Tensor:
     """FlashAttention's log-sum-exp of a row that sees no key is +inf (fk's, -inf)."""
     return lse.masked_fill(lse == -math.inf, math.inf)
@@ -91,17 +81,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """`flash_attn.flash_attn_func`: q (batch, seqlen_q, nheads, headdim), k and v (batch,
     seqlen_k, nheads_k, headdim); out like q, and with `return_attn_probs` (out, softmax_lse
     (batch, nheads, seqlen_q), None). Differentiable in q, k and v."""
-    _refuse(dropout_p, alibi_slopes)
+    _refuse(dropout_p)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _dims(name, t, 4)
-    d = q.shape[-1]
-    padded = _padded(d)
-    qp, kp, vp = (_pad(t, padded).transpose(1, 2) for t in (q, k, v))
-    result = attention(qp, kp, vp, causal=causal, sm_scale=_scale(softmax_scale, d), window=_window(window_size),
-                       softcap=softcap, align=ALIGN, return_lse=bool(return_attn_probs))
+    result = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                       sm_scale=_scale(softmax_scale, q.shape[-1]), window=_window(window_size), softcap=softcap,
+                       align=ALIGN, return_lse=bool(return_attn_probs), alibi_slopes=alibi_slopes)
     out, lse = result if return_attn_probs else (result, None)
     out = out.transpose(1, 2)
-    out = out if padded == d else out[..., :d]
     return (out, _lse(lse), None) if return_attn_probs else out
 
 
@@ -131,20 +118,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """`flash_attn.flash_attn_varlen_func`: q (total_q, nheads, headdim), k and v (total_k,
     nheads_k, headdim), int32 `cu_seqlens_q` / `cu_seqlens_k` (batch + 1,); out (total_q,
     nheads, headdim), and with `return_attn_probs` (out, softmax_lse (nheads, total_q), None)."""
-    _refuse(dropout_p, alibi_slopes)
+    _refuse(dropout_p)
     if block_table is not None:
         raise ValueError("block_table: fk_attention.flash_attn_varlen_func reads no paged KV yet; pass None "
                          "(flash_attn_with_kvcache takes a block_table)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         _dims(name, t, 3)
-    d = q.shape[-1]
-    padded = _padded(d)
-    result = attention_varlen(_pad(q, padded), _pad(k, padded), _pad(v, padded), cu_seqlens_q, cu_seqlens_k,
-                              max_seqlen_q, max_seqlen_k, causal=causal, sm_scale=_scale(softmax_scale, d),
-                              window=_window(window_size), softcap=softcap, return_lse=bool(return_attn_probs),
-                              align=ALIGN)
+    result = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                              sm_scale=_scale(softmax_scale, q.shape[-1]), window=_window(window_size),
+                              softcap=softcap, return_lse=bool(return_attn_probs), align=ALIGN,
+                              alibi_slopes=alibi_slopes)
     out, lse = result if return_attn_probs else (result, None)
-    out = out if padded == d else out[..., :d]
     return (out, _lse(lse), None) if return_attn_probs else out
 
 
@@ -205,15 +189,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     keys at cache_seqlens + j and q at cache_seqlens + i (causal or windowed) or cache_seqlens
     (neither), interleaved (GPT-J) or not (GPT-NeoX). Forward only. out like q, and with
     `return_softmax_lse` (out, softmax_lse (batch, nheads, seqlen_q))."""
-    _refuse(0.0, alibi_slopes)
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad: fk_attention.flash_attn_with_kvcache has no left-padded caches yet; "
                          "pass None (sequences start at row 0)")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _dims(name, t, 4)
-    if q.shape[-1] % HEAD_DIM_STEP or q.shape[-1] < MIN_HEAD_DIM:
-        raise ValueError(f"head dim must be a multiple of {HEAD_DIM_STEP} from {MIN_HEAD_DIM} in the KV-cache "
-                         f"call (the caches are written in place: no padding), got {q.shape[-1]}")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new rows for both caches) or both be None")
     batch = q.shape[0]
@@ -251,7 +231,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                     None if k is None else k.transpose(1, 2), None if v is None else v.transpose(1, 2),
                                     block_table=block_table, causal=causal, sm_scale=_scale(softmax_scale, q.shape[-1]),
                                     window=_window(window_size), softcap=softcap,
-                                    return_lse=bool(return_softmax_lse))
+                                    return_lse=bool(return_softmax_lse), alibi_slopes=alibi_slopes)
     out, lse = result if return_softmax_lse else (result, None)
     out = out.transpose(1, 2)
     return (out, _lse(lse)) if return_softmax_lse else out

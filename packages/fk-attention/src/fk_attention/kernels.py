@@ -141,6 +141,24 @@ def _scales(sm_scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI: tl.constexpr):
+    """ALiBi's slope of head (b, h) in the units of the scores the kernels scale by qk_scale (so
+    that the bias lands on the scaled scores, as FlashAttention adds it); 0 without ALiBi."""
+    if ALIBI:
+        return tl.load(alibi_ptr + tl.cast(b, tl.int64) * sab + tl.cast(h, tl.int64) * sah) * (LOG2E / qk_scale)
+    return 0.0
+
+
+@triton.jit
+def _alibi(s, rows, cols, shift, slope, ALIBI: tl.constexpr):
+    """Scores s[i, j] of query rows at `rows`, keys at `cols`, plus ALiBi's -slope * |j - (i + shift)|
+    (`slope` from `_slope`: a scalar, or one per row as a column)."""
+    if ALIBI:
+        s = s - slope * tl.abs(cols[None, :] - (rows[:, None] + shift)).to(tl.float32)
+    return s
+
+
+@triton.jit
 def _key_range(start_m, n_k, shift, left, right, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """Key blocks of the query block at start_m: [lo, full_lo) and [full_hi, hi) need a mask,
@@ -216,8 +234,8 @@ def _softmax_step(s, m_i, offs_m, start_n, n_k, shift, left, right, qk_scale, WI
 
 @triton.jit
 def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift, left, right,
-               qk_scale, cap_scale, skn, skd, svn, svd,
-               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+               qk_scale, cap_scale, slope, skn, skd, svn, svd,
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr,
                PRECISION: tl.constexpr):
     """Online softmax over the key blocks [lo, hi): running max m, running sum l, O accumulator."""
@@ -225,6 +243,7 @@ def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load(k_src, b, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         s = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
+        s = _alibi(s, offs_m, start_n + tl.arange(0, BLOCK_N), shift, slope, ALIBI)
         p, alpha, m_new = _softmax_step(s, m_i, offs_m, start_n, n_k, shift, left, right, qk_scale, WINDOW,
                                         MASKED, BLOCK_N)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -237,8 +256,8 @@ def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift
 
 @triton.jit
 def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, bq, bk, h, hk, start_m, n_q, n_k, shift, left, right,
-               qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod,
-               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+               qk_scale, cap_scale, slope, sqn, sqd, skn, skd, svn, svd, son, sod,
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HEAD_DIM: tl.constexpr,
                HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows [start_m, start_m + BLOCK_M) of one (sequence, head): the output and the row
@@ -252,13 +271,13 @@ def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, bq, bk, h, hk, start_m, n_q,
     lo, full_lo, full_hi, hi = _key_range(start_m, n_k, shift, left, right, WINDOW, BLOCK_M, BLOCK_N)
     if WINDOW:
         acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, lo, full_lo, offs_m, n_k, shift,
-                                   left, right, qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True,
+                                   left, right, qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, True,
                                    BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, full_lo, full_hi, offs_m, n_k, shift, left,
-                               right, qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, False,
+                               right, qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, False,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, full_hi, hi, offs_m, n_k, shift, left,
-                               right, qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True,
+                               right, qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, True,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]
@@ -267,13 +286,13 @@ def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, bq, bk, h, hk, start_m, n_q,
     tl.store(lse_row + offs_m, lse, mask=offs_m < n_q)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_q", "n_k", "total_q", "total_k", "n_q_key", "n_k_key", "bh_key"])
 def attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, sm_scale, softcap,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, alibi_ptr, sm_scale, softcap,
     n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, slb, slh,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, slb, slh, sab, sah,
     n_q_key, n_k_key, bh_key, dtype_key,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -300,15 +319,16 @@ def attn_fwd_kernel(
     o_dst = _source(o_ptr, b, h, sob, soh, q_first, son, USE_DESC == 1)
     lse_row = lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + q_first
     qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
+    slope = _slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI)
     if VARLEN:
         for start_m in range(block * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
-            _fwd_block(q_src, k_src, v_src, o_dst, lse_row, q_first, k_first, h, hk, start_m, n_q_b, n_k_b, shift, left, right,
-                       qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW, SOFTCAP, HEAD_DIM,
-                       HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+            _fwd_block(q_src, k_src, v_src, o_dst, lse_row, q_first, k_first, h, hk, start_m, n_q_b, n_k_b, shift,
+                       left, right, qk_scale, cap_scale, slope, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW,
+                       SOFTCAP, ALIBI, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
     else:
         _fwd_block(q_src, k_src, v_src, o_dst, lse_row, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right,
-                   qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW, SOFTCAP, HEAD_DIM,
-                   HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+                   qk_scale, cap_scale, slope, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW, SOFTCAP, ALIBI,
+                   HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -332,8 +352,8 @@ def _stats_first(b, q_first, VARLEN: tl.constexpr):
 
 @triton.jit
 def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift, left, right,
-              qk_scale, cap_scale, skn, skd, svn, svd,
-              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+              qk_scale, cap_scale, slope, skn, skd, svn, svd,
+              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr,
               PRECISION: tl.constexpr):
     """dQ += dS K over the key blocks [lo, hi), P recomputed from the saved log-sum-exp; with
@@ -343,7 +363,7 @@ def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, n_k, 
         k = _load(k_src, b, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         v = _load(v_src, b, hk, start_n, n_k, svn, svd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         t = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
-        z = t * qk_scale - lse2[:, None]
+        z = _alibi(t, offs_m, start_n + tl.arange(0, BLOCK_N), shift, slope, ALIBI) * qk_scale - lse2[:, None]
         if MASKED:
             valid = _visible(offs_m, start_n + tl.arange(0, BLOCK_N), n_k, shift, left, right, WINDOW)
             z = tl.where(valid, z, float("-inf"))
@@ -360,9 +380,9 @@ def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, n_k, 
 def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, delta_row, lse2_row, bq, bk, h,
               hk,
               start_m,
-              n_q, n_k, shift, left, right, sm_scale, qk_scale, cap_scale,
+              n_q, n_k, shift, left, right, sm_scale, qk_scale, cap_scale, slope,
               sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
-              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr,
+              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr,
               HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ of rows [start_m, start_m + BLOCK_M), after their row term delta and base-2 lse (stored
@@ -382,25 +402,25 @@ def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, del
     lo, full_lo, full_hi, hi = _key_range(start_m, n_k, shift, left, right, WINDOW, BLOCK_M, BLOCK_N)
     if WINDOW:
         dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, bk, hk, lo, full_lo, offs_m, n_k, shift, left, right,
-                       qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True, BLOCK_N, HEAD_DIM,
+                       qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
                        HEAD_DIM_PADDED, USE_DESC, PRECISION)
     dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, bk, hk, full_lo, full_hi, offs_m, n_k, shift, left, right,
-                   qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, False, BLOCK_N, HEAD_DIM,
+                   qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, False, BLOCK_N, HEAD_DIM,
                    HEAD_DIM_PADDED, USE_DESC, PRECISION)
     dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, bk, hk, full_hi, hi, offs_m, n_k, shift, left, right,
-                   qk_scale, cap_scale, skn, skd, svn, svd, WINDOW, SOFTCAP, True, BLOCK_N, HEAD_DIM,
+                   qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
                    HEAD_DIM_PADDED, USE_DESC, PRECISION)
     _store(dq_dst, dq * sm_scale, bq, h, start_m, n_q, sdqn, sdqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_q", "n_k", "total_q", "total_k", "n_q_key", "n_k_key", "bh_key"])
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
-    sm_scale, softcap, n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
+    alibi_ptr, sm_scale, softcap, n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-    sdob, sdoh, sdon, sdod, sdlb, sdlh, sdln, sdqb, sdqh, sdqn, sdqd, slb, slh, ssb, ssh,
+    sdob, sdoh, sdon, sdod, sdlb, sdlh, sdln, sdqb, sdqh, sdqn, sdqd, slb, slh, ssb, ssh, sab, sah,
     n_q_key, n_k_key, bh_key, dtype_key,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REST: tl.constexpr,
 ):
@@ -434,13 +454,14 @@ def attn_bwd_dq_kernel(
     dlse_row = dlse_ptr + tl.cast(b, tl.int64) * sdlb + tl.cast(h, tl.int64) * sdlh + q_first * sdln
     scratch = tl.cast(b, tl.int64) * ssb + tl.cast(h, tl.int64) * ssh + _stats_first(b, q_first, VARLEN)
     qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
+    slope = _slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI)
     if REST:
         for start_m in range(n_blocks * BLOCK_M, n_q_b, BLOCK_M):
             _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
                       delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, start_m, n_q_b, n_k_b,
                       shift, left, right, sm_scale,
-                      qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
-                      WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
+                      qk_scale, cap_scale, slope, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn,
+                      sdqd, WINDOW, SOFTCAP, ALIBI, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
                       BLOCK_N)
     elif VARLEN:
         if block == 0:
@@ -453,21 +474,21 @@ def attn_bwd_dq_kernel(
         if block * BLOCK_M < n_q_b:
             _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
                       delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, block * BLOCK_M, n_q_b,
-                      n_k_b, shift, left, right, sm_scale, qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln,
-                      sdqn, sdqd, WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
+                      n_k_b, shift, left, right, sm_scale, qk_scale, cap_scale, slope, sqn, sqd, skn, skd, svn, svd,
+                      son, sod, sdon, sdod, sdln, sdqn, sdqd, WINDOW, SOFTCAP, ALIBI, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
                       BLOCK_M, BLOCK_N)
     else:
         _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
                   delta_ptr + scratch, lse2_ptr + scratch, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left,
                   right, sm_scale,
-                  qk_scale, cap_scale, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
-                  WINDOW, SOFTCAP, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+                  qk_scale, cap_scale, slope, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
+                  WINDOW, SOFTCAP, ALIBI, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, offs_n, n_q, shift, left, right,
-                qk_scale, cap_scale, sqn, sqd, sdon, sdod,
-                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr,
+                qk_scale, cap_scale, slope, sqn, sqd, sdon, sdod,
+                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
                 USE_DESC: tl.constexpr, PRECISION: tl.constexpr):
     """dV += P^T dO and dK += dS^T Q over the query blocks [lo, hi), computed transposed (keys as
@@ -485,7 +506,8 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, 
         else:
             lse2 = tl.load(lse2_row + offs_m, mask=offs_m < n_q, other=0.0)
         tt = _capped(tl.dot(k, tl.trans(q), input_precision=PRECISION), cap_scale, SOFTCAP)
-        zt = tt * qk_scale - lse2[None, :]
+        # Keys as rows: -shift puts ALiBi's |j - (i + shift)| on the transposed scores.
+        zt = _alibi(tt, offs_n, offs_m, -shift, slope, ALIBI) * qk_scale - lse2[None, :]
         if MASKED:
             if WINDOW:
                 d = offs_n[:, None] - (offs_m[None, :] + shift)
@@ -509,9 +531,9 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, 
 @triton.jit
 def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, bq, bk, hk, q_first,
                 start_n,
-                n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
+                n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale, alibi_ptr, sab, sah,
                 sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd, ssb, ssh,
-                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
                 HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK and dV of keys [start_n, start_n + BLOCK_N) of KV head hk, summed over its query heads.
@@ -533,28 +555,29 @@ def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr
         scratch = tl.cast(b, tl.int64) * ssb + tl.cast(h, tl.int64) * ssh + _stats_first(b, q_first, VARLEN)
         lse2_row = lse2_ptr + scratch
         delta_row = delta_ptr + scratch
+        slope = _slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI)
         if WINDOW:
             dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, lo, full_lo, offs_n, n_q,
-                                 shift, left, right, qk_scale, cap_scale, sqn, sqd, sdon, sdod, WINDOW, SOFTCAP,
-                                 VARLEN, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+                                 shift, left, right, qk_scale, cap_scale, slope, sqn, sqd, sdon, sdod, WINDOW,
+                                 SOFTCAP, ALIBI, VARLEN, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
         dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, full_lo, full_hi, offs_n, n_q,
-                             shift, left, right, qk_scale, cap_scale, sqn, sqd, sdon, sdod, WINDOW, SOFTCAP,
-                             VARLEN, False, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+                             shift, left, right, qk_scale, cap_scale, slope, sqn, sqd, sdon, sdod, WINDOW,
+                             SOFTCAP, ALIBI, VARLEN, False, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
         dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, full_hi, hi, offs_n, n_q,
-                             shift, left, right, qk_scale, cap_scale, sqn, sqd, sdon, sdod, WINDOW, SOFTCAP,
-                             VARLEN, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+                             shift, left, right, qk_scale, cap_scale, slope, sqn, sqd, sdon, sdod, WINDOW,
+                             SOFTCAP, ALIBI, VARLEN, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
     _store(dk_dst, dk * sm_scale, bk, hk, start_n, n_k, sdkn, sdkd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
     _store(dv_dst, dv, bk, hk, start_n, n_k, sdvn, sdvd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_q", "n_k", "total_q", "total_k", "n_q_key", "n_k_key", "bh_key"])
 def attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, alibi_ptr,
     sm_scale, softcap, n_q, n_k, n_heads_k, group, lower_right, left, right, total_q, total_k,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
-    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, ssb, ssh,
+    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, ssb, ssh, sab, sah,
     n_q_key, n_k_key, bh_key, dtype_key,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, REST: tl.constexpr,
 ):
@@ -585,22 +608,22 @@ def attn_bwd_dkdv_kernel(
             _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, q_first, k_first, hk,
                         q_first, start_n,
                         n_q_b, n_k_b, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
-                        sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd,
-                        ssb, ssh, WINDOW, SOFTCAP, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
+                        alibi_ptr, sab, sah, sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn,
+                        sdkd, sdvn, sdvd, ssb, ssh, WINDOW, SOFTCAP, ALIBI, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
                         BLOCK_M, BLOCK_N)
     elif VARLEN:
         if block * BLOCK_N < n_k_b:
             _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, q_first, k_first, hk,
                         q_first, block * BLOCK_N,
                         n_q_b, n_k_b, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
-                        sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd,
-                        ssb, ssh, WINDOW, SOFTCAP, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
+                        alibi_ptr, sab, sah, sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn,
+                        sdkd, sdvn, sdvd, ssb, ssh, WINDOW, SOFTCAP, ALIBI, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
                         BLOCK_M, BLOCK_N)
     else:
         _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, b, b, hk, q_first,
                     block * BLOCK_N, n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
-                    sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd,
-                    ssb, ssh, WINDOW, SOFTCAP, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
+                    alibi_ptr, sab, sah, sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd,
+                    sdvn, sdvd, ssb, ssh, WINDOW, SOFTCAP, ALIBI, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
                     BLOCK_N)
 
 
@@ -616,7 +639,7 @@ def _fill_rows(t_ptr, rows, keep, n_cols, stride_r, stride_c, value, BLOCK_C: tl
         tl.store(t_ptr + at, fill.to(t_ptr.dtype.element_ty), mask=keep[:, None] & (cols[None, :] < n_cols))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_seq", "total"])
 def fill_tail_kernel(a_ptr, b_ptr, cu_ptr, n_seq, total, a_cols, a_stride_r, a_stride_c, a_value,
                      b_cols, b_stride_r, b_stride_c, b_value,
                      TWO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -697,8 +720,8 @@ def _kv_tile(src, page, b, hk, start_n, n_k, stride_n, stride_d, stride_page, BL
 
 @triton.jit
 def _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, lo, hi, pos, n_k,
-                  shift, left, right, qk_scale, cap_scale, skn, skd, skp, svn, svd, svp, last_page,
-                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  shift, left, right, qk_scale, cap_scale, slope, skn, skd, skp, svn, svd, svp, last_page,
+                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, PRECISION: tl.constexpr,
                   USE_DESC: tl.constexpr, ROW_PAGES: tl.constexpr):
@@ -710,6 +733,7 @@ def _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_
         k = _kv_tile(k_src, page, b, hk, start_n, n_k, skn, skd, skp, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED,
                      PAGE_SIZE, MASKED, USE_DESC, ROW_PAGES)
         s = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
+        s = _alibi(s, pos, start_n + tl.arange(0, BLOCK_N), shift, slope, ALIBI)
         p, alpha, m_new = _softmax_step(s, m_i, pos, start_n, n_k, shift, left, right, qk_scale, WINDOW,
                                         MASKED, BLOCK_N)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -721,12 +745,12 @@ def _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_k", "n_splits", "last_page", "n_part"])
 def attn_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, seqlens_ptr, table_ptr, sm_scale, softcap,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, seqlens_ptr, table_ptr, alibi_ptr, sm_scale, softcap,
     n_q, n_k, n_new, n_heads_k, group, lower_right, left, right, n_splits, last_page, n_part,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, slb, slh, sln, stb,
-    SOFTCAP: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, slb, slh, sln, stb, sab, sah,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, ROW_PAGES: tl.constexpr, STORE_LSE: tl.constexpr,
@@ -775,6 +799,10 @@ def attn_decode_kernel(
         v_src = v_ptr + tl.cast(b, tl.int64) * svb + tl.cast(hk, tl.int64) * svh
     table_row = table_ptr + tl.cast(b, tl.int64) * stb
     qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
+    # Each row its own head's slope (the rows span the group's heads).
+    slope = _slope(alibi_ptr, b, tl.where(row_ok, h, 0), sab, sah, qk_scale, ALIBI)
+    if ALIBI:
+        slope = slope[:, None]
     # Keys some row of the block sees, [lo, hi), and those every row sees, [full_lo, full_hi).
     first = tl.min(tl.where(row_ok, pos, n_q), 0)
     last = tl.max(tl.where(row_ok, pos, 0), 0)
@@ -802,16 +830,16 @@ def attn_decode_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
     acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, s_lo,
-                                  mid_lo, pos, n_k_b, shift, left, right, qk_scale, cap_scale, skn, skd, skb, svn,
-                                  svd, svb, last_page, True, SOFTCAP, True, BLOCK_N, HEAD_DIM,
+                                  mid_lo, pos, n_k_b, shift, left, right, qk_scale, cap_scale, slope, skn, skd, skb,
+                                  svn, svd, svb, last_page, True, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
                                   HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
     acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, mid_lo,
-                                  mid_hi, pos, n_k_b, shift, left, right, qk_scale, cap_scale, skn, skd, skb, svn,
-                                  svd, svb, last_page, True, SOFTCAP, False, BLOCK_N, HEAD_DIM,
+                                  mid_hi, pos, n_k_b, shift, left, right, qk_scale, cap_scale, slope, skn, skd, skb,
+                                  svn, svd, svb, last_page, True, SOFTCAP, ALIBI, False, BLOCK_N, HEAD_DIM,
                                   HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
     acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, mid_hi,
-                                  s_hi, pos, n_k_b, shift, left, right, qk_scale, cap_scale, skn, skd, skb, svn,
-                                  svd, svb, last_page, True, SOFTCAP, True, BLOCK_N, HEAD_DIM,
+                                  s_hi, pos, n_k_b, shift, left, right, qk_scale, cap_scale, slope, skn, skd, skb,
+                                  svn, svd, svb, last_page, True, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
                                   HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]
@@ -838,7 +866,7 @@ def _store_rows(o_ptr, lse_ptr, out, lse, b, h, pos, row_ok, cols, sob, soh, son
                  lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits", "n_part"])
 def attn_decode_merge_kernel(
     part_ptr, o_ptr, lse_ptr, n_heads, n_q, n_splits, n_part,
     sob, soh, son, sod, slb, slh, sln,
@@ -874,7 +902,7 @@ def attn_decode_merge_kernel(
         tl.store(lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + tl.cast(i, tl.int64) * sln, lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_new", "capacity", "last_page"])
 def kv_append_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, seqlens_ptr, table_ptr, n_new, n_heads_k, capacity, last_page,
     skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scn, scd, swb, swh, swn, swd, stb,

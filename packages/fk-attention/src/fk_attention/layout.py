@@ -59,11 +59,29 @@ MAX_TILE_EXTENT = 256
 
 
 def check_head_dim(head_dim: int) -> None:
-    if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim % HEAD_DIM_STEP == 0):
-        raise ValueError(
-            f"head dim must be a multiple of {HEAD_DIM_STEP} from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}, "
-            f"got {head_dim}"
-        )
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be from 1 to {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def check_alibi(alibi, q: torch.Tensor, batch: int, heads: int) -> None:
+    """ALiBi slopes as FlashAttention takes them: fp32, (heads,) or (batch, heads), on q's device,
+    constants (no gradient flows to them)."""
+    if alibi is None:
+        return
+    checks.check_tensor("alibi_slopes", alibi, dtypes=(torch.float32,), min_dim=1, max_dim=2)
+    if alibi.shape[-1] != heads or (alibi.dim() == 2 and alibi.shape[0] != batch):
+        raise ValueError(f"alibi_slopes must be ({heads},) or ({batch}, {heads}) (query heads; batch: sequences), "
+                         f"got shape {tuple(alibi.shape)}")
+    checks.check_same_device(q=q, alibi_slopes=alibi)
+    if alibi.requires_grad:
+        raise ValueError("alibi_slopes must not require grad (FlashAttention's slopes are constants too)")
+
+
+def alibi_strides(alibi: torch.Tensor | None) -> tuple[int, int]:
+    """(batch stride, head stride) of ALiBi slopes as the kernels read them: (0, 0) without."""
+    if alibi is None:
+        return (0, 0)
+    return (0, alibi.stride(0)) if alibi.dim() == 1 else tuple(alibi.stride())
 
 
 def check_heads(q, k, v, head_axis: int, same: bool = True) -> None:
@@ -150,7 +168,7 @@ def softmax_scale(sm_scale, head_dim: int) -> float:
 def padded_head_dim(head_dim: int, dtype: torch.dtype | None = None) -> int:
     """Head dims are padded to a power of two inside the kernels (masked loads, zero fill); at
     least FP8_MIN_DOT_K for 1-byte inputs (an 8-bit tensor-core dot takes K >= 32)."""
-    padded = sizing.next_power_of_2(head_dim)
+    padded = max(sizing.next_power_of_2(head_dim), MIN_HEAD_DIM)
     if dtype is not None and dtype.itemsize == 1:
         padded = max(padded, FP8_MIN_DOT_K)
     return padded

@@ -19,7 +19,7 @@ class SelfAttention(torch.nn.Module):
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int | None = None, causal: bool = False,
                  bias: bool = False, device=None, dtype=None):
-        """dim / num_heads is the head dim: a multiple of 8 from 16 to 256 (the kernels' range)."""
+        """dim / num_heads is the head dim: from 1 to 256 (the kernels' range)."""
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         dim, num_heads, num_kv_heads = (checks.check_size(name, value) for name, value in (

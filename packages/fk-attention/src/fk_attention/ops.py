@@ -20,51 +20,64 @@ from fk_runtime import checks
 from fk_runtime import ops as fk_ops
 
 from . import decode, plan
-from .layout import Packing, check_attention_inputs, fake_like, output_dtype, softmax_scale, widened
+from .layout import Packing, check_alibi, check_attention_inputs, fake_like, output_dtype, softmax_scale, widened
 from .mask import from_op_args, lower_right, op_args
 
 
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, mask: list[float],
+    alibi: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     mask = from_op_args(mask)
+    check_alibi(alibi, q, q.shape[0], q.shape[1])
     if decode.takes(q):  # few query rows: keys sliced across programs (split-KV)
-        return decode.forward(q, k, v, mask, sm_scale)
-    return plan.forward(q, k, v, mask, sm_scale)
+        return decode.forward(q, k, v, mask, sm_scale, alibi=alibi)
+    return plan.forward(q, k, v, mask, sm_scale, alibi=alibi)
 
 
-def _forward_fake(q, k, v, sm_scale, mask):
+def _forward_fake(q, k, v, sm_scale, mask, alibi=None):
     return fake_like(q, output_dtype(q.dtype)), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _backward(
     grad_out: torch.Tensor, grad_lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sm_scale: float, mask: list[float],
+    alibi: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return plan.backward(grad_out, grad_lse, q, k, v, out, lse, from_op_args(mask),
-                          sm_scale)
+    return plan.backward(grad_out, grad_lse, q, k, v, out, lse, from_op_args(mask), sm_scale, alibi=alibi)
 
 
-def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, *mask):
+def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, *rest):
     return fake_like(q), fake_like(k), fake_like(v)
 
 
+def _saved(tensors: int, others: int):
+    """save(inputs, outputs) of an op: its first `tensors` inputs, the outputs and the ALiBi slopes
+    (the input after the `others` arguments that follow those tensors; None where not passed) as
+    tensors, those arguments as the rest."""
+    def save(inputs, outputs):
+        alibi = inputs[tensors + others] if len(inputs) > tensors + others else None
+        return (*inputs[:tensors], *outputs, alibi), inputs[tensors:tensors + others]
+    return save
+
+
 def _backward_args(saved, other, grads, needs):
-    *inputs, out, lse = saved
+    *inputs, out, lse, alibi = saved
     grad_out, grad_lse = grads
     if grad_out is None:  # only the log-sum-exp was used
         grad_out = torch.zeros_like(out)
-    return (grad_out, grad_lse, *inputs[:3], out, lse, *inputs[3:], *other)
+    return (grad_out, grad_lse, *inputs[:3], out, lse, *inputs[3:], *other, alibi)
 
 
 # Both outputs are differentiable (the log-sum-exp's gradient folds into the backward's delta);
-# q, k, v are saved as the caller's tensors (no copies), with the output and the log-sum-exp.
+# q, k, v are saved as the caller's tensors (no copies), with the output and the log-sum-exp. No
+# gradient reaches the ALiBi slopes (constants, as in FlashAttention).
 ATTENTION = fk_ops.define(
     "attention",
     forward=_forward, forward_fake=_forward_fake, backward=_backward, backward_fake=_backward_fake,
-    save=lambda inputs, outputs: ((*inputs[:3], *outputs), inputs[3:]),
+    save=_saved(3, 2),
     backward_args=_backward_args,
-    input_grads=lambda other, grads, needs: (*grads, *(None,) * len(other)),
+    input_grads=lambda other, grads, needs: (*grads, *(None,) * (len(needs) - 3)),
     materialize_grads=False,
 )
 
@@ -88,11 +101,12 @@ def _index(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _forward_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-    max_k: int, sm_scale: float, mask: list[float],
+    max_k: int, sm_scale: float, mask: list[float], alibi: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cu_q, cu_k = _index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k)
+    check_alibi(alibi, q, cu_q.shape[0] - 1, q.shape[1])
     return plan.forward_packed(q, k, v, cu_q, cu_k, _packing(cu_q, max_q, max_k),
-                                from_op_args(mask), sm_scale)
+                                from_op_args(mask), sm_scale, alibi=alibi)
 
 
 def _forward_varlen_fake(q, k, v, cu_q, cu_k, *args):
@@ -103,12 +117,12 @@ def _forward_varlen_fake(q, k, v, cu_q, cu_k, *args):
 def _backward_varlen(
     grad_out: torch.Tensor, grad_lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-    max_q: int, max_k: int, sm_scale: float, mask: list[float],
+    max_q: int, max_k: int, sm_scale: float, mask: list[float], alibi: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cu_q, cu_k = _index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k)
     return plan.backward_packed(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k,
                                  _packing(cu_q, max_q, max_k), from_op_args(mask),
-                                 sm_scale)
+                                 sm_scale, alibi=alibi)
 
 
 def _backward_varlen_fake(grad_out, grad_lse, q, k, v, *args):
@@ -119,22 +133,23 @@ ATTENTION_VARLEN = fk_ops.define(
     "attention_varlen",
     forward=_forward_varlen, forward_fake=_forward_varlen_fake, backward=_backward_varlen,
     backward_fake=_backward_varlen_fake,
-    save=lambda inputs, outputs: ((*inputs[:5], *outputs), inputs[5:]),
+    save=_saved(5, 4),
     backward_args=_backward_args,
-    input_grads=lambda other, grads, needs: (*grads, None, None, *(None,) * len(other)),
+    input_grads=lambda other, grads, needs: (*grads, *(None,) * (len(needs) - 3)),
     materialize_grads=False,
 )
 
 
 def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: bool = False,
-              window=None, softcap: float | None = None, align: str | None = None):
+              window=None, softcap: float | None = None, align: str | None = None, alibi_slopes=None):
     """`scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=True)`,
     with sliding windows, softcapping and lower-right causal alignment.
 
-    q (B, Hq, Nq, D), k and v (B, Hk, Nk, D) with Hq a multiple of Hk (GQA/MQA), D a multiple of 8
-    from 16 to 256; any strides (e.g. (B, N, H, D) tensors transposed), any lengths. fp16, bf16,
-    fp32 (fp32 math inside, fp32 products); fp8 (e5m2, e4m3fn) forward only, on CUDA GPUs of
-    compute capability >= 8.9, with a bf16 output. `sm_scale` > 0 defaults to 1 / sqrt(D).
+    q (B, Hq, Nq, D), k and v (B, Hk, Nk, D) with Hq a multiple of Hk (GQA/MQA), any D from 1 to
+    256 (padded inside; 16-byte rows read fastest, through TMA on Hopper); any strides (e.g.
+    (B, N, H, D) tensors transposed), any lengths. fp16, bf16, fp32 (fp32 math inside, fp32
+    products); fp8 (e5m2, e4m3fn) forward only, on CUDA GPUs of compute capability >= 8.9, with a
+    bf16 output. `sm_scale` > 0 defaults to 1 / sqrt(D).
 
     `causal`: False; True or "upper_left" (query i sees keys j <= i: SDPA's `is_causal`); or
     "lower_right" (query i sees keys j <= i + Nk - Nq: FlashAttention's convention, torch's
@@ -144,25 +159,31 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
     the window are skipped. `align="lower_right"` (or "upper_left") sets that alignment for a
     window without causal too (FlashAttention aligns every mask lower-right); None takes causal's.
     `softcap=c`: scores become c * tanh(scores / c) before the softmax
-    (Gemma 2). A query that sees no key gets a zero output and a log-sum-exp of -inf.
+    (Gemma 2). `alibi_slopes`: fp32 (Hq,) or (B, Hq), FlashAttention's ALiBi: -slope * |j - (i +
+    shift)| is added to the (scaled, capped) score of query i and key j, shift as for windows;
+    no gradient reaches the slopes. A query that sees no key gets a zero output and a log-sum-exp
+    of -inf.
 
     `return_lse=True` returns (out, lse) with lse the fp32 row log-sum-exp (B, Hq, Nq) of the
     scaled scores, natural log: what merging partial attentions needs. It is differentiable too.
     The output is laid out like q ((B, N, H, D) storage for such a view). Under `torch.autocast`
     q, k, v are taken in its dtype, as SDPA takes them."""
-    key, run = fk_ops.quiet_run(plan.BOUND, "attention", (q, k, v),
-                                (causal, sm_scale, return_lse, window, softcap, align))
-    if run:
-        return run(q, k, v)
+    key = None
+    if alibi_slopes is None:  # (calls with slopes take the full path)
+        key, run = fk_ops.quiet_run(plan.BOUND, "attention", (q, k, v),
+                                    (causal, sm_scale, return_lse, window, softcap, align))
+        if run:
+            return run(q, k, v)
     q, k, v = fk_ops.autocast(q, k, v)
     check_attention_inputs(q, k, v)
+    check_alibi(alibi_slopes, q, q.shape[0], q.shape[1])
     mask = op_args(causal, window, softcap, align)
     return_lse = checks.check_flag("return_lse", return_lse)
     scale = softmax_scale(sm_scale, q.shape[-1])
     run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(q, k, v, scale, mask, return_lse))
     if run:  # checked, and autograd records nothing: this key's calls go straight to the plan
         return run(q, k, v)
-    out, lse = ATTENTION.apply(q, k, v, scale, mask)
+    out, lse = ATTENTION.apply(q, k, v, scale, mask, alibi_slopes)
     return (out, lse) if return_lse else out
 
 
@@ -189,15 +210,15 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor) -> None:
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal=False,
                      sm_scale: float | None = None, window=None, softcap: float | None = None,
-                     return_lse: bool = False, align: str | None = None):
+                     return_lse: bool = False, align: str | None = None, alibi_slopes=None):
     """Attention over packed sequences, as FlashAttention's `flash_attn_varlen_func`.
 
     q (total_q, Hq, D), k and v (total_k, Hk, D): the sequences' tokens one after another;
     `cu_seqlens_q` / `cu_seqlens_k` int32 (S + 1,) prefix sums of their lengths (sequence i is rows
     cu[i]:cu[i + 1]), on q's device; `max_seqlen_q` / `max_seqlen_k` the longest lengths (they
     size the grid: a smaller value costs parallelism, never correctness). No attention crosses
-    sequences and no work is spent on padding. `causal`, `window`, `softcap`, `sm_scale`, `align` as
-    in `attention`, per sequence (lower-right alignment uses each sequence's own lengths). Bounds
+    sequences and no work is spent on padding. `causal`, `window`, `softcap`, `sm_scale`, `align`,
+    `alibi_slopes` ((Hq,) or (sequences, Hq)) as in `attention`, per sequence (lower-right alignment uses each sequence's own lengths). Bounds
     are read on the GPU without a sync: out-of-range or decreasing ones are clamped to [0, total]
     (wrong rows, never an out-of-range access). Gradients for q, k, v; the backward is
     deterministic. On Hopper the inputs are read in TMA tiles that may cross a sequence's end;
@@ -219,21 +240,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     max_k = checks.check_size("max_seqlen_k", max_seqlen_k, minimum=0)
     mask = op_args(causal, window, softcap, align)
     return_lse = checks.check_flag("return_lse", return_lse)
+    check_alibi(alibi_slopes, q, cu_seqlens_q.shape[0] - 1, q.shape[1])
     out, lse = ATTENTION_VARLEN.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                                      softmax_scale(sm_scale, q.shape[-1]), mask)
+                                      softmax_scale(sm_scale, q.shape[-1]), mask, alibi_slopes)
     return (out, lse) if return_lse else out
 
 
 def _forward_kvcache(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
     k: torch.Tensor | None, v: torch.Tensor | None, block_table: torch.Tensor | None, sm_scale: float,
-    mask: list[float],
+    mask: list[float], alibi: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale, mask)
+    return _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale, mask, alibi)
 
 
 def _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: float, mask: list[float],
-             facts: tuple | None = None):
+             alibi=None, facts: tuple | None = None):
     """The registered op's implementation; `facts`: the inputs' `decode.layouts`, where the
     caller has them (eager calls)."""
     cache_seqlens, block_table = _index("cache_seqlens", cache_seqlens), _index("block_table", block_table)
@@ -244,7 +266,7 @@ def _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: fl
                                    f"inplace updates to inference tensors outside InferenceMode are not allowed; "
                                    f"call under torch.inference_mode(), or allocate the cache outside it")
     return decode.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                                  from_op_args(mask), sm_scale, facts)
+                                  from_op_args(mask), sm_scale, facts, alibi=alibi)
 
 
 # Forward only (an inference call); writes the new rows into the caches in place.
@@ -259,7 +281,7 @@ def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, causal=False,
                            sm_scale: float | None = None, window=None, softcap: float | None = None,
-                           return_lse: bool = False):
+                           return_lse: bool = False, alibi_slopes=None):
     """Attention of new queries against a KV cache, as FlashAttention's `flash_attn_with_kvcache`:
     first `k` / `v` (new rows, may be None) are written into the caches in place at each sequence's
     length, then q attends to the cache's first cache_seqlens[b] + Nnew rows, lower-right aligned
@@ -280,13 +302,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
     - cache_seqlens int32 (B,): rows each sequence holds before this call (not updated here).
     Lengths and page indices are read on the GPU and clamped: rows that would land at or past
     the capacity are dropped and keys past it not read, page indices clamped to the cache (wrong
-    rows, never an out-of-range access). fp16, bf16, fp32.
+    rows, never an out-of-range access). fp16, bf16, fp32. `alibi_slopes` fp32 (Hq,) or (B, Hq) as
+    in `attention` (the distance counted from the query's position at the cache's end).
 
     Returns out like q, and with `return_lse=True` also lse (B, Hq, Nq) fp32 (natural log). Under
     `torch.autocast` q and the new rows are taken in its dtype (the caches' must match it)."""
     tensors = (q, k_cache, v_cache, cache_seqlens, k, v, block_table)
     key = fk_ops.quiet_key("attention_with_kvcache", tensors, (causal, sm_scale, window, softcap, return_lse))
-    if key is not None and k_cache is not None and v_cache is not None:
+    if key is not None and k_cache is not None and v_cache is not None and alibi_slopes is None:
         # torch's rule on writes into inference tensors (`_kvcache`) reads the mode and the caches
         key = (key, torch.is_inference_mode_enabled(), k_cache.is_inference(), v_cache.is_inference())
         run = decode.BOUND.get(key)
@@ -308,7 +331,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
         raise ValueError("attention_with_kvcache aligns causal masks lower-right (the cache's end): "
                          "pass causal=True or 'lower_right'")
     return_lse = checks.check_flag("return_lse", return_lse)
-    args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, softmax_scale(sm_scale, q.shape[-1]), mask)
+    check_alibi(alibi_slopes, q, q.shape[0], q.shape[1])
+    args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, softmax_scale(sm_scale, q.shape[-1]), mask,
+            alibi_slopes)
     if not eager:
         out, lse = ATTENTION_KVCACHE(*args)
     else:
@@ -324,7 +349,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
             torch.autograd.graph.increment_version(k_cache)
             torch.autograd.graph.increment_version(v_cache)
         # this call passed every check: the key's next calls go straight to its plan
-        fk_ops.keep_quiet(decode.BOUND, key, lambda: _quiet_kvcache(*args, return_lse))
+        fk_ops.keep_quiet(decode.BOUND, key, lambda: _quiet_kvcache(*args[:-1], return_lse))
     return (out, lse) if return_lse else out
 
 

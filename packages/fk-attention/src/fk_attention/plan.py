@@ -10,12 +10,13 @@ mask in `mask`.
 
 - The interpreter runs one fixed small config (programs run one by one on the CPU; small blocks
   keep the tests quick and still take several loop steps on tiny shapes).
-- On a GPU, problems of at least AUTOTUNE_MIN_SCORES scores in fp16/bf16 are autotuned over a few
-  candidates per head dim (`triton.autotune`, key: length buckets, heads bucket, window, softcap,
-  packed, head dim, dtype), the result kept for the process so a shape tunes once (on disk too
-  where no config carries a pre-hook: Triton cannot store those, and the descriptor configs need
-  one to size their tiles). Smaller problems, fp32 and fp8 launch the default config of their head
-  dim (a handful of compiles instead of a sweep); FK_AUTOTUNE=0 turns tuning off.
+- On a GPU every launch takes config's fixed default for its kind, head dim, dtype and mask
+  (measured on the H100; no call times anything). With FK_AUTOTUNE=1, problems of at least
+  AUTOTUNE_MIN_SCORES scores in fp16/bf16 are autotuned over a few candidates per head dim
+  (`triton.autotune`, key: length buckets, heads bucket, window, softcap, packed, head dim,
+  dtype), the result kept for the process so a shape tunes once (on disk too where no config
+  carries a pre-hook: Triton cannot store those, and the descriptor configs need one to size
+  their tiles).
 - Tensor descriptors (TMA loads and stores) are built on the host, one 4-D descriptor per
   (B, H, N, D) operand passed as a kernel parameter, where `layout` allows them (CUDA, compute
   capability >= 9, 16-bit and fp32 inputs whose base and strides are 16-byte aligned); pointer
@@ -25,22 +26,26 @@ mask in `mask`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import json
 import math
 import os
+import re
 import threading
+from pathlib import Path
 
 import torch
 
-from fk_runtime import alloc, backend, checks, sizing, timing
+from fk_runtime import alloc, backend, checks, package_version, sizing, timing
 from fk_runtime.launch import FP_FUSION, Descriptor, Launch, PlanCache, bind_context, layout_key
 
 from . import hopper, kernels
 from .config import (AUTOTUNE_DTYPES, AUTOTUNE_ENV, AUTOTUNE_MIN_SCORES, AUTOTUNE_WARMUP_MS, CACHE_SIZE,
                      KEY_ARGS, KEY_MAX_HEADS, KEY_MAX_LENGTH, KEY_MIN_LENGTH, TAIL_COLS, TAIL_ROWS, Config, Kind,
                      candidates, default_config, hip_waves_per_eu, launch_options)
-from .layout import (FP8_DTYPES, Packing, bases_aligned, check_backward, check_bounds, check_inputs,
+from .layout import (FP8_DTYPES, Packing, alibi_strides, bases_aligned, check_backward, check_bounds, check_inputs,
                      descriptor_strides, descriptors_may_serve, fit, fp8_supported, heads_inside_tokens,
                      kernel_strides, new_output, output_dtype, packed, padded_head_dim, precision,
                      row_offsets_fit, strides_allow_descriptors, widened)
@@ -52,7 +57,7 @@ STATS_ALIGN = int(kernels.STATS_ALIGN)
 
 def should_autotune(dtype: torch.dtype, batch_heads: int, n_q: int, n_k: int) -> bool:
     return (
-        os.environ.get(AUTOTUNE_ENV, "1") != "0"
+        os.environ.get(AUTOTUNE_ENV, "0") == "1"
         and not backend.is_interpreter()
         and dtype in AUTOTUNE_DTYPES
         and batch_heads * n_q * n_k >= AUTOTUNE_MIN_SCORES
@@ -167,6 +172,53 @@ BOUND = PlanCache(CACHE_SIZE)
 # Autotuned configs by (kernel kind, head dim, descriptors, tuning key): once a key is tuned, its
 # calls launch the winner directly (no tuner, no lock on the hot path).
 WINNERS: dict = {}
+# ... and on disk, one file per device name, Triton version and fk version (FK_CACHE_DIR, else
+# ~/.cache/fk): a key tunes once across processes, descriptor configs included.
+CACHE_DIR_ENV = "FK_CACHE_DIR"
+_WINNER_FILES: dict = {}
+
+
+def winners_file(device: torch.device) -> Path:
+    """Where the tuning picks for `device` live (the name says which device, Triton and fk)."""
+    import triton
+
+    root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "fk")
+    name = backend.device_name(device.index or 0)
+    fk = package_version(__package__, str(Path(__file__).with_name("__init__.py")))
+    stem = "-".join(re.sub(r"[^A-Za-z0-9.]+", "_", part) for part in (name, f"triton{triton.__version__}", f"fk{fk}"))
+    return root / f"attention-tuning-{stem}.json"
+
+
+def _stored_key(key) -> str:
+    (kind, *rest, device_index), use = key
+    return json.dumps([kind.value, *rest[:-1], list(rest[-1]), use])
+
+
+def stored_winner(key, device: torch.device) -> Config | None:
+    """The pick on disk for `key` (WINNERS' key), read once per device and process."""
+    picks = _WINNER_FILES.get(device.index)
+    if picks is None:
+        path = winners_file(device)
+        try:
+            picks = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            picks = {}  # unreadable or torn: tune again, the next store rewrites it
+        _WINNER_FILES[device.index] = picks
+    row = picks.get(_stored_key(key))
+    return Config(*row) if row is not None else None
+
+
+def store_winner(key, config: Config, device: torch.device) -> None:
+    picks = _WINNER_FILES.setdefault(device.index, {})
+    picks[_stored_key(key)] = dataclasses.astuple(config)
+    path = winners_file(device)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(picks, indent=0, sort_keys=True))
+        os.replace(scratch, path)  # whole files only, also with several processes tuning at once
+    except OSError:
+        pass  # a read-only home: the pick stays in this process
 
 
 class Kernel:
@@ -181,12 +233,12 @@ class Kernel:
 
     def __init__(self, kernel, kind: Kind, n_rows: int, programs: int, tiles: tuple, examples: tuple,
                  tail: tuple, meta: dict, dtype: torch.dtype, tune: bool, descriptors: bool | None,
-                 config: Config | None, device: torch.device):
+                 config: Config | None, device: torch.device, span: int | None = None):
         self.kernel, self.kind, self.n_rows, self.programs = kernel, kind, n_rows, programs
         self.tiles, self.tail, self.meta, self.dtype, self.device = tiles, tail, meta, dtype, device
         self.head_dim, self.padded = meta["HEAD_DIM"], meta["HEAD_DIM_PADDED"]
         self.walked = "BLOCK_N" if kind is Kind.DKDV else "BLOCK_M"
-        self.tune, self.config = tune and config is None, config
+        self.tune, self.config, self.span = tune and config is None, config, span
         self.tile_index = tuple(i for i, rows in enumerate(tiles) if rows is not None)
         operands = [examples[i] for i in self.tile_index]
         if config is not None:
@@ -212,14 +264,14 @@ class Kernel:
         if entry is None:
             config = self.config
             if config is None and self.tune:
-                config = WINNERS.get((self.tuning_key, use))
+                config = WINNERS.get((self.tuning_key, use)) or stored_winner((self.tuning_key, use), self.device)
                 if config is None:
                     self._tune(head, use)  # the tuner's launch ran the kernel (REST false)
                     if not self.rest:
                         return
                     config = WINNERS.get((self.tuning_key, use))
                     tuned_now = config is not None  # else the default config runs both launches
-            config = config or default_config(self.kind, self.head_dim, self.dtype, use)
+            config = config or default_config(self.kind, self.head_dim, self.dtype, use, self.span)
             block = config.meta()[self.walked]
             meta = {**self.meta, **config.meta(self.meta["VARLEN"]), **launch_options(config, self.head_dim)}
             grid = (sizing.cdiv(self.n_rows, block) * self.programs,)
@@ -255,6 +307,7 @@ class Kernel:
             kw = best.kwargs
             WINNERS[(self.tuning_key, use)] = Config(kw["BLOCK_M"], kw["BLOCK_N"], best.num_warps,
                                                     best.num_stages, bool(kw["USE_DESC"]))
+            store_winner((self.tuning_key, use), WINNERS[(self.tuning_key, use)], self.device)
 
 
 def tuning_keys(n_q: int, n_k: int, batch_heads: int, dtype: torch.dtype, mask: Mask) -> tuple[int, int, int, int]:
@@ -263,8 +316,8 @@ def tuning_keys(n_q: int, n_k: int, batch_heads: int, dtype: torch.dtype, mask: 
     return length_key(n_q), length_key(walk), heads_key(batch_heads), dtype_key(dtype)
 
 
-def _meta(mask: Mask, varlen: bool, head_dim: int, dtype: torch.dtype) -> dict:
-    return {"WINDOW": mask.windowed, "SOFTCAP": mask.softcap is not None, "VARLEN": varlen,
+def _meta(mask: Mask, varlen: bool, head_dim: int, dtype: torch.dtype, alibi: bool = False) -> dict:
+    return {"WINDOW": mask.windowed, "SOFTCAP": mask.softcap is not None, "ALIBI": alibi, "VARLEN": varlen,
             "HEAD_DIM": head_dim, "PRECISION": precision(dtype),
             "HEAD_DIM_PADDED": padded_head_dim(head_dim, dtype)}
 
@@ -292,9 +345,10 @@ def _tail_fill(device: torch.device, sequences: int, total: int, *tensors: tuple
 
 
 def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=None,
-                  packing: Packing | None = None):
-    """The forward of one key: run(q, k, v, cu_q, cu_k) -> (out, lse). Dense: (B, H, N, D) inputs,
-    out like q, lse (B, H, N). Packed: (total, H, D) inputs, out (total, H, D), lse (H, total)."""
+                  packing: Packing | None = None, alibi: torch.Tensor | None = None):
+    """The forward of one key: run(q, k, v, cu_q, cu_k, alibi) -> (out, lse). Dense: (B, H, N, D)
+    inputs, out like q, lse (B, H, N). Packed: (total, H, D) inputs, out (total, H, D), lse
+    (H, total). `alibi`: ALiBi slopes laid out as the calls will pass them (`layout.check_alibi`)."""
     check_inputs(q, k, v, packing is not None)  # one dtype and device among them
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_kernel_device(name, t)
@@ -344,28 +398,29 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
     out = as_kernel(new_outputs()[0])
     tail = (sm_scale, *mask.kernel_args()[:1], n_q, n_k, hq, hq // hk, *mask.kernel_args()[1:], *totals,
             *kernel_strides(q_, varlen), *kernel_strides(k_, varlen), *kernel_strides(v_, varlen), *kernel_strides(out, varlen),
-            *lse_strides, *tuning_keys(n_q, n_k, b * hq, dtype, mask))
+            *lse_strides, *alibi_strides(alibi), *tuning_keys(n_q, n_k, b * hq, dtype, mask))
     tiles = _inputs_only(FORWARD_TILES, (3,) if varlen else ())
     kernel = Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, tiles, (q_, k_, v_, out), tail,
-                     _meta(mask, varlen, d, dtype), dtype, should_autotune(dtype, b * hq, n_q, n_k), descriptors,
-                     config, device)
+                     _meta(mask, varlen, d, dtype, alibi is not None), dtype, should_autotune(dtype, b * hq, n_q, n_k), descriptors,
+                     config, device, mask.span)
     # Packed rows past the last sequence: output 0, log-sum-exp -inf (as a row that sees no key).
     tail = _tail_fill(device, b, total_q, ((total_q, hq, d), 0.0), ((hq, total_q), -math.inf)) \
         if varlen else None
     # The Gluon kernel on Hopper where it serves (hopper.py); a forced config or TMA choice is the tl one's.
     gluon = None
-    if not varlen and config is None and descriptors is None and q_ok and k_ok and v_ok \
+    if not varlen and config is None and descriptors is None and q_ok and k_ok and v_ok and alibi is None \
             and hopper.takes(q_, k_, v_, mask, sm_scale):
         gluon = hopper.bind(q_, k_, v_, out, lse_strides, mask, sm_scale)
 
-    def run(q, k, v, cu_q=None, cu_k=None):
+    def run(q, k, v, cu_q=None, cu_k=None, alibi=None):
         out, lse = new_outputs()
         if gluon is not None and bases_aligned((q, k, v, out)):
             gluon(q, k, v, out, lse)
             return out, lse
         q, k, v = as_kernel(q), as_kernel(k), as_kernel(v)
         kernel(q if q_ok else q.contiguous(), k if k_ok else k.contiguous(), v if v_ok else v.contiguous(),
-               as_kernel(out), lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k)
+               as_kernel(out), lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k,
+               lse if alibi is None else alibi)
         if tail is not None:
             tail(out, lse, cu_q)
         return out, lse
@@ -374,49 +429,53 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
 
 
 def forward(q, k, v, mask: Mask, sm_scale: float, config: Config | None = None,
-            descriptors: bool | None = None):
+            descriptors: bool | None = None, alibi: torch.Tensor | None = None):
     """(out, lse): out like q ((B, Hq, Nq, D), bf16 for fp8 inputs), lse (B, Hq, Nq) fp32 in
     natural log. `config` (with its `descriptors` flag) or `descriptors` alone override the
-    config's choice (tests; not cached)."""
+    config's choice (tests; not cached). `alibi`: fp32 ALiBi slopes, (Hq,) or (B, Hq)."""
     if widened(q.dtype):
-        out, lse = forward(q.float(), k.float(), v.float(), mask, sm_scale, config, descriptors)
+        out, lse = forward(q.float(), k.float(), v.float(), mask, sm_scale, config, descriptors, alibi)
         return out.to(q.dtype), lse
     if config is not None or descriptors is not None:
-        return bind_forward(q, k, v, mask, sm_scale, config, descriptors)(q, k, v)
-    return bound_forward(q, k, v, mask, sm_scale)(q, k, v)
+        return bind_forward(q, k, v, mask, sm_scale, config, descriptors, alibi=alibi)(q, k, v, alibi=alibi)
+    return bound_forward(q, k, v, mask, sm_scale, alibi)(q, k, v, alibi=alibi)
 
 
-def bound_forward(q, k, v, mask: Mask, sm_scale: float):
-    """run(q, k, v) -> (out, lse): the forward bound for these inputs' layouts (not widened)."""
-    key = (*layout_key(q, k, v), mask, sm_scale)
-    return BOUND.get(key) or BOUND.get_or_build(key, lambda: bind_forward(q, k, v, mask, sm_scale))
+def bound_forward(q, k, v, mask: Mask, sm_scale: float, alibi: torch.Tensor | None = None):
+    """run(q, k, v, alibi=None) -> (out, lse): the forward bound for these inputs' layouts (not
+    widened)."""
+    key = (*layout_key(q, k, v, alibi), mask, sm_scale)
+    return BOUND.get(key) or BOUND.get_or_build(key, lambda: bind_forward(q, k, v, mask, sm_scale, alibi=alibi))
 
 
 def forward_packed(q, k, v, cu_q, cu_k, packing: Packing, mask: Mask, sm_scale: float,
-                   config: Config | None = None):
+                   config: Config | None = None, alibi: torch.Tensor | None = None):
     """(out (total_q, Hq, D), lse (Hq, total_q)) of packed sequences: sequence i is rows
-    cu_q[i]:cu_q[i + 1] of q against rows cu_k[i]:cu_k[i + 1] of k and v."""
+    cu_q[i]:cu_q[i + 1] of q against rows cu_k[i]:cu_k[i + 1] of k and v; `alibi` (Hq,) or
+    (sequences, Hq)."""
     if widened(q.dtype):
-        out, lse = forward_packed(q.float(), k.float(), v.float(), cu_q, cu_k, packing, mask, sm_scale, config)
+        out, lse = forward_packed(q.float(), k.float(), v.float(), cu_q, cu_k, packing, mask, sm_scale, config,
+                                  alibi)
         return out.to(q.dtype), lse
     for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         checks.check_kernel_device(name, t)
     if config is not None:
-        return bind_forward(q, k, v, mask, sm_scale, config, None, packing)(q, k, v, cu_q, cu_k)
-    key = ("packed", packing, *layout_key(q, k, v, cu_q, cu_k), mask, sm_scale)
+        return bind_forward(q, k, v, mask, sm_scale, config, None, packing, alibi)(q, k, v, cu_q, cu_k, alibi)
+    key = ("packed", packing, *layout_key(q, k, v, cu_q, cu_k, alibi), mask, sm_scale)
 
     def build():
         check_bounds(cu_q, cu_k, packing)
-        return bind_forward(q, k, v, mask, sm_scale, packing=packing)
+        return bind_forward(q, k, v, mask, sm_scale, packing=packing, alibi=alibi)
 
     run = BOUND.get(key) or BOUND.get_or_build(key, build)
-    return run(q, k, v, cu_q, cu_k)
+    return run(q, k, v, cu_q, cu_k, alibi)
 
 
 def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: float,
-                   configs=None, descriptors=None, packing: Packing | None = None):
-    """The backward of one key: run(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k) -> (dq, dk, dv),
-    the gradients laid out like the inputs (packed: (total, H, D))."""
+                   configs=None, descriptors=None, packing: Packing | None = None,
+                   alibi: torch.Tensor | None = None):
+    """The backward of one key: run(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, alibi) ->
+    (dq, dk, dv), the gradients laid out like the inputs (packed: (total, H, D))."""
     check_backward(grad_out, grad_lse, q, k, v, out, lse, packing is not None)
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("grad_out", grad_out), ("lse", lse)):
         checks.check_kernel_device(name, t)
@@ -484,7 +543,7 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
     dq, dk, dv = (as_kernel(g) for g in new_grads())
     delta, lse2 = new_stats()
     dq_config, dkdv_config = configs or (None, None)
-    meta = _meta(mask, varlen, d, dtype)
+    meta = _meta(mask, varlen, d, dtype, alibi is not None)
     keys = tuning_keys(n_q, n_k, b * hq, dtype, mask)
     tune = should_autotune(dtype, b * hq, n_q, n_k)
     forced = configs is not None or descriptors is not None
@@ -499,14 +558,15 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
         (q_, k_, v_, out_, go_, lse, dlse_, delta, lse2, dq),
         (sm_scale, softcap, n_q, n_k, hq, hq // hk, lower_right, left, right, *totals,
          *(s for t in (q_, k_, v_, out_, go_) for s in kernel_strides(t, varlen)), *dlse_strides,
-         *kernel_strides(dq, varlen), *lse_strides, *scratch_strides, *keys),
-        {**meta, "HAS_DLSE": has_dlse, "REST": False}, dtype, tune, descriptors, dq_config, device)
+         *kernel_strides(dq, varlen), *lse_strides, *scratch_strides, *alibi_strides(alibi), *keys),
+        {**meta, "HAS_DLSE": has_dlse, "REST": False}, dtype, tune, descriptors, dq_config, device, mask.span)
     dkdv_kernel = Kernel(
         kernels.attn_bwd_dkdv_kernel, Kind.DKDV, n_k, b * hk, _inputs_only(DKDV_TILES, (6, 7) if varlen else ()),
         (q_, k_, v_, go_, lse2, delta, dk, dv),
         (sm_scale, softcap, n_q, n_k, hk, hq // hk, lower_right, left, right, *totals,
-         *(s for t in (q_, k_, v_, go_, dk, dv) for s in kernel_strides(t, varlen)), *scratch_strides, *keys),
-        {**meta, "REST": False}, dtype, tune, descriptors, dkdv_config, device)
+         *(s for t in (q_, k_, v_, go_, dk, dv) for s in kernel_strides(t, varlen)), *scratch_strides,
+         *alibi_strides(alibi), *keys),
+        {**meta, "REST": False}, dtype, tune, descriptors, dkdv_config, device, mask.span)
 
     as_given = all(oks) and not expanded
     # Packed rows past the last sequence: gradient 0 (their outputs are 0 whatever their inputs).
@@ -514,11 +574,11 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
              _tail_fill(device, b, totals[1], (shapes[1], 0.0), (shapes[2], 0.0))) if varlen else None
     # dK/dV in Gluon on Hopper where it serves (hopper.py); forced configs or TMA choices run tl.
     gluon = None
-    if not varlen and not forced and hopper.serves(q_, k_, v_, mask) \
+    if not varlen and not forced and alibi is None and hopper.serves(q_, k_, v_, mask) \
             and descriptors_may_serve(device, (go_, dk, dv)):
         gluon = hopper.bind_dkdv(q_, k_, v_, go_, dk, dv, scratch_strides, mask, sm_scale)
 
-    def run(grad_out, grad_lse, q, k, v, out, lse, cu_q=None, cu_k=None):
+    def run(grad_out, grad_lse, q, k, v, out, lse, cu_q=None, cu_k=None, alibi=None):
         if expanded:  # materialized as bound: before the packed view (whose own copy has other strides)
             grad_out = grad_out.contiguous()
         q, k, v, out, grad_out = (as_kernel(t) for t in (q, k, v, out, grad_out))
@@ -531,12 +591,13 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
         delta, lse2 = new_stats()
         cu_q = lse if cu_q is None else cu_q
         cu_k = lse if cu_k is None else cu_k
-        dq_kernel(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, cu_q, cu_k)
+        alibi = lse if alibi is None else alibi
+        dq_kernel(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, cu_q, cu_k, alibi)
         # dK/dV reads the delta and base-2 lse the dQ kernel wrote (same stream, in order).
         if gluon is not None and bases_aligned((q, k, v, grad_out, dk, dv)):
             gluon(q, k, v, grad_out, lse2, delta, dk, dv)
         else:
-            dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k)
+            dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k, alibi)
         if tails is not None:
             tails[0](grads[0], cu_q)
             tails[1](grads[1], grads[2], cu_k)
@@ -546,40 +607,44 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
 
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: float,
-             configs: tuple[Config, Config] | None = None, descriptors: bool | None = None):
+             configs: tuple[Config, Config] | None = None, descriptors: bool | None = None,
+             alibi: torch.Tensor | None = None):
     """(dq, dk, dv). `grad_lse` (may be None) is the gradient reaching the log-sum-exp output.
     `configs` = (dQ config, dK/dV config) or `descriptors` alone override the config's choice
     (tests; not cached; each config's `descriptors` flag holds for its kernel)."""
     if widened(q.dtype):
         wide = [t.float() for t in (grad_out, q, k, v, out)]
-        grads = backward(wide[0], grad_lse, *wide[1:], lse, mask, sm_scale, configs, descriptors)
+        grads = backward(wide[0], grad_lse, *wide[1:], lse, mask, sm_scale, configs, descriptors, alibi)
         return tuple(g.to(q.dtype) for g in grads)
     lse = lse.contiguous()  # the kernels read it as (B, H, N) rows (a saved-tensor hook may hand back other strides)
     if configs is not None or descriptors is not None:
-        return bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, configs,
-                              descriptors)(grad_out, grad_lse, q, k, v, out, lse)
-    key = (*layout_key(q, k, v, out, grad_out, lse, grad_lse), mask, sm_scale)
+        return bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, configs, descriptors,
+                              alibi=alibi)(grad_out, grad_lse, q, k, v, out, lse, alibi=alibi)
+    key = (*layout_key(q, k, v, out, grad_out, lse, grad_lse, alibi), mask, sm_scale)
     run = BOUND.get(key) or BOUND.get_or_build(
-        key, lambda: bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale))
-    return run(grad_out, grad_lse, q, k, v, out, lse)
+        key, lambda: bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, alibi=alibi))
+    return run(grad_out, grad_lse, q, k, v, out, lse, alibi=alibi)
 
 
 def backward_packed(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, packing: Packing, mask: Mask,
-                    sm_scale: float, configs: tuple[Config, Config] | None = None):
+                    sm_scale: float, configs: tuple[Config, Config] | None = None,
+                    alibi: torch.Tensor | None = None):
     """(dq, dk, dv) of `forward_packed`, each (total, H, D). Deterministic (no atomics)."""
     if widened(q.dtype):
         wide = [t.float() for t in (grad_out, q, k, v, out)]
-        grads = backward_packed(wide[0], grad_lse, *wide[1:], lse, cu_q, cu_k, packing, mask, sm_scale, configs)
+        grads = backward_packed(wide[0], grad_lse, *wide[1:], lse, cu_q, cu_k, packing, mask, sm_scale, configs,
+                                alibi)
         return tuple(g.to(q.dtype) for g in grads)
     lse = lse.contiguous()  # the kernels read it as (H, total) rows
     if configs is not None:
         return bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, configs, None,
-                              packing)(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k)
-    key = ("packed", packing, *layout_key(q, k, v, out, grad_out, lse, grad_lse, cu_q, cu_k), mask, sm_scale)
+                              packing, alibi)(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, alibi)
+    key = ("packed", packing, *layout_key(q, k, v, out, grad_out, lse, grad_lse, cu_q, cu_k, alibi), mask,
+           sm_scale)
 
     def build():
         check_bounds(cu_q, cu_k, packing)
-        return bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, packing=packing)
+        return bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, packing=packing, alibi=alibi)
 
     run = BOUND.get(key) or BOUND.get_or_build(key, build)
-    return run(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k)
+    return run(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, alibi)

@@ -59,7 +59,7 @@ def _rescaled_rows(x_row_ptrs, mask, inv_n_cols, eps, IS_RMS: tl.constexpr):
     return x * rstd[:, None], mean * scale, rstd / scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def norm_fwd_fused_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, max_ptr,
     n_rows, n_cols, inv_n_cols, stride_xr, stride_xc, stride_yr, eps,
@@ -307,7 +307,7 @@ def _bwd_rows(x_ptr, dy_ptr, mean_ptr, rstd_ptr, max_ptr, rows, row_end, cols, c
     return x, dy, mean, rstd, row_max
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "rows_per_group"])
 def norm_bwd_fused_kernel(
     x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, max_ptr, dw_part_ptr, db_part_ptr,
     n_rows, n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr, rows_per_group,
@@ -460,7 +460,7 @@ def norm_bwd_looped_dx_kernel(
         tl.store(dx_ptr + row.to(tl.int64) * stride_dxr + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "rows_per_group"])
 def norm_bwd_params_kernel(
     x_ptr, dy_ptr, mean_ptr, rstd_ptr, max_ptr, dw_part_ptr, db_part_ptr,
     n_rows, n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, rows_per_group,
@@ -527,7 +527,7 @@ def _split_write_rows(x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, part_ptr
         tl.store(dx_ptr + row64 * stride_dxr + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "groups"])
 def norm_bwd_split_kernel(
     x_ptr, w_ptr, dy_ptr, dx_ptr, mean_ptr, rstd_ptr, dw_part_ptr, db_part_ptr,
     part_ptr, arrived_ptr, state_ptr,

@@ -31,7 +31,7 @@ def _row_output(x, LOG: tl.constexpr):
     return e * (1.0 / total)[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "seq_rows"])
 def softmax_fwd_rows_kernel(
     x_ptr, y_ptr, n_rows, n_cols, inner, seq_rows, sx_outer, sx_col, sx_inner, out_outer,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, LOG: tl.constexpr, CAUSAL: tl.constexpr,
@@ -58,7 +58,7 @@ def _grad(y, g, total, LOG: tl.constexpr):
     return y * (g - total)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def softmax_bwd_rows_kernel(
     y_ptr, g_ptr, gx_ptr, n_rows, n_cols, inner, sy_outer, sy_col, sy_inner,
     sg_outer, sg_col, sg_inner, out_outer,
@@ -135,7 +135,7 @@ def _row_total(part_ptr, chunks, CHUNKS_P2: tl.constexpr):
     return tl.sum(partials(part_ptr, chunks, 1, 0.0, CHUNKS_P2), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_rows"])
 def softmax_fwd_split_kernel(
     x_ptr, y_ptr, stats_ptr, arrived_ptr, state_ptr,
     n_cols, inner, seq_rows, sx_outer, sx_col, sx_inner, out_outer, chunks, spin_limit,
@@ -208,7 +208,7 @@ def softmax_bwd_split_kernel(
                     _store_chunk(gx_row, other, n_cols, inner, _grad(yo, go, total, LOG), CHUNK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_rows"])
 def softmax_fwd_partials_kernel(
     x_ptr, stats_ptr, n_cols, inner, seq_rows, sx_outer, sx_col, sx_inner, chunks,
     CHUNK: tl.constexpr, CAUSAL: tl.constexpr,
@@ -224,7 +224,7 @@ def softmax_fwd_partials_kernel(
     tl.store(stats_ptr + 2 * pid + 1, s.to(tl.int32, bitcast=True))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_rows"])
 def softmax_fwd_combine_kernel(
     x_ptr, y_ptr, stats_ptr, n_cols, inner, seq_rows, sx_outer, sx_col, sx_inner, out_outer, chunks,
     CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, LOG: tl.constexpr, CAUSAL: tl.constexpr,

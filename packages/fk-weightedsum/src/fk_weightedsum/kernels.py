@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "split_span"])
 def weighted_sum_fwd_kernel(
     x_ptr, w_ptr, out_ptr,
     n_rows, n_cols,
@@ -42,7 +42,7 @@ def weighted_sum_fwd_kernel(
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "rows_per_group"])
 def weighted_sum_bwd_kernel(
     x_ptr, w_ptr, grad_y_ptr, grad_x_ptr, partial_grad_w_ptr,
     n_rows, n_cols,

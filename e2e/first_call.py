@@ -1,0 +1,195 @@
+"""First calls and shape changes: what a user waits for before a call runs, fk beside SDPA / torch.
+
+Wall time of each call (synchronized), each case in a fresh process:
+- cold: an empty Triton cache (TRITON_CACHE_DIR a new folder), the first call of each op, fwd+bwd
+  (attention per dtype and head dim; rms_norm, layer_norm, softmax);
+- warm: the same first calls in a second process on the cache the cold one filled;
+- new length: after the first call, calls at lengths the process has not seen (attention
+  N = 1000..1100 forward, B1 H32 d128; SDPA beside);
+- packed training loop: `attention_varlen` fwd+bwd, 16K tokens, H16 d128 bf16 causal, new random
+  documents every batch (12 batches), SDPA's per-document calls beside.
+
+    bash shared/from-source.sh python e2e/first_call.py --out benchmarks
+
+writes `<out>/first-call.{json,md}` and rebuilds BENCHMARKS.md as the main job does. Acceptance of
+the compile-once issue: cold attention at most 5 s, warm 0.5 s; norms and softmax 1 s / 0.2 s;
+no call after the first over 50 ms in the N sweep; no packed batch after the first over 1.5x the
+median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SECTION = "first-call"
+HEAD_DIMS = (64, 128)
+DTYPES = ("bfloat16", "float16")
+SWEEP = range(1000, 1101)
+TOKENS, HEADS, BATCHES = 16384, 16, 12
+
+
+def _timed(fn) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def first_calls() -> list[dict]:
+    """Each op's first fwd+bwd in this process, ms."""
+    import torch
+    import torch.nn.functional as F
+
+    import fk_attention
+    import fk_layernorm
+    import fk_softmax
+
+    rows = []
+
+    def grad(*shape, dtype):
+        return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+
+    for dtype_name in DTYPES:
+        dtype = getattr(torch, dtype_name)
+        for d in HEAD_DIMS:
+            q, k, v = (grad(2, 8, 1024, d, dtype=dtype) for _ in range(3))
+            rows.append({"op": "attention", "case": f"B2 H8 N1024 d{d} causal", "dtype": dtype_name, "fk_ms": _timed(
+                lambda q=q, k=k, v=v: fk_attention.attention(q, k, v, causal=True).sum().backward())})
+            rows[-1]["peer_ms"] = _timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True).sum().backward())
+    x, w, b = grad(4096, 4096, dtype=torch.bfloat16), grad(4096, dtype=torch.bfloat16), grad(4096, dtype=torch.bfloat16)
+    for name, fk, peer in (
+        ("rms_norm", lambda: fk_layernorm.rms_norm(x, w).sum().backward(),
+         lambda: F.rms_norm(x, (4096,), w).sum().backward()),
+        ("layer_norm", lambda: fk_layernorm.layer_norm(x, w, b).sum().backward(),
+         lambda: F.layer_norm(x, (4096,), w, b).sum().backward()),
+        ("softmax", lambda: fk_softmax.softmax(x).sum().backward(), lambda: torch.softmax(x, -1).sum().backward()),
+    ):
+        rows.append({"op": name, "case": "4096 x 4096", "dtype": "bfloat16", "fk_ms": _timed(fk), "peer_ms": _timed(peer)})
+    return rows
+
+
+def new_lengths() -> dict:
+    """Dense forward over N = 1000..1100 in one process: every call's ms, fk and SDPA."""
+    import torch
+    import torch.nn.functional as F
+
+    import fk_attention
+
+    out = {"fk": [], "sdpa": []}
+    for n in SWEEP:
+        q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
+        out["fk"].append(_timed(lambda q=q: fk_attention.attention(q, q, q, causal=True)))
+        out["sdpa"].append(_timed(lambda q=q: F.scaled_dot_product_attention(q, q, q, is_causal=True)))
+    return out
+
+
+def packed_loop(seed: int = 0) -> dict:
+    """The packed training loop: each batch new random documents summing to TOKENS; ms per batch."""
+    import torch
+
+    import fk_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    times = []
+    for _ in range(BATCHES):
+        cuts = torch.randperm(TOKENS - 1, generator=gen)[:15].add_(1).sort().values
+        bounds = torch.cat([torch.tensor([0]), cuts, torch.tensor([TOKENS])]).to(torch.int32)
+        longest = int((bounds[1:] - bounds[:-1]).max())
+        cu = bounds.cuda()
+        q, k, v = (torch.randn(TOKENS, HEADS, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        times.append(_timed(lambda q=q, k=k, v=v, cu=cu, n=longest: fk_attention.attention_varlen(
+            q, k, v, cu, cu, n, n, causal=True).sum().backward()))
+    return {"fk": times}
+
+
+def child(case: str) -> None:
+    result = {"first": first_calls, "sweep": new_lengths, "packed": packed_loop}[case]()
+    print("RESULT " + json.dumps(result))
+
+
+def _spawn(case: str, cache: Path) -> object:
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    done = subprocess.run([sys.executable, __file__, "--child", case], env=env, capture_output=True, text=True,
+                          check=False)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"{case} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def measure(out: Path) -> dict:
+    import torch
+    import triton
+
+    with tempfile.TemporaryDirectory(prefix="fk-first-call-") as tmp:
+        cold = _spawn("first", Path(tmp) / "a")
+        warm = _spawn("first", Path(tmp) / "a")
+        sweep = _spawn("sweep", Path(tmp) / "b")
+        packed = _spawn("packed", Path(tmp) / "c")
+    return {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                     "date": time.strftime("%Y-%m-%d"), "command": "python e2e/first_call.py --out " + str(out)},
+            "cold": cold, "warm": warm, "sweep": sweep, "packed": packed}
+
+
+def report(run: dict) -> str:
+    m = run["meta"]
+    lines = ["## First calls and shape changes", "",
+             f"{m['device']}, torch {m['torch']}, Triton {m['triton']} ({m['date']}). Wall time of each call, "
+             "synchronized, each case in a fresh process. Cold: an empty Triton cache; warm: a second process "
+             "on the cache the cold one filled. SDPA / torch's op beside, in the same process after fk's call.", "",
+             f"Command: `{m['command']}`", "",
+             "| op | case | dtype | fk cold (ms) | fk warm (ms) | torch cold (ms) | torch warm (ms) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for c, w in zip(run["cold"], run["warm"], strict=True):
+        lines.append(f"| {c['op']} | {c['case']} | {c['dtype']} | {c['fk_ms']:.0f} | {w['fk_ms']:.0f} | "
+                     f"{c['peer_ms']:.0f} | {w['peer_ms']:.0f} |")
+    fk, sdpa = run["sweep"]["fk"], run["sweep"]["sdpa"]
+    lines += ["", f"Dense causal forward, B1 H32 d128 bf16, N = {SWEEP.start}..{SWEEP.stop - 1} in one process: "
+              f"first call fk {fk[0]:.0f} ms, SDPA {sdpa[0]:.0f} ms; after it the slowest call fk "
+              f"{max(fk[1:]):.1f} ms, SDPA {max(sdpa[1:]):.1f} ms (median fk {statistics.median(fk[1:]):.2f}, "
+              f"SDPA {statistics.median(sdpa[1:]):.2f})."]
+    times = run["packed"]["fk"]
+    rest = times[1:]
+    lines += ["", f"Packed training loop, `attention_varlen` fwd+bwd, {TOKENS} tokens, H{HEADS} d128 bf16 causal, "
+              f"16 new random documents each batch: first batch {times[0]:.0f} ms, then median "
+              f"{statistics.median(rest):.1f} ms, slowest {max(rest):.1f} ms "
+              f"({max(rest) / statistics.median(rest):.2f}x the median). Batches: "
+              + ", ".join(f"{t:.0f}" for t in times) + " ms."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks"))
+    parser.add_argument("--child", choices=("first", "sweep", "packed"))
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child)
+        return 0
+    run = measure(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{SECTION}.json").write_text(json.dumps(run, indent=1))
+    text = report(run)
+    (args.out / f"{SECTION}.md").write_text(text)
+    from fk_runtime.harness import cli
+
+    cli.rebuild_benchmarks_md(args.out)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""Compile ahead of time what a model's attention calls need, so that a server or a training job
+starts warm: one small call per (dtype, mask, path) on the device puts every kernel those calls
+launch into Triton's cache (in this process, and on disk for the next one). Launches take fixed
+configs (config.py) and the kernels do not specialize on lengths (kernels.py), so later calls of
+any length compile nothing more; what compiles apart is the dtype, head dim, head counts, mask,
+and each path (dense, packed, KV cache), as `warmup`'s arguments name them.
+
+    python -m fk_attention.warm --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --causal
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+from fk_runtime import backend, checks
+
+from . import ops
+from .config import DECODE_MAX_QUERIES
+
+# Rows per warm-up sequence: past config.DECODE_MAX_QUERIES (the prefill kernels, not decode) and
+# two key blocks of every default tile.
+ROWS = 256
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def warmup(heads: int, kv_heads: int | None = None, head_dim: int = 128, dtypes=(torch.bfloat16,),
+           causal=(True,), window=None, softcap: float | None = None, backward: bool = True,
+           varlen: bool = False, kvcache: bool = False, page_size: int | None = None,
+           device=None, rows: int = ROWS) -> int:
+    """Run each call a model with these heads, head dim, dtypes and masks will make, once, on small
+    inputs; returns the number of calls made. `causal`: the causal settings to warm (each as
+    `attention` takes it); `window` / `softcap` as `attention` takes them (one setting each);
+    `backward`: also the gradients; `varlen`: `attention_varlen` too; `kvcache`:
+    `attention_with_kvcache` with one new token (decode) and with `rows` (prefill), in a dense cache
+    or, with `page_size`, a paged one; `rows` per sequence (more than config.DECODE_MAX_QUERIES).
+    Nothing is timed or returned but the count."""
+    heads = checks.check_size("heads", heads, minimum=1)
+    kv_heads = heads if kv_heads is None else checks.check_size("kv_heads", kv_heads, minimum=1)
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    head_dim = checks.check_size("head_dim", head_dim, minimum=1)
+    rows = checks.check_size("rows", rows, minimum=DECODE_MAX_QUERIES + 1)
+    if isinstance(dtypes, torch.dtype):
+        dtypes = (dtypes,)
+    if isinstance(causal, (bool, str)):
+        causal = (causal,)
+    device = torch.device(device) if device is not None else backend.default_device()
+    calls = 0
+    for dtype, c in itertools.product(dtypes, causal):
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtypes must hold torch dtypes, got {dtype!r}")
+        mask = {"causal": c, "window": window, "softcap": softcap}
+        grad = backward and dtype.itemsize > 1
+
+        def new(h, grad=grad, dtype=dtype):
+            return torch.randn(1, rows, h, head_dim, device=device, dtype=dtype).requires_grad_(grad)
+
+        q, k, v = new(heads), new(kv_heads), new(kv_heads)
+        out = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **mask)
+        if grad:
+            out.sum().backward()
+        calls += 1
+        if varlen:
+            cu = torch.tensor([0, rows // 2, rows], device=device, dtype=torch.int32)
+            out = ops.attention_varlen(q[0], k[0], v[0], cu, cu, rows - rows // 2, rows - rows // 2, **mask)
+            if grad:
+                out.sum().backward()
+            calls += 1
+        if kvcache:
+            calls += _kvcache(q, k, v, kv_heads, page_size, mask)
+    return calls
+
+
+def _kvcache(q, k, v, kv_heads, page_size, mask) -> int:
+    """A prefill chunk and a decode step against a cache of twice q's rows (paged with `page_size`)."""
+    rows, head_dim = q.shape[1], q.shape[-1]
+    capacity = 2 * rows
+    if page_size is None:
+        cache_shape, table = (1, kv_heads, capacity, head_dim), None
+    else:
+        pages = -(-capacity // page_size)
+        cache_shape = (pages, kv_heads, page_size, head_dim)
+        table = torch.arange(pages, device=q.device, dtype=torch.int32)[None]
+    k_cache = torch.zeros(cache_shape, device=q.device, dtype=q.dtype)
+    v_cache = torch.zeros(cache_shape, device=q.device, dtype=q.dtype)
+    lengths = torch.zeros(1, device=q.device, dtype=torch.int32)
+    q, k, v = (t.detach().transpose(1, 2) for t in (q, k, v))
+    for n in (rows, 1):
+        ops.attention_with_kvcache(q[:, :, :n], k_cache, v_cache, lengths, k[:, :, :n], v[:, :, :n],
+                                   block_table=table, **mask)
+    return 2
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fk_attention.warm", description=warmup.__doc__)
+    parser.add_argument("--heads", type=int, required=True)
+    parser.add_argument("--kv-heads", type=int)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), nargs="+", default=["bfloat16"])
+    parser.add_argument("--causal", action="store_true", help="causal masks (default: full)")
+    parser.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"))
+    parser.add_argument("--softcap", type=float)
+    parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--varlen", action="store_true")
+    parser.add_argument("--kvcache", action="store_true")
+    parser.add_argument("--page-size", type=int)
+    parser.add_argument("--rows", type=int, default=ROWS)
+    args = parser.parse_args(argv)
+    calls = warmup(args.heads, args.kv_heads, args.head_dim, [DTYPES[d] for d in args.dtype], (args.causal,),
+                   args.window, args.softcap, not args.no_backward, args.varlen, args.kvcache, args.page_size,
+                   rows=args.rows)
+    print(f"fk-attention: {calls} warm-up calls made")
+
+
+if __name__ == "__main__":
+    main()

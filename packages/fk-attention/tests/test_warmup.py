@@ -1,0 +1,73 @@
+import pytest
+import torch
+from fk_runtime.harness import testing
+
+from fk_attention import attention, attention_varlen, hopper, kernels, warmup
+from fk_attention import config as fk_config
+from fk_attention import warm as warmup_module
+
+
+def test_warmup_makes_each_call_and_checks_its_arguments():
+    assert warmup(2, 1, head_dim=16, dtypes=torch.float32, causal=True, varlen=True, kvcache=True,
+                  page_size=16, rows=80) == 4
+    assert warmup(2, head_dim=16, dtypes=(torch.float16,), window=(8, 0), backward=False, rows=80) == 1
+    with pytest.raises(ValueError, match="rows"):
+        warmup(2, head_dim=16, rows=64)
+    with pytest.raises(ValueError, match="kv_heads"):
+        warmup(3, 2, head_dim=16)
+    with pytest.raises(TypeError, match="dtypes"):
+        warmup(2, head_dim=16, dtypes=("bf16",))
+
+
+def test_warmup_command_line(capsys):
+    warmup_module.main(["--heads", "2", "--head-dim", "16", "--dtype", "float32", "--causal", "--no-backward",
+                        "--rows", "80"])
+    assert "1 warm-up calls" in capsys.readouterr().out
+
+
+def test_autotuning_only_when_asked(monkeypatch):
+    from fk_attention import plan
+
+    monkeypatch.delenv(fk_config.AUTOTUNE_ENV, raising=False)
+    monkeypatch.setattr(plan.backend, "is_interpreter", lambda: False)
+    big = (torch.bfloat16, 64, 4096, 4096)
+    assert not plan.should_autotune(*big)
+    monkeypatch.setenv(fk_config.AUTOTUNE_ENV, "1")
+    assert plan.should_autotune(*big)
+
+
+def test_windows_take_their_measured_tiles(monkeypatch):
+    monkeypatch.setattr(fk_config.backend, "is_interpreter", lambda: False)
+    fk_config.default_config.cache_clear()
+    try:
+        dense = fk_config.default_config(fk_config.Kind.FORWARD, 128, torch.bfloat16, True)
+        window = fk_config.default_config(fk_config.Kind.FORWARD, 128, torch.bfloat16, True, 1025)
+        wide = fk_config.default_config(fk_config.Kind.FORWARD, 128, torch.bfloat16, True, 1 << 20)
+        assert (window.block_m, window.block_n, window.num_stages) == (64, 64, 3)
+        assert wide == dense != window
+        assert fk_config.default_config(fk_config.Kind.DQ, 128, torch.bfloat16, True, 1025) == \
+            fk_config.default_config(fk_config.Kind.DQ, 128, torch.bfloat16, True)
+    finally:
+        fk_config.default_config.cache_clear()
+
+
+def _compiled() -> int:
+    """Compiled variants of every attention kernel in this process (Triton's in-memory JIT caches)."""
+    fns = [getattr(m, name) for m in (kernels, hopper) for name in dir(m) if name.endswith("_kernel")]
+    return sum(len(cache[0]) for fn in fns for cache in getattr(fn, "device_caches", {}).values())
+
+
+@pytest.mark.skipif(not testing.on_gpu(), reason="counts the GPU compiler's variants (the interpreter compiles nothing)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_new_lengths_compile_nothing_after_warmup(causal):
+    """The kernels do not specialize on lengths: after the warm-up, calls at any length (odd, a
+    multiple of 16, packed with new bounds) add no compiled variant."""
+    warmup(4, 2, head_dim=128, dtypes=torch.bfloat16, causal=causal, varlen=True)
+    before = _compiled()
+    for n in (1000, 1007, 1008, 1024, 1049, 1100):
+        q, k, v = (testing.randn((1, h, n, 128), dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
+        attention(q, k, v, causal=causal).sum().backward()
+        lengths = torch.tensor([0, n // 3, n], device=q.device, dtype=torch.int32)
+        flat = [t.detach()[0].transpose(0, 1).requires_grad_() for t in (q, k, v)]
+        attention_varlen(*flat, lengths, lengths, n - n // 3, n - n // 3, causal=causal).sum().backward()
+    assert _compiled() == before
