@@ -12,7 +12,8 @@ from fk_runtime.harness import testing
 from fk_attention import attention, attention_varlen, attention_with_kvcache
 from fk_attention import flash_attn as fa
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# bf16 on a GPU only: the interpreter runs it in fp32 (`layout.widened`), repeating the fp32 cases.
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] if testing.on_gpu() else [torch.float32, torch.float16]
 
 
 def reference(q, k, v, slopes, causal=False, shift=0, softcap=None, window=None):
@@ -137,3 +138,25 @@ def test_bad_slopes_raise_naming_them():
     ]:
         with pytest.raises(error, match=match):
             attention(q, k, k, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("n_q, window", [(1, None), (70, None), (3, (6, 0))])
+def test_kv_cache_left_padding_with_slopes(n_q, window):
+    """`cache_leftpad`: sequence b's keys start at row pad[b]; the rows before it are seen by no
+    query, and distances (ALiBi's, the window's) stay the cache's."""
+    dev = testing.device()
+    lengths, pads = [90, 40], [7, 33]
+    old_k, old_v = (testing.randn((2, 2, 90, 16), torch.float32) for _ in range(2))
+    k_cache, v_cache = torch.zeros(2, 2, 200, 16, device=dev), torch.zeros(2, 2, 200, 16, device=dev)
+    k_cache[:, :, :90], v_cache[:, :, :90] = old_k, old_v
+    q = testing.randn((2, 4, n_q, 16), torch.float32)
+    k_new, v_new = (testing.randn((2, 2, n_q, 16), torch.float32) for _ in range(2))
+    slopes = torch.rand(4, device=dev)
+    out = attention_with_kvcache(q, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32, device=dev),
+                                 k_new, v_new, causal=True, window=window, alibi_slopes=slopes,
+                                 cache_leftpad=torch.tensor(pads, dtype=torch.int32, device=dev))
+    for b, (n, pad) in enumerate(zip(lengths, pads, strict=True)):
+        keys = torch.cat([old_k[b:b + 1, :, pad:n], k_new[b:b + 1]], 2).double()
+        values = torch.cat([old_v[b:b + 1, :, pad:n], v_new[b:b + 1]], 2).double()
+        ref, _ = reference(q[b:b + 1].double(), keys, values, slopes, True, n - pad, window=window)
+        testing.assert_close(f"out[{b}]", out[b:b + 1], ref, torch.float32)

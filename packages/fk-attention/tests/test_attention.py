@@ -27,7 +27,9 @@ SHAPES = [
     (1, 2, 2, 50, 17, 21),
     (1, 2, 1, 70, 70, 64),
 ]
-CASES = [(shape, dtype) for shape in SHAPES for dtype in DTYPES]
+# The interpreter runs bf16 in fp32 (`layout.widened`): one bf16 shape there checks the widening.
+CASES = [(shape, dtype) for shape in SHAPES for dtype in DTYPES
+         if testing.on_gpu() or dtype != torch.bfloat16 or shape == SHAPES[0]]
 if testing.on_gpu():
     # The issue's sizes in half precision: long and odd lengths, head dims 64, 80, 96, 128, 192,
     # 256, Nq != Nk, GQA/MQA, N = 16384 (float64 reference of 2 x 16384^2 scores).
@@ -258,7 +260,10 @@ def test_descriptors_on_odd_strides(causal):
     testing.assert_close("lse", lse.exp(), ref_lse.exp(), torch.float32)
     # The backward reads q and the upstream gradient through the same kind of strides.
     g_out = testing.randn((1, 3, 1, d + 1), torch.float32)[:, :1, :, :d]
+    # A single-key (causal) row's dQ is its lse gradient alone, left over after delta cancels dO.O
+    # against dO.V (fp32 error ~1e-7 of those): kept away from 0, where that error dominates.
     g_lse = testing.randn(lse.shape)
+    g_lse = g_lse + g_lse.sign()
     grads = plan.backward(g_out, g_lse, q, k, v, out, lse, mask, 0.3, configs=(config, config))
     ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [g_out.double(), g_lse.double()])
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
@@ -604,9 +609,8 @@ def test_self_attention_refuses_bad_shapes_clearly():
     """Head dims the kernels refuse fail at construction; inputs of the wrong rank or width fail
     with a ValueError naming x (not inside einops or nn.Linear)."""
     with pytest.raises(ValueError, match="dim / num_heads .* head dim"):
-        SelfAttention(48, 4)  # head dim 12
-    with pytest.raises(ValueError, match="dim / num_heads"):
         SelfAttention(1024, 2)  # head dim 512
+    assert SelfAttention(48, 4).head_dim == 12  # any head dim up to 256
     with pytest.raises(TypeError, match="causal must be a bool"):
         SelfAttention(64, 4, causal="yes")
     layer = SelfAttention(64, 4, device=testing.device())

@@ -130,11 +130,13 @@ def _rotate(x, cos, sin, positions, interleaved):
     return torch.cat((r, x[..., 2 * half:]), -1)
 
 
+@pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
 @pytest.mark.parametrize("layout", ["dense", "batch_idx", "paged"])
 @pytest.mark.parametrize("rotary", [None, "interleaved", "neox"])
-def test_kvcache_appends_rotates_and_attends(layout, rotary):
+def test_kvcache_appends_rotates_and_attends(layout, rotary, leftpad):
     """New rows land in the caches at each sequence's length (rotated, where rotary is given), and q
-    (rotated at its own positions) attends bottom-right to each sequence's rows, causal."""
+    (rotated at its own positions) attends bottom-right to each sequence's rows, causal; with
+    `cache_leftpad`, only to the rows from each sequence's pad on (positions stay the cache's)."""
     b, hq, hk, d, n_new, n_q, capacity = 2, 4, 2, 32, 2, 2, 12
     lengths = [5, 9]
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=testing.device())
@@ -143,6 +145,8 @@ def test_kvcache_appends_rotates_and_attends(layout, rotary):
     rows = 3 if layout == "batch_idx" else b  # batch_idx: the sequences use cache rows 2 and 0
     cache_k, cache_v = (testing.randn((rows, capacity, hk, d), torch.float32) for _ in range(2))
     index = torch.tensor([2, 0], dtype=torch.int32, device=q.device) if layout == "batch_idx" else None
+    pads = [2, 4] if leftpad else [0, 0]
+    pad_arg = dict(cache_leftpad=torch.tensor(pads, dtype=torch.int32, device=q.device)) if leftpad else {}
     table = None
     if layout == "paged":  # pages of 4 rows, shuffled: sequence b's page p is page table[b, p]
         page = 4
@@ -171,16 +175,17 @@ def test_kvcache_appends_rotates_and_attends(layout, rotary):
     for s in range(b):
         r, n = rows_of[s], lengths[s]
         ref_k[r, n:n + n_new], ref_v[r, n:n + n_new] = new_k[s], v_new[s].double()
-        out, _ = reference(q64[s:s + 1], ref_k[r:r + 1, :n + n_new], ref_v[r:r + 1, :n + n_new], True)
+        p = pads[s]
+        out, _ = reference(q64[s:s + 1], ref_k[r:r + 1, p:n + n_new], ref_v[r:r + 1, p:n + n_new], True)
         outs.append(out)
     if layout == "paged":
         got = fa.flash_attn_with_kvcache(q, pages_k, pages_v, k_new, v_new, cache_seqlens=seqlens,
-                                         block_table=table, causal=True, **rotary_args)
+                                         block_table=table, causal=True, **rotary_args, **pad_arg)
         cache_k = torch.stack([torch.cat([pages_k[int(table[s, p])] for p in range(3)]) for s in range(b)])
         cache_v = torch.stack([torch.cat([pages_v[int(table[s, p])] for p in range(3)]) for s in range(b)])
     else:
         got = fa.flash_attn_with_kvcache(q, cache_k, cache_v, k_new, v_new, cache_seqlens=seqlens,
-                                         cache_batch_idx=index, causal=True, **rotary_args)
+                                         cache_batch_idx=index, causal=True, **rotary_args, **pad_arg)
     testing.assert_close("out", got, torch.cat(outs), torch.float32)
     for s in range(b):
         r, n = rows_of[s], lengths[s]
@@ -212,7 +217,7 @@ def test_kvcache_takes_any_head_dim():
     (lambda q, c, cu: fa.flash_attn_func(q, q, q, alibi_slopes=torch.ones(3, device=q.device)), "alibi_slopes"),
     (lambda q, c, cu: fa.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, block_table=cu[None]),
      "block_table"),
-    (lambda q, c, cu: fa.flash_attn_with_kvcache(q, c, c, cache_seqlens=1, cache_leftpad=cu[:1]), "cache_leftpad"),
+    (lambda q, c, cu: fa.flash_attn_with_kvcache(q, c, c, cache_seqlens=1, cache_leftpad=cu), "cache_leftpad"),
     (lambda q, c, cu: fa.flash_attn_with_kvcache(q, c, c, cache_seqlens=1, rotary_cos=c[0, :, 0],
                                                  rotary_sin=c[0, :, 0]), "rotary"),
     (lambda q, c, cu: fa.flash_attn_func(q, q, q, window_size=(-2, 0)), "window_size"),

@@ -1,4 +1,4 @@
-"""Registers and SASS instruction counts of the tl forward kernel, windowed (causal) and not, from a
+"""Registers and SASS instruction counts of the tl forward kernel, causal, windowed and full, from a
 compile for sm_90 on any machine (no GPU: the Triton's bundled ptxas and cuobjdump), to compare
 Triton versions on the same tiles (TUNING.md: Triton versions).
 
@@ -27,9 +27,9 @@ HEAD_DIM = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 OPCODES = ("HGMMA", "WARPGROUP", "SYNCS", "BAR", "MUFU", "FSEL", "FMNMX", "ISETP", "UTMALDG")
 
 
-def compile_forward(dtype: str, window: bool, tile: config.Config):
+def compile_forward(dtype: str, window: int, tile: config.Config):
     kernel = kernels.attn_fwd_kernel
-    constexprs = dict(WINDOW=window, SOFTCAP=False, VARLEN=False, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM,
+    constexprs = dict(WINDOW=window, SOFTCAP=False, ALIBI=False, VARLEN=False, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM,
                       USE_DESC=1, PRECISION=None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
     signature, constants = {}, {}
     for name in kernel.arg_names:
@@ -64,8 +64,7 @@ def main() -> None:
     tile = dict(config.DEFAULTS_16BIT)[HEAD_DIM][config.Kind.FORWARD]
     print(f"triton {triton.__version__}, attn_fwd_kernel d{HEAD_DIM}, {tile}")
     for dtype in ("fp16", "bf16"):
-        for window in (True, False):
-            build = "windowed" if window else "full"
+        for window, build in ((1, "causal"), (2, "two-sided window"), (0, "full")):
             print(f"  {dtype} {build}: {usage(compile_forward(dtype, window, tile))}")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import re
 
 import torch
 from fk_runtime import backend, sizing
@@ -42,6 +43,22 @@ KEY_MIN_LENGTH = 128
 KEY_MAX_LENGTH = 16384
 KEY_MAX_HEADS = 1024
 KEY_ARGS = ["n_q_key", "n_k_key", "bh_key", "dtype_key", "WINDOW", "SOFTCAP", "VARLEN", "HEAD_DIM"]
+
+# Windows unbounded on the left (causal's) compile without that side's compares (the kernels'
+# WINDOW 1) from this Triton on: the d64 forward tile then holds 157 registers on 3.8 and 3.9 (181
+# with them: two programs per SM where 157 leaves room for three), but 178 on 3.6 (163 with them),
+# which keeps the two-sided build (TUNING.md: Triton versions; sm_90 compiles, not yet timed).
+LEFT_UNBOUNDED_BUILD_FROM = (3, 7)
+
+
+def window_build(mask) -> int:
+    """The WINDOW constexpr for `mask` (`mask.Mask.window_build`) on this Triton."""
+    import triton
+
+    build = mask.window_build
+    release = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+    return 2 if build == 1 and release < LEFT_UNBOUNDED_BUILD_FROM else build
+
 
 # HIP (AMD): waves per execution unit by padded head dim, (max head dim, waves); one stage.
 HIP_WAVES_PER_EU = ((64, 3), (None, 2))

@@ -132,8 +132,9 @@ class Cache:
 
 
 def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int | None,
-          block_table=None, descriptors: bool | None = None, with_lse: bool = True, alibi=None):
-    """run(q, k, v, seqlens, block_table, alibi) -> (out, lse): out laid out like q, lse (B, Hq, Nq)
+          block_table=None, descriptors: bool | None = None, with_lse: bool = True, alibi=None,
+          leftpad: bool = False):
+    """run(q, k, v, seqlens, block_table, alibi, leftpad) -> (out, lse): out laid out like q, lse (B, Hq, Nq)
     fp32 (None without `with_lse`: nothing allocated or stored for it). Dense attention (cache
     None): k, v (B, Hk, Nk, D). A cache: k, v the cache tensors,
     dense (B, Hk, capacity, D) or paged (pages, Hk, page_size, D) with the (B, pages per
@@ -161,7 +162,7 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
         return out, alloc.new_empty(fp32, (b, hq, n_q)) if with_lse else None
 
     if q.numel() == 0:
-        return lambda *args: new_outputs()
+        return lambda *args, **kwargs: new_outputs()
     index = device.index or 0
     m_blocks = sizing.cdiv(group * n_q, tiles(group * n_q, d, dtype, 0, index).block_m)
     programs = b * hk * m_blocks
@@ -188,7 +189,8 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
     spanned = sizing.cdiv(sizing.cdiv(n_k, slices), cache.page_size) + (cache.page_size > tile.block_n) if paged else 0
     slice_pages = preloaded_pages(spanned) if paged and not per_row else 0
     padded = padded_head_dim(d)
-    meta = {"SOFTCAP": mask.softcap is not None, "ALIBI": alibi is not None, "SEQLENS": cache is not None,
+    meta = {"SOFTCAP": mask.softcap is not None, "ALIBI": alibi is not None, "LEFTPAD": leftpad,
+            "SEQLENS": cache is not None,
             "PAGED": paged, "PAGE_SIZE": max(cache.page_size if paged else 1, 1), "SLICE_PAGES": slice_pages,
             "ROW_PAGES": per_row,
             "HEAD_DIM": d,
@@ -232,18 +234,19 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
                         "PDL": pdl, "STORE_LSE": with_lse, "num_warps": merge_warps(slices, d),
                         **({"launch_pdl": True} if pdl else {})}, device)
 
-    def run(q, k, v, seqlens=None, block_table=None, alibi=None):
+    def run(q, k, v, seqlens=None, block_table=None, alibi=None, leftpad=None):
         out, lse = new_outputs()
         unused = out if lse is None else lse  # stands in for pointers no launch follows
         seqlens = unused if seqlens is None else seqlens
         block_table = unused if block_table is None else block_table
         alibi = unused if alibi is None else alibi
+        leftpad = seqlens if leftpad is None else leftpad
         attend, k, v = kv(k, v)
         if merge is None:
-            attend(q, k, v, out, unused, unused, seqlens, block_table, alibi)
+            attend(q, k, v, out, unused, unused, seqlens, block_table, alibi, leftpad)
             return out, lse
         parts = alloc.new_empty(fp32, (parts_numel,))
-        attend(q, k, v, out, unused, parts, seqlens, block_table, alibi)
+        attend(q, k, v, out, unused, parts, seqlens, block_table, alibi, leftpad)
         merge(parts, out, unused)
         return out, lse
 
@@ -327,50 +330,61 @@ def layouts(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> tuple:
 
 
 def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: Mask, sm_scale: float,
-                    facts: tuple | None = None, alibi=None):
+                    facts: tuple | None = None, alibi=None, leftpad=None):
     """(out, lse) of q against a KV cache after writing k_new / v_new (may be None) into it at
     each sequence's length. One plan per `layouts` (`facts`, if the caller has them), mask, scale
-    and ALiBi slopes' layout, the inputs checked once as it is made (`check_cache`)."""
+    and the layouts of ALiBi slopes and left pads (int32 (B,): the row each sequence starts at),
+    the inputs checked once as it is made (`check_cache`)."""
     return bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale, facts,
-                         alibi=alibi)(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, alibi)
+                         alibi=alibi, leftpad=leftpad)(q, k_cache, v_cache, seqlens, k_new, v_new, block_table,
+                                                       alibi, leftpad)
 
 
 def bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: Mask, sm_scale: float,
-                  facts: tuple | None = None, with_lse: bool = True, alibi=None):
-    """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, alibi=None) -> (out, lse): the
-    KV-cache plan of these inputs' `layouts` (`facts`, if the caller has them), mask, scale and
-    slopes' layout, the inputs checked as it is made (`check_cache`); lse None without
-    `with_lse`."""
+                  facts: tuple | None = None, with_lse: bool = True, alibi=None, leftpad=None):
+    """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, alibi=None, leftpad=None) ->
+    (out, lse): the KV-cache plan of these inputs' `layouts` (`facts`, if the caller has them),
+    mask, scale, slopes' and left pads' layouts, the inputs checked as it is made
+    (`check_cache`); lse None without `with_lse`."""
     if facts is None:
         facts = layouts(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
-    key = ("kvcache", facts, layout_key(alibi), mask, sm_scale, with_lse)
+    key = ("kvcache", facts, layout_key(alibi, leftpad), mask, sm_scale, with_lse)
     return BOUND.get(key) or BOUND.get_or_build(
         key, lambda: _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale,
-                                   with_lse, alibi))
+                                   with_lse, alibi, leftpad))
 
 
 def _bind_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: Mask, sm_scale: float,
-                  with_lse: bool = True, alibi=None):
-    """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, alibi=None) -> (out, lse): the
-    append (if new rows come) and the attention launches of one KV-cache call's layouts."""
+                  with_lse: bool = True, alibi=None, leftpad=None):
+    """run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, alibi=None, leftpad=None) ->
+    (out, lse): the append (if new rows come) and the attention launches of one KV-cache call's
+    layouts."""
     check_cache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table)
     check_alibi(alibi, q, q.shape[0], q.shape[1])
+    if leftpad is not None:
+        checks.check_tensor("cache_leftpad", leftpad, dtypes=(torch.int32,), min_dim=1, max_dim=1)
+        if leftpad.shape[0] != q.shape[0]:
+            raise ValueError(f"cache_leftpad must hold one row per batch row ({q.shape[0]}), got shape "
+                             f"{tuple(leftpad.shape)}")
+        checks.check_same_device(q=q, cache_leftpad=leftpad)
+    padded = leftpad is not None
     cache = Cache(0 if k_new is None else k_new.shape[2], 0 if block_table is None else k_cache.shape[2])
     append = None if k_new is None else _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache)
     fp32_copies = widened(q.dtype)  # the interpreter's bf16 dot: fp32 copies
     if fp32_copies:
         attend = bind(q.float(), k_cache.float(), v_cache.float(), mask, sm_scale, cache, None, block_table,
-                       with_lse=with_lse, alibi=alibi)
+                       with_lse=with_lse, alibi=alibi, leftpad=padded)
     else:
-        attend = bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table, with_lse=with_lse, alibi=alibi)
+        attend = bind(q, k_cache, v_cache, mask, sm_scale, cache, None, block_table, with_lse=with_lse,
+                      alibi=alibi, leftpad=padded)
 
-    def run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, alibi=None):
+    def run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, alibi=None, leftpad=None):
         if append is not None:
             append(k_cache, v_cache, seqlens, k_new, v_new, block_table)
         if fp32_copies:
-            out, lse = attend(q.float(), k_cache.float(), v_cache.float(), seqlens, block_table, alibi)
+            out, lse = attend(q.float(), k_cache.float(), v_cache.float(), seqlens, block_table, alibi, leftpad)
             return out.to(q.dtype), lse
-        return attend(q, k_cache, v_cache, seqlens, block_table, alibi)
+        return attend(q, k_cache, v_cache, seqlens, block_table, alibi, leftpad)
 
     return run
 
@@ -384,7 +398,7 @@ def _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache: Cache):
     paged = cache.page_size > 0
     capacity = block_table.shape[1] * cache.page_size if paged else k_cache.shape[2]
     if k_new.numel() == 0:
-        return lambda *args: None
+        return lambda *args, **kwargs: None
     launch = Launch(kernels.kv_append_kernel, (b * hk * sizing.cdiv(n_new, APPEND_ROWS),),
                     (n_new, hk, capacity, k_cache.shape[0] - 1 if paged else 0, *k_new.stride(), *v_new.stride(),
                      *k_cache.stride(), *v_cache.stride(), block_table.stride(0) if paged else 0),

@@ -13,8 +13,8 @@ pads); `alibi_slopes` ((nheads,) or (batch, nheads) fp32) added as FlashAttentio
 deterministic (`deterministic` changes nothing), and it picks its own key slicing (`num_splits`
 changes nothing).
 
-Not honoured yet, each refused with a ValueError naming it: `dropout_p` > 0, `block_table` in
-the varlen call, `cache_leftpad`. `return_attn_probs=True` returns (out, softmax_lse, None): like
+`cache_leftpad` as FlashAttention's (dense and paged caches). Not honoured yet, each refused
+with a ValueError naming it: `dropout_p` > 0, `block_table` in the varlen call. `return_attn_probs=True` returns (out, softmax_lse, None): like
 FlashAttention without dropout, no probabilities.
 """
 
@@ -189,9 +189,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     keys at cache_seqlens + j and q at cache_seqlens + i (causal or windowed) or cache_seqlens
     (neither), interleaved (GPT-J) or not (GPT-NeoX). Forward only. out like q, and with
     `return_softmax_lse` (out, softmax_lse (batch, nheads, seqlen_q))."""
-    if cache_leftpad is not None:
-        raise ValueError("cache_leftpad: fk_attention.flash_attn_with_kvcache has no left-padded caches yet; "
-                         "pass None (sequences start at row 0)")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _dims(name, t, 4)
     if (k is None) != (v is None):
@@ -231,7 +228,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                     None if k is None else k.transpose(1, 2), None if v is None else v.transpose(1, 2),
                                     block_table=block_table, causal=causal, sm_scale=_scale(softmax_scale, q.shape[-1]),
                                     window=_window(window_size), softcap=softcap,
-                                    return_lse=bool(return_softmax_lse), alibi_slopes=alibi_slopes)
+                                    return_lse=bool(return_softmax_lse), alibi_slopes=alibi_slopes,
+                                    cache_leftpad=cache_leftpad)
     out, lse = result if return_softmax_lse else (result, None)
     out = out.transpose(1, 2)
     return (out, _lse(lse)) if return_softmax_lse else out

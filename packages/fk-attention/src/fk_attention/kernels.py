@@ -14,7 +14,8 @@ key/value head h // group.
 
 Masks (WINDOW): query i sees key j when -left <= j - (i + shift) <= right, shift = Nk - Nq for
 lower-right alignment (`lower_right` = 1), else 0; causal is right = 0, an unbounded side a bound
-past every length. Key (or query) blocks no row sees are skipped, and blocks every row sees fully
+past every length. WINDOW 1 builds a window whose left side is unbounded (causal's) without its
+compares, 2 one bounded on the left (`mask.Mask.window_build`). Key (or query) blocks no row sees are skipped, and blocks every row sees fully
 run without a mask. SOFTCAP: scores s * scale become cap * tanh(s * scale / cap). VARLEN: packed
 sequences, (1, H, total, D) operands, sequence b's rows [cu[b], cu[b + 1]) (dense tensors use
 b as the batch index and start every sequence at row 0).
@@ -142,8 +143,7 @@ def _scales(sm_scale, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI: tl.constexpr):
-    """ALiBi's slope of head (b, h) in the units of the scores the kernels scale by qk_scale (so
-    that the bias lands on the scaled scores, as FlashAttention adds it); 0 without ALiBi."""
+    """ALiBi's slope of head (b, h) over qk_scale (the bias lands on the scaled scores, as in FA)."""
     if ALIBI:
         return tl.load(alibi_ptr + tl.cast(b, tl.int64) * sab + tl.cast(h, tl.int64) * sah) * (LOG2E / qk_scale)
     return 0.0
@@ -151,8 +151,7 @@ def _slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI: tl.constexpr):
 
 @triton.jit
 def _alibi(s, rows, cols, shift, slope, ALIBI: tl.constexpr):
-    """Scores s[i, j] of query rows at `rows`, keys at `cols`, plus ALiBi's -slope * |j - (i + shift)|
-    (`slope` from `_slope`: a scalar, or one per row as a column)."""
+    """Scores s[i, j] plus ALiBi's -slope * |j - (i + shift)| (`_slope`'s, or one per row as a column)."""
     if ALIBI:
         s = s - slope * tl.abs(cols[None, :] - (rows[:, None] + shift)).to(tl.float32)
     return s
@@ -163,11 +162,12 @@ def _key_range(start_m, n_k, shift, left, right, WINDOW: tl.constexpr, BLOCK_M: 
                BLOCK_N: tl.constexpr):
     """Key blocks of the query block at start_m: [lo, full_lo) and [full_hi, hi) need a mask,
     [full_lo, full_hi) none (every row sees every key there); keys outside [lo, hi) are seen by no
-    row and skipped. WINDOW: row i sees keys j with -left <= j - (i + shift) <= right."""
+    row and skipped. WINDOW: row i sees keys j with -left <= j - (i + shift) <= right (WINDOW 1:
+    left unbounded, as causal's)."""
     if WINDOW:
-        lo = (tl.maximum(start_m + shift - left, 0) // BLOCK_N) * BLOCK_N
+        lo = (tl.maximum(start_m + shift - left, 0) // BLOCK_N) * BLOCK_N if WINDOW == 2 else 0
         hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + shift + right), lo)
-        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + shift - left, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + shift - left, 0), BLOCK_N) * BLOCK_N if WINDOW == 2 else 0
         full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
         full_hi = (tl.maximum(start_m + shift + right + 1, 0) // BLOCK_N) * BLOCK_N
         full_hi = tl.maximum(tl.minimum(full_hi, (n_k // BLOCK_N) * BLOCK_N), full_lo)
@@ -188,10 +188,10 @@ def _query_range(start_n, n_q, shift, left, right, WINDOW: tl.constexpr, BLOCK_M
     body_end = n_q if ROWS_PAST_END else (n_q // BLOCK_M) * BLOCK_M
     if WINDOW:
         lo = (tl.maximum(start_n - shift - right, 0) // BLOCK_M) * BLOCK_M
-        hi = tl.maximum(tl.minimum(n_q, start_n + BLOCK_N - shift + left), lo)
+        hi = tl.maximum(tl.minimum(n_q, start_n + BLOCK_N - shift + left) if WINDOW == 2 else n_q, lo)
         full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift - right, 0), BLOCK_M) * BLOCK_M
         full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-        full_hi = (tl.maximum(start_n - shift + left + 1, 0) // BLOCK_M) * BLOCK_M
+        full_hi = (tl.maximum(start_n - shift + left + 1, 0) // BLOCK_M) * BLOCK_M if WINDOW == 2 else body_end
         full_hi = tl.maximum(tl.minimum(full_hi, body_end), full_lo)
     else:
         lo = 0
@@ -207,7 +207,9 @@ def _visible(offs_m, cols, n_k, shift, left, right, WINDOW: tl.constexpr):
     valid = cols[None, :] < n_k
     if WINDOW:
         d = cols[None, :] - (offs_m[:, None] + shift)
-        valid = valid & (d >= -left) & (d <= right)
+        valid = valid & (d <= right)
+        if WINDOW == 2:
+            valid = valid & (d >= -left)
     return valid
 
 
@@ -269,7 +271,7 @@ def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, bq, bk, h, hk, start_m, n_q,
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
     lo, full_lo, full_hi, hi = _key_range(start_m, n_k, shift, left, right, WINDOW, BLOCK_M, BLOCK_N)
-    if WINDOW:
+    if WINDOW == 2:  # the left edge (causal's is empty)
         acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, lo, full_lo, offs_m, n_k, shift,
                                    left, right, qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, True,
                                    BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
@@ -400,7 +402,7 @@ def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, del
     tl.store(lse2_row + offs_m, lse2, mask=row_ok)
     dq = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
     lo, full_lo, full_hi, hi = _key_range(start_m, n_k, shift, left, right, WINDOW, BLOCK_M, BLOCK_N)
-    if WINDOW:
+    if WINDOW == 2:  # the left edge (causal's is empty)
         dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, bk, hk, lo, full_lo, offs_m, n_k, shift, left, right,
                        qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
                        HEAD_DIM_PADDED, USE_DESC, PRECISION)
@@ -511,7 +513,9 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, 
         if MASKED:
             if WINDOW:
                 d = offs_n[:, None] - (offs_m[None, :] + shift)
-                keep = (d >= -left) & (d <= right)
+                keep = d <= right
+                if WINDOW == 2:
+                    keep = keep & (d >= -left)
                 zt = tl.where(keep, zt, float("-inf"))
         pt = tl.exp2(zt)
         do = _load(do_src, b, h, start_m, n_q, sdon, sdod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
@@ -747,10 +751,10 @@ def _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_
 
 @triton.jit(do_not_specialize=["n_k", "n_splits", "last_page", "n_part"])
 def attn_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, seqlens_ptr, table_ptr, alibi_ptr, sm_scale, softcap,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, seqlens_ptr, table_ptr, alibi_ptr, leftpad_ptr, sm_scale, softcap,
     n_q, n_k, n_new, n_heads_k, group, lower_right, left, right, n_splits, last_page, n_part,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, slb, slh, sln, stb, sab, sah,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, ROW_PAGES: tl.constexpr, STORE_LSE: tl.constexpr,
@@ -761,7 +765,8 @@ def attn_decode_kernel(
     `attn_decode_merge_kernel` merges (PDL: launched as this grid's programmatic dependent, so its
     launch overlaps this grid's tail). SEQLENS: sequence b has
     min(seqlens[b] + n_new, n_k) keys (a cache: n_k its capacity), else n_k. Paged K/V strides:
-    skb / svb step pages, stb the page table's rows. USE_DESC: k_ptr / v_ptr are TMA descriptors
+    skb / svb step pages, stb the page table's rows. LEFTPAD: sequence b's keys start at row
+    leftpad[b] (rows before it are seen by no query; positions stay the cache's rows). USE_DESC: k_ptr / v_ptr are TMA descriptors
     (`_kv_tile`). STORE_LSE: the lse is stored (else nothing is written through lse_ptr). Masks
     are windows, left / right UNBOUNDED for an open side: a build without the window's code ran
     5-20% slower on full grids of one query row per KV head (TUNING.md: decode)."""
@@ -806,9 +811,16 @@ def attn_decode_kernel(
     # Keys some row of the block sees, [lo, hi), and those every row sees, [full_lo, full_hi).
     first = tl.min(tl.where(row_ok, pos, n_q), 0)
     last = tl.max(tl.where(row_ok, pos, 0), 0)
-    lo = tl.maximum(first + shift - left, 0)
+    if LEFTPAD:
+        # Keys before the sequence's first row: each row's window's left side stops there.
+        first_key = tl.minimum(tl.maximum(tl.load(leftpad_ptr + b), 0), n_k_b)
+        mask_left = tl.minimum(left, pos + shift - first_key)[:, None]
+    else:
+        first_key = 0
+        mask_left = left
+    lo = tl.maximum(first + shift - left, first_key)
     hi = tl.maximum(tl.minimum(n_k_b, last + shift + right + 1), lo)
-    full_lo = tl.cdiv(tl.maximum(last + shift - left, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(tl.maximum(last + shift - left, first_key), BLOCK_N) * BLOCK_N
     full_hi = (tl.maximum(first + shift + right + 1, 0) // BLOCK_N) * BLOCK_N
     full_hi = tl.minimum(full_hi, (n_k_b // BLOCK_N) * BLOCK_N)
     # This program's slice of [lo, hi), whole key blocks each.
@@ -830,16 +842,16 @@ def attn_decode_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
     acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, s_lo,
-                                  mid_lo, pos, n_k_b, shift, left, right, qk_scale, cap_scale, slope, skn, skd, skb,
-                                  svn, svd, svb, last_page, True, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
+                                  mid_lo, pos, n_k_b, shift, mask_left, right, qk_scale, cap_scale, slope, skn, skd, skb,
+                                  svn, svd, svb, last_page, 2, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
                                   HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
     acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, mid_lo,
-                                  mid_hi, pos, n_k_b, shift, left, right, qk_scale, cap_scale, slope, skn, skd, skb,
-                                  svn, svd, svb, last_page, True, SOFTCAP, ALIBI, False, BLOCK_N, HEAD_DIM,
+                                  mid_hi, pos, n_k_b, shift, mask_left, right, qk_scale, cap_scale, slope, skn, skd, skb,
+                                  svn, svd, svb, last_page, 2, SOFTCAP, ALIBI, False, BLOCK_N, HEAD_DIM,
                                   HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
     acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, mid_hi,
-                                  s_hi, pos, n_k_b, shift, left, right, qk_scale, cap_scale, slope, skn, skd, skb,
-                                  svn, svd, svb, last_page, True, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
+                                  s_hi, pos, n_k_b, shift, mask_left, right, qk_scale, cap_scale, slope, skn, skd, skb,
+                                  svn, svd, svb, last_page, 2, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
                                   HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]

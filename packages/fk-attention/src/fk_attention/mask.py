@@ -37,6 +37,12 @@ class Mask:
         return self.left is not None or self.right is not None
 
     @property
+    def window_build(self) -> int:
+        """The kernels' WINDOW: 0 no window, 1 one whose left side is unbounded (causal's: no
+        compares on that side), 2 one bounded on the left."""
+        return 0 if not self.windowed else 1 if self.left is None else 2
+
+    @property
     def span(self) -> int | None:
         """Keys a query sees at most under a two-sided window; None where a side is unbounded."""
         return None if self.left is None or self.right is None else self.left + self.right + 1

@@ -249,16 +249,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
 def _forward_kvcache(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
     k: torch.Tensor | None, v: torch.Tensor | None, block_table: torch.Tensor | None, sm_scale: float,
-    mask: list[float], alibi: torch.Tensor | None = None,
+    mask: list[float], alibi: torch.Tensor | None = None, leftpad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale, mask, alibi)
+    return _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale, mask, alibi, leftpad)
 
 
 def _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: float, mask: list[float],
-             alibi=None, facts: tuple | None = None):
+             alibi=None, leftpad=None, facts: tuple | None = None):
     """The registered op's implementation; `facts`: the inputs' `decode.layouts`, where the
     caller has them (eager calls)."""
     cache_seqlens, block_table = _index("cache_seqlens", cache_seqlens), _index("block_table", block_table)
+    leftpad = _index("cache_leftpad", leftpad)
     if k is not None and not torch.is_inference_mode_enabled():  # torch's rule, which the kernel's write bypasses
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if t.is_inference():
@@ -266,7 +267,7 @@ def _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: fl
                                    f"inplace updates to inference tensors outside InferenceMode are not allowed; "
                                    f"call under torch.inference_mode(), or allocate the cache outside it")
     return decode.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                                  from_op_args(mask), sm_scale, facts, alibi=alibi)
+                                  from_op_args(mask), sm_scale, facts, alibi=alibi, leftpad=leftpad)
 
 
 # Forward only (an inference call); writes the new rows into the caches in place.
@@ -281,7 +282,7 @@ def _forward_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, causal=False,
                            sm_scale: float | None = None, window=None, softcap: float | None = None,
-                           return_lse: bool = False, alibi_slopes=None):
+                           return_lse: bool = False, alibi_slopes=None, cache_leftpad=None):
     """Attention of new queries against a KV cache, as FlashAttention's `flash_attn_with_kvcache`:
     first `k` / `v` (new rows, may be None) are written into the caches in place at each sequence's
     length, then q attends to the cache's first cache_seqlens[b] + Nnew rows, lower-right aligned
@@ -304,12 +305,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
     the capacity are dropped and keys past it not read, page indices clamped to the cache (wrong
     rows, never an out-of-range access). fp16, bf16, fp32. `alibi_slopes` fp32 (Hq,) or (B, Hq) as
     in `attention` (the distance counted from the query's position at the cache's end).
+    `cache_leftpad` int32 (B,): sequence b's keys start at row cache_leftpad[b] of its cache (rows
+    before it are seen by no query; positions, rotary's and ALiBi's, stay the cache's rows), as
+    FlashAttention's; dense and paged caches.
 
     Returns out like q, and with `return_lse=True` also lse (B, Hq, Nq) fp32 (natural log). Under
     `torch.autocast` q and the new rows are taken in its dtype (the caches' must match it)."""
     tensors = (q, k_cache, v_cache, cache_seqlens, k, v, block_table)
     key = fk_ops.quiet_key("attention_with_kvcache", tensors, (causal, sm_scale, window, softcap, return_lse))
-    if key is not None and k_cache is not None and v_cache is not None and alibi_slopes is None:
+    if key is not None and k_cache is not None and v_cache is not None and alibi_slopes is None \
+            and cache_leftpad is None:
         # torch's rule on writes into inference tensors (`_kvcache`) reads the mode and the caches
         key = (key, torch.is_inference_mode_enabled(), k_cache.is_inference(), v_cache.is_inference())
         run = decode.BOUND.get(key)
@@ -333,7 +338,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
     return_lse = checks.check_flag("return_lse", return_lse)
     check_alibi(alibi_slopes, q, q.shape[0], q.shape[1])
     args = (q, k_cache, v_cache, cache_seqlens, k, v, block_table, softmax_scale(sm_scale, q.shape[-1]), mask,
-            alibi_slopes)
+            alibi_slopes, cache_leftpad)
     if not eager:
         out, lse = ATTENTION_KVCACHE(*args)
     else:
@@ -349,7 +354,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
             torch.autograd.graph.increment_version(k_cache)
             torch.autograd.graph.increment_version(v_cache)
         # this call passed every check: the key's next calls go straight to its plan
-        fk_ops.keep_quiet(decode.BOUND, key, lambda: _quiet_kvcache(*args[:-1], return_lse))
+        fk_ops.keep_quiet(decode.BOUND, key, lambda: _quiet_kvcache(*args[:-2], return_lse))
     return (out, lse) if return_lse else out
 
 

@@ -44,7 +44,7 @@ from fk_runtime.launch import FP_FUSION, Descriptor, Launch, PlanCache, bind_con
 from . import hopper, kernels
 from .config import (AUTOTUNE_DTYPES, AUTOTUNE_ENV, AUTOTUNE_MIN_SCORES, AUTOTUNE_WARMUP_MS, CACHE_SIZE,
                      KEY_ARGS, KEY_MAX_HEADS, KEY_MAX_LENGTH, KEY_MIN_LENGTH, TAIL_COLS, TAIL_ROWS, Config, Kind,
-                     candidates, default_config, hip_waves_per_eu, launch_options)
+                     candidates, default_config, hip_waves_per_eu, launch_options, window_build)
 from .layout import (FP8_DTYPES, Packing, alibi_strides, bases_aligned, check_backward, check_bounds, check_inputs,
                      descriptor_strides, descriptors_may_serve, fit, fp8_supported, heads_inside_tokens,
                      kernel_strides, new_output, output_dtype, packed, padded_head_dim, precision,
@@ -317,7 +317,7 @@ def tuning_keys(n_q: int, n_k: int, batch_heads: int, dtype: torch.dtype, mask: 
 
 
 def _meta(mask: Mask, varlen: bool, head_dim: int, dtype: torch.dtype, alibi: bool = False) -> dict:
-    return {"WINDOW": mask.windowed, "SOFTCAP": mask.softcap is not None, "ALIBI": alibi, "VARLEN": varlen,
+    return {"WINDOW": window_build(mask), "SOFTCAP": mask.softcap is not None, "ALIBI": alibi, "VARLEN": varlen,
             "HEAD_DIM": head_dim, "PRECISION": precision(dtype),
             "HEAD_DIM_PADDED": padded_head_dim(head_dim, dtype)}
 
@@ -388,9 +388,9 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
             return t
 
     if q.numel() == 0 or b == 0:
-        return lambda *args: new_outputs()
+        return lambda *args, **kwargs: new_outputs()
     if k.numel() == 0:  # no keys: SDPA gives zeros; the log-sum-exp of nothing is -inf
-        def no_keys(*args):
+        def no_keys(*args, **kwargs):
             out, lse = new_outputs()
             return out.zero_(), lse.fill_(-math.inf)
         return no_keys
@@ -532,7 +532,7 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
             return t
 
     if q.numel() == 0 or k.numel() == 0 or b == 0:
-        return lambda *args: tuple(g.zero_() for g in new_grads())
+        return lambda *args, **kwargs: tuple(g.zero_() for g in new_grads())
     # An expanded gradient (`out.sum().backward()`: zero strides) is materialized: TMA cannot read
     # it, and the pointer path costs more than the copy.
     expanded = 0 in grad_out.stride()

@@ -41,8 +41,9 @@ TFLOPS = "TFLOP/s"
 # run out of cache; capped to bound memory.
 ROTATE_L2_FACTOR = 3
 MAX_INPUT_SETS = 4
-# On the interpreter nothing is worth timing precisely: a few host-timed runs.
-INTERPRETER_REPS = 3
+# On the interpreter nothing is worth timing precisely: one host-timed run after a warm-up (each
+# run is a second or more of Python; CI's whole main job is its budget).
+INTERPRETER_REPS = 1
 # Calls run before capture, so that compilation, autotuning and lazy allocations stay outside it.
 GRAPH_WARMUP_CALLS = 3
 COPY_BYTES_GPU = 1 << 30
