@@ -1,20 +1,8 @@
 """e2e/first_call.py (GPU-only measurement): its section from a run's numbers."""
 
-import importlib.util
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "e2e" / "first_call.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("first_call", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_section_reports_cold_warm_sweep_and_packed_loop():
-    first_call = _module()
+def test_section_reports_cold_warm_sweep_and_packed_loop(e2e_script):
+    first_call = e2e_script("first_call")
     rows = [dict(op="attention", case="B2 H8 N1024 d128 causal", dtype="bfloat16", fk_ms=4100.0, peer_ms=900.0)]
     warm = [dict(rows[0], fk_ms=310.0, peer_ms=60.0)]
     sweep = dict(fk=[2500.0] + [0.4] * 99 + [61.0], sdpa=[900.0] + [0.3] * 100)

@@ -1,18 +1,8 @@
 """e2e/triton_versions.py: one run per Triton version, then a section that sets each against the
 baseline's run (host time as fk over torch in the same process, device time row by row)."""
 
-import importlib.util
 import json
 from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "e2e" / "triton_versions.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("triton_versions", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run(folder: Path, triton: str, fk_us: float, torch_us: float, ms: dict, dispatched=0.0) -> None:
@@ -26,8 +16,8 @@ def _run(folder: Path, triton: str, fk_us: float, torch_us: float, ms: dict, dis
                                                                      skipped=[])))
 
 
-def test_summary_sets_each_version_against_the_baseline(tmp_path):
-    versions = _module()
+def test_summary_sets_each_version_against_the_baseline(tmp_path, e2e_script):
+    versions = e2e_script("triton_versions")
     _run(tmp_path, "3.6.0", 40.0, 20.0, {"B1 N128": 1.0, "B1 N4096": 2.0})
     # A slower process: torch's op took twice as long, so fk's doubled time is no regression.
     _run(tmp_path, "3.8.0", 80.0, 40.0, {"B1 N128": 1.1, "B1 N4096": 1.9}, dispatched=1.0)

@@ -142,6 +142,7 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
     forces K/V through TMA on or off (tests; None: `kv_descriptors`)."""
     if cache is None:  # the registered ops can be called unchecked: once per plan, here (caches: `check_cache`)
         check_inputs(q, k, v)
+        check_alibi(alibi, q, q.shape[0], q.shape[1])
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_kernel_device(name, t)
     b, hq, n_q, d = q.shape

@@ -45,7 +45,8 @@ from . import hopper, kernels
 from .config import (AUTOTUNE_DTYPES, AUTOTUNE_ENV, AUTOTUNE_MIN_SCORES, AUTOTUNE_WARMUP_MS, CACHE_SIZE,
                      KEY_ARGS, KEY_MAX_HEADS, KEY_MAX_LENGTH, KEY_MIN_LENGTH, TAIL_COLS, TAIL_ROWS, Config, Kind,
                      candidates, default_config, hip_waves_per_eu, launch_options, window_build)
-from .layout import (FP8_DTYPES, Packing, alibi_strides, bases_aligned, check_backward, check_bounds, check_inputs,
+from .layout import (FP8_DTYPES, Packing, alibi_strides, bases_aligned, check_alibi, check_backward, check_bounds,
+                     check_inputs,
                      descriptor_strides, descriptors_may_serve, fit, fp8_supported, heads_inside_tokens,
                      kernel_strides, new_output, output_dtype, packed, padded_head_dim, precision,
                      row_offsets_fit, strides_allow_descriptors, widened)
@@ -184,9 +185,14 @@ def winners_file(device: torch.device) -> Path:
 
     root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "fk")
     name = backend.device_name(device.index or 0)
-    fk = package_version(__package__, str(Path(__file__).with_name("__init__.py")))
+    fk = _fk_version()
     stem = "-".join(re.sub(r"[^A-Za-z0-9.]+", "_", part) for part in (name, f"triton{triton.__version__}", f"fk{fk}"))
     return root / f"attention-tuning-{stem}.json"
+
+
+@functools.cache
+def _fk_version() -> str:
+    return package_version(__package__, str(Path(__file__).with_name("__init__.py")))
 
 
 def _stored_key(key) -> str:
@@ -357,6 +363,7 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
         if not ok:
             raise TypeError(why)
     varlen = packing is not None
+    check_alibi(alibi, q, packing.sequences if varlen else q.shape[0], q.shape[1])  # once per plan
     dtype, device, out_dtype = q.dtype, q.device, output_dtype(q.dtype)
     out_proto = torch.empty(0, dtype=out_dtype, device=device)
     fp32 = torch.empty(0, dtype=torch.float32, device=device)
