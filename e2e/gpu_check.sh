@@ -2,7 +2,7 @@
 # One Triton version's GPU check, on the Triton that `python3` imports (a GPU box without network:
 # run from source; another Triton is put first on PYTHONPATH by the caller):
 #   bash e2e/gpu_check.sh OUT_DIR [TEST_SECONDS] [DEVICE_BUDGET_S] [TESTS...]
-# 1. the test suite on the GPU, 10 workers (compiles run in parallel), stopped with SIGINT after
+# 1. the test suite on the GPU, FK_GPU_WORKERS workers (default 10; compiles run in parallel), stopped with SIGINT after
 #    TEST_SECONDS (default 330) so that pytest still prints its summary and slowest tests; every
 #    worker left is killed before anything is timed;
 # 2. e2e/triton_versions.py (host time per call, launches through Triton's dispatch, fk's device
@@ -25,13 +25,13 @@ python3 -c "import torch, numpy; print('triton $version, torch', torch.__version
 torch.cuda.get_device_name())"
 if [ "$test_s" -gt 0 ]; then
   start=$(date +%s)
-  timeout -s INT -k 20 "$test_s" bash shared/from-source.sh python3 -m pytest -v -n 10 -p no:cacheprovider \
+  timeout -s INT -k 20 "$test_s" bash shared/from-source.sh python3 -m pytest -v -n "${FK_GPU_WORKERS:-10}" -p no:cacheprovider \
     -p no:benchmark -rfE --durations=25 "${tests[@]}" > "$out/tests-$version.log" 2>&1
   echo "tests: rc $?, $(( $(date +%s) - start )) s, $(grep -c ' PASSED ' "$out/tests-$version.log") passed," \
     "$(grep -c ' SKIPPED ' "$out/tests-$version.log") skipped, of $(grep -oE '\[[0-9]+ items\]' "$out/tests-$version.log")"
   grep -aE "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$out/tests-$version.log" | tail -30
   # xdist workers are execnet processes reading their code from stdin
-  pkill -f "pytest -v -n 10" 2>/dev/null; pkill -f "sys.stdin.readline" 2>/dev/null; sleep 2
+  pkill -f "pytest -v -n" 2>/dev/null; pkill -f "sys.stdin.readline" 2>/dev/null; sleep 2
 fi
 if [ "$budget_s" -gt 0 ]; then
   start=$(date +%s)

@@ -127,7 +127,7 @@ def _fmt(x, digits: int) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
-def summarize(folders: list[Path], out: Path, baseline: str = BASELINE) -> str:
+def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: str = "on the same machine") -> str:
     runs = {}
     for folder in folders:
         for path in sorted(folder.glob(f"{PREFIX}*.json")):
@@ -142,7 +142,7 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE) -> str:
     lines = [
         "## Triton versions", "",
         f"{first['device']}, torch {first['torch']}; Triton {', '.join(versions)}, each in its own process on "
-        f"the same machine ({', '.join(runs[v]['meta']['date'] for v in versions)}). `÷ {_release(base)}`: the "
+        f"{where} ({', '.join(runs[v]['meta']['date'] for v in versions)}). `÷ {_release(base)}`: the "
         f"version's time over {_release(base)}'s (below 1: faster). Host: µs per eager call on a tiny input "
         "(the host section's method), fk's and torch's op in the same process; host time moves between "
         "processes on this machine (torch's own op by up to 1.8x here), so a version's host figure is "
@@ -225,11 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summarize", type=Path, nargs="+", default=None,
                         help="folders of earlier runs' versions-*.json: write the section")
     parser.add_argument("--baseline", default=BASELINE)
+    parser.add_argument("--where", default="on the same machine", help="where the runs ran (the section's words)")
     parser.add_argument("--autotune", action="store_true", help="let attention autotune (off by default)")
     args = parser.parse_args(argv)
     os.environ["FK_AUTOTUNE"] = "1" if args.autotune else "0"
     if args.summarize is not None:
-        summarize(args.summarize, args.out, args.baseline)
+        summarize(args.summarize, args.out, args.baseline, args.where)
     else:
         measure(args.out, tuple(args.tables), args.budget_s)
     return 0

@@ -82,3 +82,11 @@ def test_interpreter_numpy_pairs_that_cannot_run_say_so(monkeypatch):
                 backend.check_interpreter_numpy()
         else:
             backend.check_interpreter_numpy()
+
+
+def test_every_supported_triton_has_the_cache_key_fk_hashes_ahead():
+    """`launch.hash_triton` (run in a thread at import on a GPU) finds Triton's cache-key function
+    on this Triton, so the first compile of a process does not wait for it."""
+    from fk_runtime import launch
+
+    assert launch.hash_triton()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 import warnings
 
@@ -53,6 +54,8 @@ MAX_SPECIALIZATIONS = 16
 # Floating-point contraction (a * b + c as one FMA), pinned: Triton 3.9 warns while it is left to
 # its default and 3.10 turns the default off; fk's kernels were written and measured with it on.
 FP_FUSION = True
+# FK_PREWARM=0: no thread at import hashing Triton's sources for its cache key (`hash_triton`).
+PREWARM_ENV = "FK_PREWARM"
 # Bound plans an op keeps (and the size of its plan functions' caches): a model uses a handful of
 # shapes; a sweep over thousands should not grow without bound.
 PLAN_CACHE_SIZE = 1024
@@ -366,6 +369,8 @@ class Launch:
 
     def _slow(self, head) -> None:
         real = tuple(a.real() if isinstance(a, Descriptor) else a for a in head)
+        for thread in _hashing:  # else Triton hashes its sources again rather than wait for the thread's hash
+            thread.join()
         with self._on_device():
             bind_context(self.device)
             compiled = self.kernel[self.grid](*real, *self.tail, **self.meta)  # compiles on first use
@@ -419,3 +424,24 @@ class PlanCache(dict):
                 self.clear()
             plan = self[key] = build()
         return plan
+
+
+def hash_triton() -> bool:
+    """Compute Triton's own cache key once for this process (`triton_key`: a hash of its sources and
+    of libtriton, about 500 MB), which the first kernel a process compiles or loads from Triton's
+    cache otherwise waits for (0.5 s on the H100 box, 1.3 s on a 2-core CPU). False where this
+    Triton has no such function."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return False
+    triton_key()
+    return True
+
+
+# Started at import, the hash runs while the caller builds its model and inputs (file reads and
+# hashlib release the GIL); the first launch waits for what is left of it.
+_hashing: list[threading.Thread] = []
+if os.environ.get(PREWARM_ENV, "1") != "0" and not backend.interpreter_requested() and torch.cuda.is_available():
+    _hashing.append(threading.Thread(target=hash_triton, name="fk-hash-triton", daemon=True))
+    _hashing[0].start()

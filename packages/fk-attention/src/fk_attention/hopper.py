@@ -164,7 +164,7 @@ if gluon is not None:
         tma_store(o_desc, [b, h, row0, 0], q_tile)
         store_wait(0)
 
-    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift"])
+    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "slb", "slh"])
     def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, n_q, n_k, n_heads, group, shift,
                                slb, slh, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                STAGES: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,

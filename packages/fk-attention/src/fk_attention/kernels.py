@@ -32,9 +32,10 @@ from triton.language.extra import cuda as tl_cuda
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-# Packed backward scratch rows: each sequence's rows start on a multiple of this and are padded
-# to one (`_stats_first`): at least the dK/dV kernel's BLOCK_M (its reads of them are unmasked).
+# Backward scratch rows start on and pad to a multiple of this (>= dK/dV's BLOCK_M: its packed reads are unmasked).
 STATS_ALIGN = tl.constexpr(64)
+# Arguments that move with the lengths: never specialized, so that a new length compiles nothing.
+LENGTHS = ["n_q", "n_k", "total_q", "total_k", "n_q_key", "n_k_key", "bh_key", "slb", "slh"]
 
 
 @triton.jit
@@ -107,9 +108,8 @@ def _store(dst, tile, b, h, start, n_rows, stride_n, stride_d, BLOCK: tl.constex
 
 @triton.jit
 def _sequence(cu_ptr, b, n_fixed, total, VARLEN: tl.constexpr):
-    """(first row, length) of sequence b: packed sequences read their bounds from the int32 prefix
-    sums, clamped to [0, total] (bad bounds give wrong rows, never an out-of-range access); a
-    dense batch starts every sequence at row 0 with the same length."""
+    """(first row, length) of sequence b: packed ones from the int32 prefix sums, clamped to [0, total] (bad
+    bounds give wrong rows, never an out-of-range access); a dense batch's start at row 0, all one length."""
     if VARLEN:
         first = tl.minimum(tl.maximum(tl.load(cu_ptr + b), 0), total)
         end = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1), first), total)
@@ -125,8 +125,7 @@ def _tanh(x):
 
 @triton.jit
 def _capped(s, cap_scale, SOFTCAP: tl.constexpr):
-    """Scores before the base-2 scale: tanh(s * sm_scale / cap) with softcapping (the kernels'
-    qk_scale then holds cap * log2(e)), else s itself."""
+    """Scores before the base-2 scale: tanh(s * sm_scale / cap) with softcap (qk_scale holds cap * log2(e)), else s."""
     if SOFTCAP:
         return _tanh(s * cap_scale)
     return s
@@ -144,9 +143,10 @@ def _scales(sm_scale, softcap, SOFTCAP: tl.constexpr):
 @triton.jit
 def _slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI: tl.constexpr):
     """ALiBi's slope of head (b, h) over qk_scale (the bias lands on the scaled scores, as in FA)."""
+    slope = 0.0  # one return: the compiler types them all, and the decode kernel's per-row h gives a block
     if ALIBI:
-        return tl.load(alibi_ptr + tl.cast(b, tl.int64) * sab + tl.cast(h, tl.int64) * sah) * (LOG2E / qk_scale)
-    return 0.0
+        slope = tl.load(alibi_ptr + tl.cast(b, tl.int64) * sab + tl.cast(h, tl.int64) * sah) * (LOG2E / qk_scale)
+    return slope
 
 
 @triton.jit
@@ -288,7 +288,7 @@ def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, bq, bk, h, hk, start_m, n_q,
     tl.store(lse_row + offs_m, lse, mask=offs_m < n_q)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k", "total_q", "total_k", "n_q_key", "n_k_key", "bh_key"])
+@triton.jit(do_not_specialize=LENGTHS)
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, alibi_ptr, sm_scale, softcap,
     n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
@@ -415,7 +415,7 @@ def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, del
     _store(dq_dst, dq * sm_scale, bq, h, start_m, n_q, sdqn, sdqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k", "total_q", "total_k", "n_q_key", "n_k_key", "bh_key"])
+@triton.jit(do_not_specialize=LENGTHS + ["sdlb", "sdlh"])
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
     alibi_ptr, sm_scale, softcap, n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
@@ -574,7 +574,7 @@ def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr
     _store(dv_dst, dv, bk, hk, start_n, n_k, sdvn, sdvd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k", "total_q", "total_k", "n_q_key", "n_k_key", "bh_key"])
+@triton.jit(do_not_specialize=LENGTHS[:-2])
 def attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, alibi_ptr,
     sm_scale, softcap, n_q, n_k, n_heads_k, group, lower_right, left, right, total_q, total_k,
@@ -643,13 +643,13 @@ def _fill_rows(t_ptr, rows, keep, n_cols, stride_r, stride_c, value, BLOCK_C: tl
         tl.store(t_ptr + at, fill.to(t_ptr.dtype.element_ty), mask=keep[:, None] & (cols[None, :] < n_cols))
 
 
-@triton.jit(do_not_specialize=["n_seq", "total"])
+@triton.jit(do_not_specialize=["n_seq", "total", "a_cols", "a_stride_r", "a_stride_c", "b_cols", "b_stride_r",
+                             "b_stride_c"])
 def fill_tail_kernel(a_ptr, b_ptr, cu_ptr, n_seq, total, a_cols, a_stride_r, a_stride_c, a_value,
                      b_cols, b_stride_r, b_stride_c, b_value,
                      TWO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Token rows [cu[n_seq], total) of one or two tensors (a, and b with TWO) set to a value: the
-    rows of a padded buffer past its last sequence, which no attention kernel writes (their outputs
-    and gradients would hold whatever the memory did). The bound is read here (clamped to
+    """Token rows [cu[n_seq], total) of one or two tensors (a, and b with TWO) set to a value: the rows of a
+    padded buffer past its last sequence, which no attention kernel writes. The bound is read here (clamped to
     [0, total], as the kernels clamp); a program whose rows all belong to sequences stores nothing."""
     start = tl.program_id(0) * BLOCK_R
     end = tl.minimum(tl.maximum(tl.load(cu_ptr + n_seq), 0), total)

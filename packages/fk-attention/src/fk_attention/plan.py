@@ -527,10 +527,11 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
         def new_grads():
             return tuple(new_output(shape, bnhd, grad_proto) for shape, bnhd in layouts)
 
-        scratch_strides = (hq * n_q, n_q)
+        padded_n = sizing.cdiv(n_q, STATS_ALIGN) * STATS_ALIGN  # strides and offsets that never move with N
+        scratch_strides = (hq * padded_n, padded_n)
 
         def new_stats():
-            return alloc.new_empty(fp32, (2, b, hq, n_q))
+            return alloc.new_empty(fp32, (2, b, hq, padded_n))
 
         def as_kernel(t):
             return t
