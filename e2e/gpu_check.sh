@@ -2,7 +2,7 @@
 # One Triton version's GPU check, on the Triton that `python3` imports (a GPU box without network:
 # run from source; another Triton is put first on PYTHONPATH by the caller):
 #   bash e2e/gpu_check.sh OUT_DIR [TEST_SECONDS] [DEVICE_BUDGET_S] [TESTS...]
-# 1. the test suite on the GPU, FK_GPU_WORKERS workers (default 10; compiles run in parallel), stopped with SIGINT after
+# 1. the test suite on the GPU, FK_GPU_WORKERS workers (default 10: compiles run in parallel), SIGINT after
 #    TEST_SECONDS (default 330) so that pytest still prints its summary and slowest tests; every
 #    worker left is killed before anything is timed;
 # 2. e2e/triton_versions.py (host time per call, launches through Triton's dispatch, fk's device

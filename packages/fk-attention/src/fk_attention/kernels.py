@@ -34,8 +34,8 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # Backward scratch rows start on and pad to a multiple of this (>= dK/dV's BLOCK_M: its packed reads are unmasked).
 STATS_ALIGN = tl.constexpr(64)
-# Arguments that move with the lengths: never specialized, so that a new length compiles nothing.
-LENGTHS = ["n_q", "n_k", "total_q", "total_k", "n_q_key", "n_k_key", "bh_key", "slb", "slh"]
+# Arguments that move with the lengths (kernels add their lse strides): never specialized (no recompiles).
+LENGTHS = ["n_q", "n_k", "total_q", "total_k", "n_q_key", "n_k_key", "bh_key"]
 
 
 @triton.jit
@@ -288,7 +288,7 @@ def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, bq, bk, h, hk, start_m, n_q,
     tl.store(lse_row + offs_m, lse, mask=offs_m < n_q)
 
 
-@triton.jit(do_not_specialize=LENGTHS)
+@triton.jit(do_not_specialize=LENGTHS + ["slb", "slh"])
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, alibi_ptr, sm_scale, softcap,
     n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
@@ -415,7 +415,7 @@ def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, del
     _store(dq_dst, dq * sm_scale, bq, h, start_m, n_q, sdqn, sdqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
 
-@triton.jit(do_not_specialize=LENGTHS + ["sdlb", "sdlh"])
+@triton.jit(do_not_specialize=LENGTHS + ["slb", "slh", "sdlb", "sdlh"])
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
     alibi_ptr, sm_scale, softcap, n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
@@ -574,7 +574,7 @@ def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr
     _store(dv_dst, dv, bk, hk, start_n, n_k, sdvn, sdvd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
 
-@triton.jit(do_not_specialize=LENGTHS[:-2])
+@triton.jit(do_not_specialize=LENGTHS)
 def attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, alibi_ptr,
     sm_scale, softcap, n_q, n_k, n_heads_k, group, lower_right, left, right, total_q, total_k,
