@@ -1,11 +1,16 @@
 """Ring attention over gloo, 2 and 4 CPU processes (the Triton interpreter), and, where two GPUs
 are, over NCCL on them (also at GPU sizes): its output, log-sum-exp and gradients gathered from
 every rank against single-process fk attention on the full sequence and against a float64
-reference with an explicit mask; bad inputs."""
+reference with an explicit mask; sliding windows and packed documents across 2 ranks against the
+float64 reference, the chunk pairs they skip, each step's plan against the mask; bad inputs."""
 
+import bisect
 import functools
+import itertools
 import json
 import math
+import random
+import types
 
 import pytest
 import torch
@@ -15,7 +20,7 @@ from fk_runtime.harness import testing
 
 from fk_attention import attention
 from fk_attention import ring, ring_bench
-from fk_attention.ring import gather_sequence, ring_attention, shard_sequence
+from fk_attention.ring import gather_sequence, ring_attention, ring_attention_varlen, shard_sequence
 
 # id: (ranks, batch, q heads, kv heads, full length, head dim, dtype, causal, layout, lse in the loss)
 CASES = {
@@ -34,6 +39,18 @@ BIG_CASES = {
     "w4-causal-gqa-bf16-d128-lse": (4, 1, 8, 2, 8192, 128, torch.bfloat16, True, "zigzag", True),
 }
 ALL_CASES = {**CASES, **BIG_CASES}
+# Sliding windows and packed documents, on 2 ranks (PAIR among 4), B 1, N 64, D 16, fp32, the lse
+# in the loss. id: (q heads, kv heads, causal, layout, window, document lengths; None: one sequence)
+MASKED_CASES = {
+    "window-8-0-causal-zigzag": (2, 1, True, "zigzag", (8, 0), None),
+    "window-8-0-causal-contiguous": (2, 2, True, "contiguous", (8, 0), None),
+    "window-4-4-zigzag": (2, 1, False, "zigzag", (4, 4), None),
+    "window-4-4-contiguous": (2, 2, False, "contiguous", (4, 4), None),
+    "docs-causal-zigzag": (2, 1, True, "zigzag", None, (5, 40, 19)),
+    "docs-full-contiguous": (2, 2, False, "contiguous", None, (5, 40, 19)),
+    "docs-window-7-2-zigzag": (2, 1, False, "zigzag", (7, 2), (5, 40, 19)),
+}
+MASKED_N, MASKED_D = 64, 16
 WORLD = 4
 GPU_WORLD = 4 if testing.gpu_ranks_available(4) else 2
 GPU_CASES = {case: spec for case, spec in ALL_CASES.items() if spec[0] <= GPU_WORLD}
@@ -50,13 +67,23 @@ def forward_backward(fn, q, k, v, grad_out, grad_lse, with_lse: bool) -> dict:
     return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def reference(q, k, v, causal: bool):
-    """Float64 attention with the mask written out: (out, lse)."""
+def reference(q, k, v, causal: bool, window=None, documents=None):
+    """Float64 attention with the mask written out (causal, window (left, right), documents'
+    lengths): (out, lse)."""
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        n = scores.shape[-1]
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    n = scores.shape[-1]
+    i, j = torch.arange(n, device=q.device)[:, None], torch.arange(n, device=q.device)[None, :]
+    seen = torch.ones(n, n, dtype=torch.bool, device=q.device) if not causal else j <= i
+    left, right = window or (None, None)
+    if left is not None:
+        seen = seen & (j >= i - left)
+    if right is not None:
+        seen = seen & (j <= i + right)
+    if documents is not None:
+        doc = torch.repeat_interleave(torch.arange(len(documents)), torch.tensor(documents)).to(q.device)
+        seen = seen & (doc[:, None] == doc[None, :])
+    scores = scores.masked_fill(~seen, -math.inf)
     return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
 
 
@@ -76,13 +103,57 @@ def gathered_run(case: str, full: list[torch.Tensor], group, device: torch.devic
     return {name: gather_sequence(t, 2, group, layout).cpu() for name, t in local.items()}
 
 
-def rank_main(rank: int, store: str, inputs: dict, result: str, world: int = WORLD, backend: str = "gloo") -> None:
+def new_masked_inputs(case: str) -> list[torch.Tensor]:
+    """Fresh (1, H, N, D) q, k, v, upstream gradient of out, and of lse (1, H, N), fp32."""
+    hq, hk, *_ = MASKED_CASES[case]
+    shapes = [(1, hq, MASKED_N, MASKED_D), (1, hk, MASKED_N, MASKED_D), (1, hk, MASKED_N, MASKED_D),
+              (1, hq, MASKED_N, MASKED_D)]
+    return [torch.randn(s) for s in shapes] + [torch.randn(1, hq, MASKED_N)]
+
+
+def masked_run(case: str, full: list[torch.Tensor], group, device: torch.device) -> tuple[dict, dict]:
+    """One windowed or packed case on this rank's shards, gathered back to (1, H, N, D) / (1, H, N)
+    on the CPU; and this rank's skip counters of the case."""
+    _, _, causal, layout, window, documents = MASKED_CASES[case]
+    full = [t.to(device) for t in full]
+    ring.STATS.clear()
+    if documents is None:
+        shards = [shard_sequence(t, 2, group, layout) for t in full]
+        attend = functools.partial(ring_attention, group=group, causal=causal, layout=layout, window=window,
+                                   return_lse=True)
+        local = forward_backward(attend, *shards, True)
+        gathered = {name: gather_sequence(t, 2, group, layout).cpu() for name, t in local.items()}
+    else:
+        # Packed (N, H, D) tokens and a (H, N) lse, cut along the tokens.
+        packed = [t[0].transpose(0, 1).contiguous() for t in full[:4]] + [full[4][0]]
+        shards = [shard_sequence(t, 0, group, layout) for t in packed[:4]]
+        shards.append(shard_sequence(packed[4], 1, group, layout))
+        cu = torch.tensor([0, *itertools.accumulate(documents)], dtype=torch.int32, device=device)
+        with pytest.raises(ValueError, match="last entry must be the global token count 64"):
+            ring_attention_varlen(*shards[:3], cu[:-1], 40, group=group, layout=layout)
+        attend = functools.partial(ring_attention_varlen, cu_seqlens=cu, max_seqlen=max(documents),
+                                   group=group, causal=causal, window=window, layout=layout, return_lse=True)
+        local = forward_backward(attend, *shards, True)
+        gathered = {name: gather_sequence(t, 1 if name == "lse" else 0, group, layout).cpu()
+                    for name, t in local.items()}
+        gathered = {name: t.unsqueeze(0) if name == "lse" else t.transpose(0, 1).unsqueeze(0)
+                    for name, t in gathered.items()}
+    return gathered, dict(ring.STATS)
+
+
+def rank_main(rank: int, store: str, inputs: dict, result: str, world: int = WORLD, backend: str = "gloo",
+              masked: dict | None = None) -> None:
     """One of `world` ranks (gloo: CPU processes; nccl: one GPU each): each case on its shards, over
     every rank or, for 2-rank cases among 4, over PAIR; rank 1, which is in every case, saves what
-    it gathered."""
+    it gathered (the `masked` cases' under "masked", with both ranks' skip counters under "stats")."""
     device = testing.init_rank(rank, world, store, backend)
     pair = dist.new_group(PAIR) if world == WORLD else None  # every rank takes part in making it
-    gathered = {}
+    gathered = {"masked": {}, "stats": {}}
+    if pair is None or rank in PAIR:
+        for case, full in (masked or {}).items():
+            gathered["masked"][case], stats = masked_run(case, full, pair, device)
+            gathered["stats"][case] = [None] * 2
+            dist.all_gather_object(gathered["stats"][case], stats, group=pair)
     for case, full in inputs.items():
         group = None if ALL_CASES[case][0] == world else pair
         if group is not None and rank not in PAIR:
@@ -133,19 +204,31 @@ def expected(case: str, full: list[torch.Tensor]) -> tuple[dict, dict]:
     return fk, exact
 
 
+def masked_expected(case: str, full: list[torch.Tensor]) -> dict:
+    """The float64 reference of a windowed or packed case on the full sequence."""
+    _, _, causal, _, window, documents = MASKED_CASES[case]
+    attend = functools.partial(reference, causal=causal, window=window, documents=documents)
+    return forward_backward(attend, *(t.to(testing.device()).double() for t in full), True)
+
+
 def _runs(folder, cases: dict, world: int, backend: str) -> dict:
     """{case: (what the ranks gathered, fk attention's results, float64 results)} from one spawn of
-    `world` ranks, the references computed here meanwhile."""
+    `world` ranks, the references computed here meanwhile; "masked": {case: (gathered, float64)}
+    and "stats": {case: each rank's skip counters} of the MASKED_CASES."""
     inputs = {case: new_inputs(case) for case in cases}
+    masked = {case: new_masked_inputs(case) for case in MASKED_CASES}
     ranks = testing.spawn_ranks(rank_main, world, (str(folder / "store"), inputs, str(folder / "result.pt"),
-                                                   world, backend), join=False, backend=backend)
+                                                   world, backend, masked), join=False, backend=backend)
     try:
         references = {case: expected(case, full) for case, full in inputs.items()}
+        masked_references = {case: masked_expected(case, full) for case, full in masked.items()}
     finally:
         while not ranks.join():
             pass
     gathered = torch.load(folder / "result.pt")
-    return {case: (gathered[case], *references[case]) for case in cases}
+    return {**{case: (gathered[case], *references[case]) for case in cases},
+            "masked": {case: (gathered["masked"][case], masked_references[case]) for case in MASKED_CASES},
+            "stats": gathered["stats"]}
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +262,83 @@ def test_ring_matches_full_sequence_on_gpus(case, gpu_ring_runs):
     _check(*gpu_ring_runs[case], GPU_CASES[case][6])
 
 
+@pytest.mark.parametrize("case", MASKED_CASES)
+def test_ring_masks_match_full_sequence(case, ring_runs):
+    """Windows (both layouts) and packed documents (uneven lengths 5, 40, 19 over 4 chunks of 16):
+    out, lse, dq, dk, dv against float64 attention with the mask written out."""
+    gathered, exact = ring_runs["masked"][case]
+    for name in ("out", "lse", *GRADS):
+        got = gathered[name].to(testing.device())
+        testing.assert_close(f"{name} vs float64", got, exact[name], torch.float32)
+
+
+def test_ring_skips_chunk_pairs_outside_the_window(ring_runs):
+    """Zigzag over 2 ranks, N 64: rank 0 holds chunks 0 and 3 of 16 tokens, rank 1 chunks 1-2 as one
+    run. Under a causal window of 8, rank 0 skips (0, 3) and (0, 1-2) as causal would, and (3, 0)
+    for the window; rank 1 skips (1-2, 3). The backward skips the same."""
+    stats = ring_runs["stats"]["window-8-0-causal-zigzag"]
+    assert [s["forward_skipped"] for s in stats] == [3, 1]
+    assert [s["forward_pairs"] for s in stats] == [3, 2]
+    assert [s["backward_skipped"] for s in stats] == [3, 1]
+    assert [s["backward_pairs"] for s in stats] == [3, 2]
+    # Packed documents 5, 40, 19: rank 0's chunk 3 shares no document with chunk 0.
+    assert ring_runs["stats"]["docs-causal-zigzag"][0]["forward_skipped"] >= 1
+
+
+def _positions(rank: int, world: int, n: int, layout: str) -> torch.Tensor:
+    pos = torch.empty(n, dtype=torch.long)
+    for c in ring.shard_chunks(rank, world, n, layout):
+        pos[c.local:c.local + c.size] = torch.arange(c.start, c.end)
+    return pos
+
+
+def _plan_mask(pair) -> torch.Tensor:
+    """Which (row, key) of its rectangle one planned call lets see each other."""
+    (ra, rb), (ca, cb) = pair.rows, pair.cols
+    diff = torch.arange(cb - ca)[None, :] - torch.arange(rb - ra)[:, None]
+    left, right = pair.window or (None, None)
+    seen = (diff >= -(math.inf if left is None else left)) & (diff <= (math.inf if right is None else right))
+    if pair.cu is not None:
+        cu = pair.cu.tolist()
+        doc = torch.tensor([bisect.bisect_right(cu, x) - 1 for x in range(rb - ra)])
+        seen &= doc[:, None] == doc[None, :]
+    return seen
+
+
+PLAN_WINDOWS = (None, (0, 0), (3, 0), (5, 2), (None, 3), (2, None))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_plan_covers_the_mask_exactly(world):
+    """On the host (no kernels): every step's calls on every rank, with their windows and document
+    bounds, let each (query, key) see each other at most once, and exactly where the global mask
+    (window, causal, documents) does; a causal zigzag step is one call."""
+    rng, n = random.Random(world), 12
+    total = n * world
+    for layout, causal, window in itertools.product(("zigzag", "contiguous"), (False, True), PLAN_WINDOWS):
+        left, right = ring._window_sides(causal, window)
+        for bounds in (None, [0, total], [0, *sorted(rng.sample(range(1, total), 4)), total]):
+            doc = None if bounds is None else torch.tensor([bisect.bisect_right(bounds, p) - 1
+                                                            for p in range(total)])
+            for rank in range(world):
+                where = types.SimpleNamespace(rank=rank, world=world)
+                steps = ring._plan(where, n, n, layout, left, right, bounds, "cpu")
+                q = _positions(rank, world, n, layout)
+                for index, step in enumerate(steps):
+                    k = _positions((rank - index) % world, world, n, layout)
+                    diff = k[None, :] - q[:, None]
+                    want = (diff >= -left) & (diff <= right)
+                    if doc is not None:
+                        want &= doc[q][:, None] == doc[k][None, :]
+                    got = torch.zeros(n, n, dtype=torch.int)
+                    for pair in step.pairs:
+                        got[slice(*pair.rows), slice(*pair.cols)] += _plan_mask(pair).int()
+                    assert got.max() <= 1 and torch.equal(got.bool(), want), (layout, causal, window, bounds,
+                                                                               rank, index)
+                    if causal and window is None and bounds is None:
+                        assert len(step.pairs) <= 1
+
+
 def test_merge_of_rows_without_keys():
     """A row that no block has reached stays zero with a -inf log-sum-exp (no NaN from -inf - -inf);
     the first block to reach a row sets it."""
@@ -210,7 +370,15 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="head dim must be from 1 to 256"):
         ring_attention(torch.zeros(*q.shape[:-1], 264), torch.zeros(*k.shape[:-1], 264), torch.zeros(*k.shape[:-1], 264))
     with pytest.raises(TypeError, match="causal must be a bool"):
+        ring_attention(q, k, k, causal=1)
+    with pytest.raises(ValueError, match="causal must be a bool, 'upper_left' or 'lower_right'"):
         ring_attention(q, k, k, causal="yes")
+    with pytest.raises(ValueError, match=r"window\[0\] must be >= 0"):
+        ring_attention(q, k, k, window=(-2, 0))
+    with pytest.raises(TypeError, match="window must be None or a"):
+        ring_attention(q, k, k, window=4)
+    with pytest.raises(ValueError, match="one length"):
+        ring_attention(q, k[:, :, :4], k[:, :, :4], window=(2, 2))
     with pytest.raises(TypeError, match="return_lse must be a bool"):
         ring_attention(q, k, k, return_lse=1)
     with pytest.raises(ValueError, match="layout must be one of"):
@@ -230,6 +398,25 @@ def test_bad_inputs():
             shard_sequence(q)
     with pytest.raises(ValueError, match="dim=4 is out of range"):
         shard_sequence(q, dim=4)
+    p, cu = torch.zeros(8, 4, 16), torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must have at most 3 dims"):
+        ring_attention_varlen(q, k, k, cu, 8)
+    with pytest.raises(TypeError, match="cu_seqlens must have dtype"):
+        ring_attention_varlen(p, p, p, cu.long(), 8)
+    with pytest.raises(ValueError, match="cu_seqlens must have at most 1 dims"):
+        ring_attention_varlen(p, p, p, cu[None], 8)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        ring_attention_varlen(p, p, p, cu + 1, 8)
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        ring_attention_varlen(p, p, p, torch.tensor([0, 5, 3, 8], dtype=torch.int32), 8)
+    with pytest.raises(TypeError, match="max_seqlen must be an int"):
+        ring_attention_varlen(p, p, p, cu, 8.0)
+    with pytest.raises(ValueError, match=r"window\[1\] must be >= 0"):
+        ring_attention_varlen(p, p, p, cu, 8, window=(None, -3))
+    with pytest.raises(ValueError, match="shard length must be even"):
+        ring_attention_varlen(p[:7], p[:7], p[:7], cu, 8)
+    with pytest.raises(ValueError, match="one shard length"):
+        ring_attention_varlen(p, p[:4], p[:4], cu, 8)
 
 
 def test_bench_arguments():
