@@ -109,7 +109,8 @@ def runs(tmp_path_factory):
     problem = backend.interpreter_numpy_problem()  # the gloo ranks run kernels on the interpreter
     if problem is not None:
         pytest.skip(problem)
-    return _runs(tmp_path_factory.mktemp("gloo"), "gloo")
+    return testing.shared_across_workers(tmp_path_factory, "distributed-gloo",
+                                         lambda: _runs(tmp_path_factory.mktemp("gloo"), "gloo"))
 
 
 @pytest.fixture(scope="module")

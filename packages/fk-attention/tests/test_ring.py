@@ -236,7 +236,8 @@ def ring_runs(tmp_path_factory):
     problem = backend.interpreter_numpy_problem()  # the gloo ranks run kernels on the interpreter
     if problem is not None:
         pytest.skip(problem)
-    return _runs(tmp_path_factory.mktemp("ring"), CASES, WORLD, "gloo")
+    return testing.shared_across_workers(
+        tmp_path_factory, "ring-gloo", lambda: _runs(tmp_path_factory.mktemp("ring"), CASES, WORLD, "gloo"))
 
 
 @pytest.fixture(scope="module")

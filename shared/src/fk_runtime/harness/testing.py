@@ -357,6 +357,25 @@ def init_rank(rank: int, world: int, store: str, backend: str = "gloo") -> torch
     return torch.device("cpu")
 
 
+def shared_across_workers(tmp_path_factory, name: str, build: Callable[[], object]):
+    """`build()`'s result, built once per test session: pytest-xdist's workers each run a
+    module-scoped fixture, so one builds it under a file lock and the others load its
+    `torch.save`d copy (a spawn of distributed ranks costs a minute on the interpreter)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return build()
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp().parent  # shared by the session's workers
+    path = root / f"{name}.pt"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return torch.load(path, weights_only=False)
+        result = build()
+        torch.save(result, path)
+        return result
+
+
 def spawn_ranks(fn: Callable, world: int, args: tuple, join: bool = True, backend: str = "gloo"):
     """Run fn(rank, *args) in `world` fresh processes: gloo, CPU processes under the Triton
     interpreter; nccl, one GPU each, compiled kernels, NVLink multicast off. They import fn's
