@@ -5,7 +5,8 @@ Triton versions on the same tiles (TUNING.md: Triton versions).
     TRITON_INTERPRET=0 PYTHONPATH=shared/src:packages/fk-attention/src \\
         python packages/fk-attention/tuning/forward_sass.py [HEAD_DIM]
 
-Tiles: the 16-bit default of the head dim (`config.DEFAULTS_16BIT`), TMA descriptors (Hopper).
+Tiles: the 16-bit default of the head dim (`config.DEFAULTS_16BIT`), TMA descriptors (Hopper). FK_DROPOUT=1 builds
+attention dropout in.
 """
 
 import os
@@ -29,7 +30,7 @@ OPCODES = ("HGMMA", "WARPGROUP", "SYNCS", "BAR", "MUFU", "FSEL", "FMNMX", "ISETP
 
 def compile_forward(dtype: str, window: int, tile: config.Config):
     kernel = kernels.attn_fwd_kernel
-    constexprs = dict(WINDOW=window, SOFTCAP=False, ALIBI=False, VARLEN=False, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM,
+    constexprs = dict(WINDOW=window, SOFTCAP=False, ALIBI=False, DROPOUT=os.environ.get("FK_DROPOUT") == "1", VARLEN=False, HEAD_DIM=HEAD_DIM, HEAD_DIM_PADDED=HEAD_DIM,
                       USE_DESC=1, PRECISION=None, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
     signature, constants = {}, {}
     for name in kernel.arg_names:
@@ -39,9 +40,9 @@ def compile_forward(dtype: str, window: int, tile: config.Config):
             rows = tile.block_m if name in ("q_ptr", "o_ptr") else tile.block_n
             signature[name] = f"tensordesc<{dtype}[1, 1, {rows}, {HEAD_DIM}]>"
         elif name.endswith("_ptr"):
-            signature[name] = "*fp32"
+            signature[name] = "*i64" if name == "seed_ptr" else "*fp32"
         else:
-            signature[name] = "fp32" if name in ("sm_scale", "softcap") else "i32"
+            signature[name] = "fp32" if name in ("sm_scale", "softcap", "dropout_p") else "i32"
     options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=True)
     target = GPUTarget("cuda", 90, 32)
     return triton.compile(ASTSource(kernel, signature, constants), target=target, options=options)

@@ -6,7 +6,7 @@ a compile for sm_90a on any machine (no GPU: Triton's bundled ptxas and cuobjdum
 Shapes: 8 x 2048 tokens, 32 heads of 64, causal, bf16, TMA inputs; the int arguments specialized
 as Triton would (1 as a constant, multiples of 16 marked divisible). The causal build is this
 Triton's (`config.window_build`); FK_WINDOW_BUILD=1 or 2 picks one (3.8: 198 and 199 registers
-at the d64 default, 64 x 64, 4 warps, 3 stages).
+at the d64 default, 64 x 64, 4 warps, 3 stages). FK_DROPOUT=1 builds attention dropout in.
 """
 
 import importlib.util
@@ -42,7 +42,7 @@ def _values(varlen: bool, block_m: int, block_n: int) -> dict:
                   lse2_ptr="*fp32", delta_ptr="*fp32",
                   dk_ptr="*bf16" if varlen else desc(block_n), dv_ptr="*bf16" if varlen else desc(block_n),
                   cu_q_ptr="*i32" if varlen else "*fp32", cu_k_ptr="*i32" if varlen else "*fp32",
-                  alibi_ptr="*fp32", sab=0, sah=0,
+                  alibi_ptr="*fp32", sab=0, sah=0, seed_ptr="*i64", dropout_p=0.1,
                   sm_scale=0.125, softcap=1.0, n_q=N, n_k=N, n_heads_k=H,
                   group=1, lower_right=0, left=1 << 30, right=0, total_q=total, total_k=total,
                   ssb=0 if varlen else H * N, ssh=stats_rows if varlen else N,
@@ -56,7 +56,7 @@ def resources(kernel, varlen: bool, block_m: int, block_n: int, warps: int, stag
     values = _values(varlen, block_m, block_n)
     from fk_attention import config, mask
 
-    constexprs = dict(WINDOW=int(os.environ.get("FK_WINDOW_BUILD", config.window_build(mask.CAUSAL))), SOFTCAP=False, ALIBI=False, VARLEN=varlen, HEAD_DIM=D, HEAD_DIM_PADDED=D,
+    constexprs = dict(WINDOW=int(os.environ.get("FK_WINDOW_BUILD", config.window_build(mask.CAUSAL))), SOFTCAP=False, ALIBI=False, DROPOUT=os.environ.get("FK_DROPOUT") == "1", VARLEN=varlen, HEAD_DIM=D, HEAD_DIM_PADDED=D,
                       USE_DESC=2 if varlen else 1, PRECISION=None, BLOCK_M=block_m, BLOCK_N=block_n, REST=False)
     signature, constants, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):

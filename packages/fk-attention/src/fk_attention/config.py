@@ -65,6 +65,10 @@ HIP_WAVES_PER_EU = ((64, 3), (None, 2))
 HIP_NUM_STAGES = 1
 CACHE_SIZE = 256
 
+# Attention dropout's seeds: drawn per call in [0, DROPOUT_SEED_BOUND) from the caller's generator (62 bits:
+# torch.randint's int64 bound with room; Philox keys on all 64 bits of the int64).
+DROPOUT_SEED_BOUND = 1 << 62
+
 
 class Kind(str, enum.Enum):
     FORWARD = "fwd"

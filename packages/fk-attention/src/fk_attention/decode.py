@@ -4,7 +4,7 @@ once per (shapes, strides, dtype, device, mask).
 
 A decode launch gives each (batch, KV head) program every query row of the head's GQA group (the
 group reads its K/V once) and one slice of the keys; with several slices a small second launch
-merges the partial outputs by their log-sum-exps (`kernels.attn_decode_kernel`,
+merges the partial outputs by their log-sum-exps (`decode_kernels.attn_decode_kernel`,
 `attn_decode_merge_kernel`). The slices cut each sequence's own length (read on the GPU), so a
 cache longer than what it holds costs nothing, and no host sync is needed (CUDA graphs).
 """
@@ -19,7 +19,7 @@ import torch
 from fk_runtime import alloc, backend, checks, sizing
 from fk_runtime.launch import Descriptor, Launch, PlanCache, layout_key
 
-from . import kernels
+from . import decode_kernels
 from .config import (APPEND_ROWS, CACHE_SIZE, DECODE_DESCRIPTOR_MIN_HEAD_DIM, DECODE_MAX_BLOCK_M,
                      DECODE_MAX_QUERIES, DECODE_MIN_BLOCK_M, DECODE_TILES_16BIT, DECODE_TILES_32BIT,
                      INTERPRETER_BLOCK, INTERPRETER_SLICED_PROGRAMS, INTERPRETER_SLICE_KEYS, MAX_SLICES,
@@ -218,8 +218,8 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
                    (sm_scale, softcap, n_q, n_k, cache.n_new if cache else 0, hk, group, lower_right, left, right,
                     slices, last_page, part_numel, *q.stride(), *k_.stride(), *v_.stride(), *out_example.stride(),
                     hq * n_q, n_q, 1, table_stride, *alibi_strides(alibi)))
-    attend = Launch(kernels.attn_decode_kernel, *attend_args, {**meta, "USE_DESC": False}, device)
-    attend_tma = Launch(kernels.attn_decode_kernel, *attend_args, {**meta, "USE_DESC": True}, device) \
+    attend = Launch(decode_kernels.attn_decode_kernel, *attend_args, {**meta, "USE_DESC": False}, device)
+    attend_tma = Launch(decode_kernels.attn_decode_kernel, *attend_args, {**meta, "USE_DESC": True}, device) \
         if use_desc else None
 
     def kv(k, v):  # K/V as the launch takes them: descriptors where their bases are aligned
@@ -229,7 +229,7 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
         return attend, k if k_ok else k.contiguous(), v if v_ok else v.contiguous()
     merge = None
     if slices > 1:
-        merge = Launch(kernels.attn_decode_merge_kernel, (b * hq * n_q,),
+        merge = Launch(decode_kernels.attn_decode_merge_kernel, (b * hq * n_q,),
                        (hq, n_q, slices, part_numel, *out_example.stride(), hq * n_q, n_q, 1),
                        {"HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_S": sizing.next_power_of_2(slices),
                         "PDL": pdl, "STORE_LSE": with_lse, "num_warps": merge_warps(slices, d),
@@ -400,7 +400,7 @@ def _bind_append(k_cache, v_cache, k_new, v_new, block_table, cache: Cache):
     capacity = block_table.shape[1] * cache.page_size if paged else k_cache.shape[2]
     if k_new.numel() == 0:
         return lambda *args, **kwargs: None
-    launch = Launch(kernels.kv_append_kernel, (b * hk * sizing.cdiv(n_new, APPEND_ROWS),),
+    launch = Launch(decode_kernels.kv_append_kernel, (b * hk * sizing.cdiv(n_new, APPEND_ROWS),),
                     (n_new, hk, capacity, k_cache.shape[0] - 1 if paged else 0, *k_new.stride(), *v_new.stride(),
                      *k_cache.stride(), *v_cache.stride(), block_table.stride(0) if paged else 0),
                     {"PAGED": paged, "PAGE_SIZE": max(cache.page_size, 1), "HEAD_DIM": d,

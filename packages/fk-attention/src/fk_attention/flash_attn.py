@@ -13,9 +13,13 @@ pads); `alibi_slopes` ((nheads,) or (batch, nheads) fp32) added as FlashAttentio
 deterministic (`deterministic` changes nothing), and it picks its own key slicing (`num_splits`
 changes nothing).
 
-`cache_leftpad` as FlashAttention's (dense and paged caches). Not honoured yet, each refused
-with a ValueError naming it: `dropout_p` > 0, `block_table` in the varlen call. `return_attn_probs=True` returns (out, softmax_lse, None): like
-FlashAttention without dropout, no probabilities.
+`cache_leftpad` as FlashAttention's (dense and paged caches). `dropout_p` > 0: attention dropout
+as FlashAttention applies it (whenever passed; its callers pass it in training only), fk's
+`attention(dropout_p=...)`: the seed is drawn per call from torch's default CPU generator, so
+`torch.manual_seed(s)` before a call repeats its mask (FlashAttention reads the CUDA generator's
+Philox state instead: same semantics, other bits). Not honoured yet, refused with a ValueError
+naming it: `block_table` in the varlen call. `return_attn_probs=True` returns (out,
+softmax_lse, None): no probabilities (nor dropout mask).
 """
 
 from __future__ import annotations
@@ -31,14 +35,6 @@ from .ops import attention, attention_varlen, attention_with_kvcache
 
 # FlashAttention's alignment of every mask where Nq != Nk.
 ALIGN = "lower_right"
-
-
-def _refuse(dropout_p) -> None:
-    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if dropout_p != 0:
-        raise ValueError(f"dropout_p={dropout_p}: fk_attention.flash_attn has no attention dropout yet; pass 0.0 "
-                         "(evaluation) or call flash_attn for training with dropout")
 
 
 def _side(name: str, value) -> int | None:
@@ -81,12 +77,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """`flash_attn.flash_attn_func`: q (batch, seqlen_q, nheads, headdim), k and v (batch,
     seqlen_k, nheads_k, headdim); out like q, and with `return_attn_probs` (out, softmax_lse
     (batch, nheads, seqlen_q), None). Differentiable in q, k and v."""
-    _refuse(dropout_p)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _dims(name, t, 4)
     result = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
                        sm_scale=_scale(softmax_scale, q.shape[-1]), window=_window(window_size), softcap=softcap,
-                       align=ALIGN, return_lse=bool(return_attn_probs), alibi_slopes=alibi_slopes)
+                       align=ALIGN, return_lse=bool(return_attn_probs), alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     out, lse = result if return_attn_probs else (result, None)
     out = out.transpose(1, 2)
     return (out, _lse(lse), None) if return_attn_probs else out
@@ -118,7 +113,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """`flash_attn.flash_attn_varlen_func`: q (total_q, nheads, headdim), k and v (total_k,
     nheads_k, headdim), int32 `cu_seqlens_q` / `cu_seqlens_k` (batch + 1,); out (total_q,
     nheads, headdim), and with `return_attn_probs` (out, softmax_lse (nheads, total_q), None)."""
-    _refuse(dropout_p)
     if block_table is not None:
         raise ValueError("block_table: fk_attention.flash_attn_varlen_func reads no paged KV yet; pass None "
                          "(flash_attn_with_kvcache takes a block_table)")
@@ -127,7 +121,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     result = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                               sm_scale=_scale(softmax_scale, q.shape[-1]), window=_window(window_size),
                               softcap=softcap, return_lse=bool(return_attn_probs), align=ALIGN,
-                              alibi_slopes=alibi_slopes)
+                              alibi_slopes=alibi_slopes, dropout_p=dropout_p)
     out, lse = result if return_attn_probs else (result, None)
     return (out, _lse(lse), None) if return_attn_probs else out
 

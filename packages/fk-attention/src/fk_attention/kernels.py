@@ -16,7 +16,9 @@ Masks (WINDOW): query i sees key j when -left <= j - (i + shift) <= right, shift
 lower-right alignment (`lower_right` = 1), else 0; causal is right = 0, an unbounded side a bound
 past every length. WINDOW 1 builds a window whose left side is unbounded (causal's) without its
 compares, 2 one bounded on the left (`mask.Mask.window_build`). Key (or query) blocks no row sees are skipped, and blocks every row sees fully
-run without a mask. SOFTCAP: scores s * scale become cap * tanh(s * scale / cap). VARLEN: packed
+run without a mask. SOFTCAP: scores s * scale become cap * tanh(s * scale / cap). DROPOUT: each P[i, j]
+kept with probability 1 - p and scaled by 1 / (1 - p) (`dropout_scale`: Philox bits of (seed, b, h, i, j)
+only, which the dQ and dK/dV kernels regenerate); the lse stays the un-dropped softmax's. VARLEN: packed
 sequences, (1, H, total, D) operands, sequence b's rows [cu[b], cu[b + 1]) (dense tensors use
 b as the batch index and start every sequence at row 0).
 
@@ -28,7 +30,6 @@ fastest so that neighbouring programs share one head's K/V (or Q/dO) in L2.
 
 import triton
 import triton.language as tl
-from triton.language.extra import cuda as tl_cuda
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -66,12 +67,12 @@ def _load(src, b, h, start, n_rows, stride_n, stride_d, BLOCK: tl.constexpr, HEA
         cols = tl.arange(0, HEAD_DIM_PADDED)
         # The block's offset in 64 bits (long sequences of wide rows), the tile's in 32.
         ptrs = src + tl.cast(start, tl.int64) * stride_n + rows[:, None] * stride_n + cols[None, :] * stride_d
-        tile = _tile_load(ptrs, start + rows, n_rows, cols, HEAD_DIM, HEAD_DIM_PADDED, CHECK_ROWS)
+        tile = tile_load(ptrs, start + rows, n_rows, cols, HEAD_DIM, HEAD_DIM_PADDED, CHECK_ROWS)
     return tile
 
 
 @triton.jit
-def _tile_load(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+def tile_load(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
                CHECK_ROWS: tl.constexpr):
     """A pointer tile, zeros in rows at or past n_rows (CHECK_ROWS) and in the head-dim padding;
     masks only where needed, so full tiles stay unmasked vector loads."""
@@ -124,7 +125,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _capped(s, cap_scale, SOFTCAP: tl.constexpr):
+def capped(s, cap_scale, SOFTCAP: tl.constexpr):
     """Scores before the base-2 scale: tanh(s * sm_scale / cap) with softcap (qk_scale holds cap * log2(e)), else s."""
     if SOFTCAP:
         return _tanh(s * cap_scale)
@@ -132,16 +133,16 @@ def _capped(s, cap_scale, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _scales(sm_scale, softcap, SOFTCAP: tl.constexpr):
+def score_scales(sm_scale, softcap, SOFTCAP: tl.constexpr):
     """(qk_scale, cap_scale): the base-2 factor applied to the (capped) scores, and what the raw
-    scores are multiplied by inside tanh (`_capped`)."""
+    scores are multiplied by inside tanh (`capped`)."""
     if SOFTCAP:
         return softcap * LOG2E, sm_scale / softcap
     return sm_scale * LOG2E, 1.0
 
 
 @triton.jit
-def _slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI: tl.constexpr):
+def head_slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI: tl.constexpr):
     """ALiBi's slope of head (b, h) over qk_scale (the bias lands on the scaled scores, as in FA)."""
     slope = 0.0  # one return: the compiler types them all, and the decode kernel's per-row h gives a block
     if ALIBI:
@@ -150,11 +151,31 @@ def _slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI: tl.constexpr):
 
 
 @triton.jit
-def _alibi(s, rows, cols, shift, slope, ALIBI: tl.constexpr):
-    """Scores s[i, j] plus ALiBi's -slope * |j - (i + shift)| (`_slope`'s, or one per row as a column)."""
+def alibi_bias(s, rows, cols, shift, slope, ALIBI: tl.constexpr):
+    """Scores s[i, j] plus ALiBi's -slope * |j - (i + shift)| (`head_slope`'s, or one per row as a column)."""
     if ALIBI:
         s = s - slope * tl.abs(cols[None, :] - (rows[:, None] + shift)).to(tl.float32)
     return s
+
+
+@triton.jit
+def call_seed(seed_ptr, DROPOUT: tl.constexpr):
+    """The call's 64-bit dropout seed (an int64 on the device, drawn on the host per call); 0 without dropout."""
+    seed = tl.cast(0, tl.int64)  # one return (every branch typed alike)
+    if DROPOUT:
+        seed = tl.load(seed_ptr)
+    return seed
+
+
+@triton.jit
+def dropout_scale(seed, dropout_p, bh, rows, cols):
+    """Dropout's factor on P[i, j] (query rows i, key columns j, broadcast against each other): 1 / (1 - p)
+    kept, 0 dropped. Philox on (seed; j, i, b * H + h, 0) alone: no tile size enters, so the backward's
+    kernels regenerate the forward's mask; four 32-bit counters, no index product to overflow."""
+    zero = rows * 0 + cols * 0
+    bits, _, _, _ = tl.philox(seed, cols + zero, rows + zero, zero + bh, zero)
+    u = (bits >> 8).to(tl.int32).to(tl.float32) * (1.0 / 16777216.0)  # 24 bits: exact in fp32, in [0, 1)
+    return tl.where(u >= dropout_p, 1.0 / (1.0 - dropout_p), 0.0)
 
 
 @triton.jit
@@ -214,7 +235,7 @@ def _visible(offs_m, cols, n_k, shift, left, right, WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(s, m_i, offs_m, start_n, n_k, shift, left, right, qk_scale, WINDOW: tl.constexpr,
+def softmax_step(s, m_i, offs_m, start_n, n_k, shift, left, right, qk_scale, WINDOW: tl.constexpr,
                   MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     """One online-softmax step over the scores s of keys [start_n, start_n + BLOCK_N) for query
     rows at positions offs_m: (p in base 2, the rescale alpha of what came before, the new max)."""
@@ -236,19 +257,21 @@ def _softmax_step(s, m_i, offs_m, start_n, n_k, shift, left, right, qk_scale, WI
 
 @triton.jit
 def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift, left, right,
-               qk_scale, cap_scale, slope, skn, skd, svn, svd,
-               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+               qk_scale, cap_scale, slope, seed, dropout_p, bh, skn, skd, svn, svd,
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr,
                PRECISION: tl.constexpr):
     """Online softmax over the key blocks [lo, hi): running max m, running sum l, O accumulator."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load(k_src, b, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
-        s = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
-        s = _alibi(s, offs_m, start_n + tl.arange(0, BLOCK_N), shift, slope, ALIBI)
-        p, alpha, m_new = _softmax_step(s, m_i, offs_m, start_n, n_k, shift, left, right, qk_scale, WINDOW,
+        s = capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
+        s = alibi_bias(s, offs_m, start_n + tl.arange(0, BLOCK_N), shift, slope, ALIBI)
+        p, alpha, m_new = softmax_step(s, m_i, offs_m, start_n, n_k, shift, left, right, qk_scale, WINDOW,
                                         MASKED, BLOCK_N)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the un-dropped sum: the lse is the softmax's, as in FA
+        if DROPOUT:
+            p = p * dropout_scale(seed, dropout_p, bh, offs_m[:, None], (start_n + tl.arange(0, BLOCK_N))[None, :])
         v = _load(v_src, b, hk, start_n, n_k, svn, svd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -258,8 +281,8 @@ def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift
 
 @triton.jit
 def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, bq, bk, h, hk, start_m, n_q, n_k, shift, left, right,
-               qk_scale, cap_scale, slope, sqn, sqd, skn, skd, svn, svd, son, sod,
-               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HEAD_DIM: tl.constexpr,
+               qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod,
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
                HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows [start_m, start_m + BLOCK_M) of one (sequence, head): the output and the row
@@ -273,13 +296,13 @@ def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, bq, bk, h, hk, start_m, n_q,
     lo, full_lo, full_hi, hi = _key_range(start_m, n_k, shift, left, right, WINDOW, BLOCK_M, BLOCK_N)
     if WINDOW == 2:  # the left edge (causal's is empty)
         acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, lo, full_lo, offs_m, n_k, shift,
-                                   left, right, qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, True,
+                                   left, right, qk_scale, cap_scale, slope, seed, dropout_p, bh, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, DROPOUT, True,
                                    BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, full_lo, full_hi, offs_m, n_k, shift, left,
-                               right, qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, False,
+                               right, qk_scale, cap_scale, slope, seed, dropout_p, bh, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, DROPOUT, False,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, full_hi, hi, offs_m, n_k, shift, left,
-                               right, qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, True,
+                               right, qk_scale, cap_scale, slope, seed, dropout_p, bh, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, DROPOUT, True,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]
@@ -290,11 +313,11 @@ def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, bq, bk, h, hk, start_m, n_q,
 
 @triton.jit(do_not_specialize=LENGTHS + ["slb", "slh"])
 def attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, alibi_ptr, sm_scale, softcap,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, alibi_ptr, seed_ptr, dropout_p, sm_scale, softcap,
     n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, slb, slh, sab, sah,
     n_q_key, n_k_key, bh_key, dtype_key,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -320,16 +343,17 @@ def attn_fwd_kernel(
     v_src = _source(v_ptr, b, hk, svb, svh, k_first, svn, USE_DESC)
     o_dst = _source(o_ptr, b, h, sob, soh, q_first, son, USE_DESC == 1)
     lse_row = lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + q_first
-    qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
-    slope = _slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI)
+    qk_scale, cap_scale = score_scales(sm_scale, softcap, SOFTCAP)
+    slope = head_slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI)
+    seed = call_seed(seed_ptr, DROPOUT)
     if VARLEN:
         for start_m in range(block * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
             _fwd_block(q_src, k_src, v_src, o_dst, lse_row, q_first, k_first, h, hk, start_m, n_q_b, n_k_b, shift,
-                       left, right, qk_scale, cap_scale, slope, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW,
-                       SOFTCAP, ALIBI, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+                       left, right, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW,
+                       SOFTCAP, ALIBI, DROPOUT, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
     else:
         _fwd_block(q_src, k_src, v_src, o_dst, lse_row, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right,
-                   qk_scale, cap_scale, slope, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW, SOFTCAP, ALIBI,
+                   qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW, SOFTCAP, ALIBI, DROPOUT,
                    HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
 
 
@@ -354,8 +378,8 @@ def _stats_first(b, q_first, VARLEN: tl.constexpr):
 
 @triton.jit
 def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift, left, right,
-              qk_scale, cap_scale, slope, skn, skd, svn, svd,
-              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+              qk_scale, cap_scale, slope, seed, dropout_p, bh, skn, skd, svn, svd,
+              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr,
               PRECISION: tl.constexpr):
     """dQ += dS K over the key blocks [lo, hi), P recomputed from the saved log-sum-exp; with
@@ -364,13 +388,15 @@ def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, n_k, 
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load(k_src, b, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         v = _load(v_src, b, hk, start_n, n_k, svn, svd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
-        t = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
-        z = _alibi(t, offs_m, start_n + tl.arange(0, BLOCK_N), shift, slope, ALIBI) * qk_scale - lse2[:, None]
+        t = capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
+        z = alibi_bias(t, offs_m, start_n + tl.arange(0, BLOCK_N), shift, slope, ALIBI) * qk_scale - lse2[:, None]
         if MASKED:
             valid = _visible(offs_m, start_n + tl.arange(0, BLOCK_N), n_k, shift, left, right, WINDOW)
             z = tl.where(valid, z, float("-inf"))
         p = tl.exp2(z)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:  # dP of the kept weights, scaled as the forward scaled them
+            dp = dp * dropout_scale(seed, dropout_p, bh, offs_m[:, None], (start_n + tl.arange(0, BLOCK_N))[None, :])
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
@@ -382,9 +408,9 @@ def _dq_steps(dq, q, do, lse2, delta, k_src, v_src, b, hk, lo, hi, offs_m, n_k, 
 def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, delta_row, lse2_row, bq, bk, h,
               hk,
               start_m,
-              n_q, n_k, shift, left, right, sm_scale, qk_scale, cap_scale, slope,
+              n_q, n_k, shift, left, right, sm_scale, qk_scale, cap_scale, slope, seed, dropout_p, bh,
               sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
-              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr,
+              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr,
               HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ of rows [start_m, start_m + BLOCK_M), after their row term delta and base-2 lse (stored
@@ -404,13 +430,13 @@ def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, del
     lo, full_lo, full_hi, hi = _key_range(start_m, n_k, shift, left, right, WINDOW, BLOCK_M, BLOCK_N)
     if WINDOW == 2:  # the left edge (causal's is empty)
         dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, bk, hk, lo, full_lo, offs_m, n_k, shift, left, right,
-                       qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
+                       qk_scale, cap_scale, slope, seed, dropout_p, bh, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, DROPOUT, True, BLOCK_N, HEAD_DIM,
                        HEAD_DIM_PADDED, USE_DESC, PRECISION)
     dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, bk, hk, full_lo, full_hi, offs_m, n_k, shift, left, right,
-                   qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, False, BLOCK_N, HEAD_DIM,
+                   qk_scale, cap_scale, slope, seed, dropout_p, bh, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, DROPOUT, False, BLOCK_N, HEAD_DIM,
                    HEAD_DIM_PADDED, USE_DESC, PRECISION)
     dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, bk, hk, full_hi, hi, offs_m, n_k, shift, left, right,
-                   qk_scale, cap_scale, slope, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
+                   qk_scale, cap_scale, slope, seed, dropout_p, bh, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, DROPOUT, True, BLOCK_N, HEAD_DIM,
                    HEAD_DIM_PADDED, USE_DESC, PRECISION)
     _store(dq_dst, dq * sm_scale, bq, h, start_m, n_q, sdqn, sdqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
@@ -418,11 +444,11 @@ def _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_row, dlse_row, del
 @triton.jit(do_not_specialize=LENGTHS + ["slb", "slh", "sdlb", "sdlh"])
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
-    alibi_ptr, sm_scale, softcap, n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
+    alibi_ptr, seed_ptr, dropout_p, sm_scale, softcap, n_q, n_k, n_heads, group, lower_right, left, right, total_q, total_k,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
     sdob, sdoh, sdon, sdod, sdlb, sdlh, sdln, sdqb, sdqh, sdqn, sdqd, slb, slh, ssb, ssh, sab, sah,
     n_q_key, n_k_key, bh_key, dtype_key,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REST: tl.constexpr,
 ):
@@ -455,15 +481,16 @@ def attn_bwd_dq_kernel(
     stat_offset = tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + q_first
     dlse_row = dlse_ptr + tl.cast(b, tl.int64) * sdlb + tl.cast(h, tl.int64) * sdlh + q_first * sdln
     scratch = tl.cast(b, tl.int64) * ssb + tl.cast(h, tl.int64) * ssh + _stats_first(b, q_first, VARLEN)
-    qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
-    slope = _slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI)
+    qk_scale, cap_scale = score_scales(sm_scale, softcap, SOFTCAP)
+    slope = head_slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI)
+    seed = call_seed(seed_ptr, DROPOUT)
     if REST:
         for start_m in range(n_blocks * BLOCK_M, n_q_b, BLOCK_M):
             _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
                       delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, start_m, n_q_b, n_k_b,
                       shift, left, right, sm_scale,
-                      qk_scale, cap_scale, slope, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn,
-                      sdqd, WINDOW, SOFTCAP, ALIBI, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
+                      qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn,
+                      sdqd, WINDOW, SOFTCAP, ALIBI, DROPOUT, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
                       BLOCK_N)
     elif VARLEN:
         if block == 0:
@@ -476,21 +503,21 @@ def attn_bwd_dq_kernel(
         if block * BLOCK_M < n_q_b:
             _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
                       delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, block * BLOCK_M, n_q_b,
-                      n_k_b, shift, left, right, sm_scale, qk_scale, cap_scale, slope, sqn, sqd, skn, skd, svn, svd,
-                      son, sod, sdon, sdod, sdln, sdqn, sdqd, WINDOW, SOFTCAP, ALIBI, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
+                      n_k_b, shift, left, right, sm_scale, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd,
+                      son, sod, sdon, sdod, sdln, sdqn, sdqd, WINDOW, SOFTCAP, ALIBI, DROPOUT, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
                       BLOCK_M, BLOCK_N)
     else:
         _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
                   delta_ptr + scratch, lse2_ptr + scratch, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left,
                   right, sm_scale,
-                  qk_scale, cap_scale, slope, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
-                  WINDOW, SOFTCAP, ALIBI, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+                  qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
+                  WINDOW, SOFTCAP, ALIBI, DROPOUT, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, offs_n, n_q, shift, left, right,
-                qk_scale, cap_scale, slope, sqn, sqd, sdon, sdod,
-                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr,
+                qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, sdon, sdod,
+                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
                 USE_DESC: tl.constexpr, PRECISION: tl.constexpr):
     """dV += P^T dO and dK += dS^T Q over the query blocks [lo, hi), computed transposed (keys as
@@ -507,9 +534,9 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, 
             lse2 = tl.load(lse2_row + offs_m)
         else:
             lse2 = tl.load(lse2_row + offs_m, mask=offs_m < n_q, other=0.0)
-        tt = _capped(tl.dot(k, tl.trans(q), input_precision=PRECISION), cap_scale, SOFTCAP)
+        tt = capped(tl.dot(k, tl.trans(q), input_precision=PRECISION), cap_scale, SOFTCAP)
         # Keys as rows: -shift puts ALiBi's |j - (i + shift)| on the transposed scores.
-        zt = _alibi(tt, offs_n, offs_m, -shift, slope, ALIBI) * qk_scale - lse2[None, :]
+        zt = alibi_bias(tt, offs_n, offs_m, -shift, slope, ALIBI) * qk_scale - lse2[None, :]
         if MASKED:
             if WINDOW:
                 d = offs_n[:, None] - (offs_m[None, :] + shift)
@@ -519,12 +546,18 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, 
                 zt = tl.where(keep, zt, float("-inf"))
         pt = tl.exp2(zt)
         do = _load(do_src, b, h, start_m, n_q, sdon, sdod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
-        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
+        if DROPOUT:  # transposed: key j as the row, query i as the column
+            kept = dropout_scale(seed, dropout_p, bh, offs_m[None, :], offs_n[:, None])
+            dv = tl.dot((pt * kept).to(do.dtype), do, dv, input_precision=PRECISION)
+        else:
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
         if VARLEN:
             delta = tl.load(delta_row + offs_m)
         else:
             delta = tl.load(delta_row + offs_m, mask=offs_m < n_q, other=0.0)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if DROPOUT:
+            dpt = dpt * kept
         dst = pt * (dpt - delta[None, :])
         if SOFTCAP:
             dst = dst * (1.0 - tt * tt)
@@ -535,9 +568,9 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, 
 @triton.jit
 def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, bq, bk, hk, q_first,
                 start_n,
-                n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale, alibi_ptr, sab, sah,
+                n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale, alibi_ptr, sab, sah, seed, dropout_p,
                 sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd, ssb, ssh,
-                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
                 HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK and dV of keys [start_n, start_n + BLOCK_N) of KV head hk, summed over its query heads.
@@ -559,29 +592,30 @@ def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr
         scratch = tl.cast(b, tl.int64) * ssb + tl.cast(h, tl.int64) * ssh + _stats_first(b, q_first, VARLEN)
         lse2_row = lse2_ptr + scratch
         delta_row = delta_ptr + scratch
-        slope = _slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI)
+        slope = head_slope(alibi_ptr, b, h, sab, sah, qk_scale, ALIBI)
+        bh = b * n_heads_k * group + h  # the query head's (dropout's counter)
         if WINDOW:
             dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, lo, full_lo, offs_n, n_q,
-                                 shift, left, right, qk_scale, cap_scale, slope, sqn, sqd, sdon, sdod, WINDOW,
-                                 SOFTCAP, ALIBI, VARLEN, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+                                 shift, left, right, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, sdon, sdod, WINDOW,
+                                 SOFTCAP, ALIBI, DROPOUT, VARLEN, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
         dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, full_lo, full_hi, offs_n, n_q,
-                             shift, left, right, qk_scale, cap_scale, slope, sqn, sqd, sdon, sdod, WINDOW,
-                             SOFTCAP, ALIBI, VARLEN, False, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+                             shift, left, right, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, sdon, sdod, WINDOW,
+                             SOFTCAP, ALIBI, DROPOUT, VARLEN, False, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
         dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, full_hi, hi, offs_n, n_q,
-                             shift, left, right, qk_scale, cap_scale, slope, sqn, sqd, sdon, sdod, WINDOW,
-                             SOFTCAP, ALIBI, VARLEN, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+                             shift, left, right, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, sdon, sdod, WINDOW,
+                             SOFTCAP, ALIBI, DROPOUT, VARLEN, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
     _store(dk_dst, dk * sm_scale, bk, hk, start_n, n_k, sdkn, sdkd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
     _store(dv_dst, dv, bk, hk, start_n, n_k, sdvn, sdvd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
 
 @triton.jit(do_not_specialize=LENGTHS)
 def attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, alibi_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, alibi_ptr, seed_ptr, dropout_p,
     sm_scale, softcap, n_q, n_k, n_heads_k, group, lower_right, left, right, total_q, total_k,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdon, sdod,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd, ssb, ssh, sab, sah,
     n_q_key, n_k_key, bh_key, dtype_key,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, REST: tl.constexpr,
 ):
@@ -606,28 +640,29 @@ def attn_bwd_dkdv_kernel(
     v_src = _source(v_ptr, b, hk, svb, svh, k_first, svn, USE_DESC)
     dk_dst = _source(dk_ptr, b, hk, sdkb, sdkh, k_first, sdkn, USE_DESC == 1)
     dv_dst = _source(dv_ptr, b, hk, sdvb, sdvh, k_first, sdvn, USE_DESC == 1)
-    qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
+    qk_scale, cap_scale = score_scales(sm_scale, softcap, SOFTCAP)
+    seed = call_seed(seed_ptr, DROPOUT)
     if REST:
         for start_n in range(n_blocks * BLOCK_N, n_k_b, BLOCK_N):
             _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, q_first, k_first, hk,
                         q_first, start_n,
                         n_q_b, n_k_b, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
-                        alibi_ptr, sab, sah, sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn,
-                        sdkd, sdvn, sdvd, ssb, ssh, WINDOW, SOFTCAP, ALIBI, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
+                        alibi_ptr, sab, sah, seed, dropout_p, sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn,
+                        sdkd, sdvn, sdvd, ssb, ssh, WINDOW, SOFTCAP, ALIBI, DROPOUT, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
                         BLOCK_M, BLOCK_N)
     elif VARLEN:
         if block * BLOCK_N < n_k_b:
             _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, q_first, k_first, hk,
                         q_first, block * BLOCK_N,
                         n_q_b, n_k_b, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
-                        alibi_ptr, sab, sah, sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn,
-                        sdkd, sdvn, sdvd, ssb, ssh, WINDOW, SOFTCAP, ALIBI, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
+                        alibi_ptr, sab, sah, seed, dropout_p, sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn,
+                        sdkd, sdvn, sdvd, ssb, ssh, WINDOW, SOFTCAP, ALIBI, DROPOUT, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
                         BLOCK_M, BLOCK_N)
     else:
         _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, b, b, hk, q_first,
                     block * BLOCK_N, n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
-                    alibi_ptr, sab, sah, sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd,
-                    sdvn, sdvd, ssb, ssh, WINDOW, SOFTCAP, ALIBI, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
+                    alibi_ptr, sab, sah, seed, dropout_p, sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd,
+                    sdvn, sdvd, ssb, ssh, WINDOW, SOFTCAP, ALIBI, DROPOUT, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
                     BLOCK_N)
 
 
@@ -659,292 +694,3 @@ def fill_tail_kernel(a_ptr, b_ptr, cu_ptr, n_seq, total, a_cols, a_stride_r, a_s
         _fill_rows(a_ptr, rows, keep, a_cols, a_stride_r, a_stride_c, a_value, BLOCK_C)
         if TWO:
             _fill_rows(b_ptr, rows, keep, b_cols, b_stride_r, b_stride_c, b_value, BLOCK_C)
-
-
-# ---- decode: few query rows against many keys (split-KV, "flash decoding"), KV caches -------------
-#
-# A program takes one (batch, KV head), every query row of that head's GQA group (row r is query
-# head hk * group + r // Nq, position r % Nq; the group reads its K/V once) in blocks of BLOCK_M,
-# and one of `n_splits` slices of the keys the block sees: the slices of a sequence's own length
-# (read on the GPU for a cache), so every program has real keys. With one slice it writes the
-# output; with several, fp32 partial outputs and log-sum-exps that `attn_decode_merge_kernel`
-# combines. K/V come from a dense (B, Hk, N, D) tensor or a paged cache (PAGED): pages of
-# PAGE_SIZE rows, (pages, Hk, PAGE_SIZE, D), sequence b's key j in page table[b, j // PAGE_SIZE].
-
-
-@triton.jit
-def _pages(table_row, slice_pages, first_page, start_n, n_k, last_page, BLOCK_N: tl.constexpr,
-           PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, ROW_PAGES: tl.constexpr):
-    """The cache pages of keys [start_n, start_n + BLOCK_N), clamped to the cache: one per row
-    (ROW_PAGES: full grids, pages smaller than a block, long slices), else the block's one page,
-    picked from the slice's SLICE_PAGES pages held in registers; 0 unpaged."""
-    if PAGED:
-        if ROW_PAGES:
-            rows = start_n + tl.arange(0, BLOCK_N)
-            page = tl.load(table_row + rows // PAGE_SIZE, mask=rows < n_k, other=0)
-            page = tl.minimum(tl.maximum(page, 0), last_page)
-        else:
-            slot = start_n // PAGE_SIZE - first_page
-            page = tl.sum(tl.where(tl.arange(0, SLICE_PAGES) == slot, slice_pages, 0), 0)
-    else:
-        page = 0
-    return page
-
-
-@triton.jit
-def _kv_tile(src, page, b, hk, start_n, n_k, stride_n, stride_d, stride_page, BLOCK_N: tl.constexpr,
-             HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-             MASKED: tl.constexpr, USE_DESC: tl.constexpr, ROW_PAGES: tl.constexpr):
-    """Keys (or values) [start_n, start_n + BLOCK_N) of one (sequence, KV head), zeros past n_k.
-    `src` points at the head's row 0 (dense) or the cache's row 0 of the head (paged: `page` from
-    `_pages`), or is the whole (B, Hk, N, D) / (pages, Hk, PAGE_SIZE, D) tensor's descriptor
-    (USE_DESC; paged only where a block lies in one page)."""
-    rows = start_n + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, HEAD_DIM_PADDED)
-    if USE_DESC:
-        if PAGED:
-            tile = src.load([page, hk, start_n % PAGE_SIZE, 0]).reshape(BLOCK_N, HEAD_DIM_PADDED)
-        else:
-            tile = src.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM_PADDED)
-        if MASKED:  # a cache's rows past the sequence hold anything (NaN too): zeros, as pointer loads give
-            tile = tl.where(rows[:, None] < n_k, tile, tl.zeros_like(tile))
-    else:
-        if PAGED and not ROW_PAGES:  # one page: a dense tile
-            ptrs = src + tl.cast(page, tl.int64) * stride_page + tl.cast(start_n % PAGE_SIZE, tl.int64) * stride_n \
-                + (tl.arange(0, BLOCK_N) * stride_n)[:, None] + cols[None, :] * stride_d
-        elif PAGED:
-            offsets = tl.cast(page, tl.int64) * stride_page + (rows % PAGE_SIZE) * stride_n
-            ptrs = src + offsets[:, None] + cols[None, :] * stride_d
-        else:
-            ptrs = src + tl.cast(start_n, tl.int64) * stride_n + (tl.arange(0, BLOCK_N) * stride_n)[:, None] \
-                + cols[None, :] * stride_d
-        tile = _tile_load(ptrs, rows, n_k, cols, HEAD_DIM, HEAD_DIM_PADDED, MASKED)
-    return tile
-
-
-@triton.jit
-def _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, lo, hi, pos, n_k,
-                  shift, left, right, qk_scale, cap_scale, slope, skn, skd, skp, svn, svd, svp, last_page,
-                  WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, PRECISION: tl.constexpr,
-                  USE_DESC: tl.constexpr, ROW_PAGES: tl.constexpr):
-    """`_fwd_steps` over dense or paged K/V; `pos` holds each row's query position."""
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        page = _pages(table_row, slice_pages, first_page, start_n, n_k, last_page, BLOCK_N, PAGED, PAGE_SIZE,
-                      SLICE_PAGES, ROW_PAGES)
-        k = _kv_tile(k_src, page, b, hk, start_n, n_k, skn, skd, skp, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED,
-                     PAGE_SIZE, MASKED, USE_DESC, ROW_PAGES)
-        s = _capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
-        s = _alibi(s, pos, start_n + tl.arange(0, BLOCK_N), shift, slope, ALIBI)
-        p, alpha, m_new = _softmax_step(s, m_i, pos, start_n, n_k, shift, left, right, qk_scale, WINDOW,
-                                        MASKED, BLOCK_N)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _kv_tile(v_src, page, b, hk, start_n, n_k, svn, svd, svp, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGED,
-                     PAGE_SIZE, MASKED, USE_DESC, ROW_PAGES)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        m_i = m_new
-    return acc, l_i, m_i
-
-
-@triton.jit(do_not_specialize=["n_k", "n_splits", "last_page", "n_part"])
-def attn_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, seqlens_ptr, table_ptr, alibi_ptr, leftpad_ptr, sm_scale, softcap,
-    n_q, n_k, n_new, n_heads_k, group, lower_right, left, right, n_splits, last_page, n_part,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, slb, slh, sln, stb, sab, sah,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr, SEQLENS: tl.constexpr, PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, SLICE_PAGES: tl.constexpr, SLICED: tl.constexpr, PDL: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, ROW_PAGES: tl.constexpr, STORE_LSE: tl.constexpr,
-):
-    """One slice of the keys seen by a block of a GQA group's query rows: with one slice the
-    output and lse; with several (SLICED) the slice's fp32 partial output and log-sum-exp, to
-    part: (B, Hq, Nq, slices, D) then from n_part on (B, Hq, Nq, slices), contiguous, which
-    `attn_decode_merge_kernel` merges (PDL: launched as this grid's programmatic dependent, so its
-    launch overlaps this grid's tail). SEQLENS: sequence b has
-    min(seqlens[b] + n_new, n_k) keys (a cache: n_k its capacity), else n_k. Paged K/V strides:
-    skb / svb step pages, stb the page table's rows. LEFTPAD: sequence b's keys start at row
-    leftpad[b] (rows before it are seen by no query; positions stay the cache's rows). USE_DESC: k_ptr / v_ptr are TMA descriptors
-    (`_kv_tile`). STORE_LSE: the lse is stored (else nothing is written through lse_ptr). Masks
-    are windows, left / right UNBOUNDED for an open side: a build without the window's code ran
-    5-20% slower on full grids of one query row per KV head (TUNING.md: decode)."""
-    if PDL:
-        tl_cuda.gdc_launch_dependents()
-    m_blocks = tl.cdiv(group * n_q, BLOCK_M)
-    pid = tl.program_id(0)
-    # Row blocks fastest, then slices: programs reading the same keys run side by side (L2).
-    block = pid % m_blocks
-    split = (pid // m_blocks) % n_splits
-    bhk = pid // (m_blocks * n_splits)
-    b = bhk // n_heads_k
-    hk = bhk % n_heads_k
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < group * n_q
-    pos = rows % n_q
-    h = hk * group + rows // n_q
-    if SEQLENS:
-        n_k_b = tl.minimum(tl.minimum(tl.maximum(tl.load(seqlens_ptr + b), 0), n_k) + n_new, n_k)
-    else:
-        n_k_b = n_k
-    shift = lower_right * (n_k_b - n_q)
-    cols = tl.arange(0, HEAD_DIM_PADDED)
-    q_rows = tl.cast(b, tl.int64) * sqb + tl.cast(h, tl.int64) * sqh + tl.cast(pos, tl.int64) * sqn
-    q = tl.load(q_ptr + q_rows[:, None] + cols[None, :] * sqd, mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM),
-                other=0.0)
-    if USE_DESC:
-        k_src = k_ptr
-        v_src = v_ptr
-    elif PAGED:
-        k_src = k_ptr + tl.cast(hk, tl.int64) * skh
-        v_src = v_ptr + tl.cast(hk, tl.int64) * svh
-    else:
-        k_src = k_ptr + tl.cast(b, tl.int64) * skb + tl.cast(hk, tl.int64) * skh
-        v_src = v_ptr + tl.cast(b, tl.int64) * svb + tl.cast(hk, tl.int64) * svh
-    table_row = table_ptr + tl.cast(b, tl.int64) * stb
-    qk_scale, cap_scale = _scales(sm_scale, softcap, SOFTCAP)
-    # Each row its own head's slope (the rows span the group's heads).
-    slope = _slope(alibi_ptr, b, tl.where(row_ok, h, 0), sab, sah, qk_scale, ALIBI)
-    if ALIBI:
-        slope = slope[:, None]
-    # Keys some row of the block sees, [lo, hi), and those every row sees, [full_lo, full_hi).
-    first = tl.min(tl.where(row_ok, pos, n_q), 0)
-    last = tl.max(tl.where(row_ok, pos, 0), 0)
-    if LEFTPAD:
-        # Keys before the sequence's first row: each row's window's left side stops there.
-        first_key = tl.minimum(tl.maximum(tl.load(leftpad_ptr + b), 0), n_k_b)
-        mask_left = tl.minimum(left, pos + shift - first_key)[:, None]
-    else:
-        first_key = 0
-        mask_left = left
-    lo = tl.maximum(first + shift - left, first_key)
-    hi = tl.maximum(tl.minimum(n_k_b, last + shift + right + 1), lo)
-    full_lo = tl.cdiv(tl.maximum(last + shift - left, first_key), BLOCK_N) * BLOCK_N
-    full_hi = (tl.maximum(first + shift + right + 1, 0) // BLOCK_N) * BLOCK_N
-    full_hi = tl.minimum(full_hi, (n_k_b // BLOCK_N) * BLOCK_N)
-    # This program's slice of [lo, hi), whole key blocks each.
-    lo = (lo // BLOCK_N) * BLOCK_N
-    chunk = tl.cdiv(tl.cdiv(hi - lo, n_splits), BLOCK_N) * BLOCK_N
-    s_lo = tl.minimum(lo + split * chunk, hi)
-    s_hi = tl.minimum(s_lo + chunk, hi)
-    mid_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
-    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), s_hi)
-    if SLICE_PAGES:
-        first_page = s_lo // PAGE_SIZE
-        ids = first_page + tl.arange(0, SLICE_PAGES)
-        slice_pages = tl.load(table_row + ids, mask=ids * PAGE_SIZE < s_hi, other=0)
-        slice_pages = tl.minimum(tl.maximum(slice_pages, 0), last_page)
-    else:
-        first_page = 0
-        slice_pages = 0
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
-    acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, s_lo,
-                                  mid_lo, pos, n_k_b, shift, mask_left, right, qk_scale, cap_scale, slope, skn, skd, skb,
-                                  svn, svd, svb, last_page, 2, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
-                                  HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
-    acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, mid_lo,
-                                  mid_hi, pos, n_k_b, shift, mask_left, right, qk_scale, cap_scale, slope, skn, skd, skb,
-                                  svn, svd, svb, last_page, 2, SOFTCAP, ALIBI, False, BLOCK_N, HEAD_DIM,
-                                  HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
-    acc, l_i, m_i = _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, mid_hi,
-                                  s_hi, pos, n_k_b, shift, mask_left, right, qk_scale, cap_scale, slope, skn, skd, skb,
-                                  svn, svd, svb, last_page, 2, SOFTCAP, ALIBI, True, BLOCK_N, HEAD_DIM,
-                                  HEAD_DIM_PADDED, PAGED, PAGE_SIZE, SLICE_PAGES, PRECISION, USE_DESC, ROW_PAGES)
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc * (1.0 / l_safe)[:, None]
-    lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    cols_ok = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
-    if SLICED:
-        slice0 = ((tl.cast(b, tl.int64) * n_heads_k * group + h) * n_q + pos) * n_splits
-        tl.store(part_ptr + (slice0 + split)[:, None] * HEAD_DIM + cols[None, :], out, mask=cols_ok)
-        tl.store(part_ptr + n_part + slice0 + split, lse, mask=row_ok)
-    else:
-        _store_rows(o_ptr, lse_ptr, out, lse, b, h, pos, row_ok, cols, sob, soh, son, sod, slb, slh, sln, HEAD_DIM,
-                    STORE_LSE)
-
-
-@triton.jit
-def _store_rows(o_ptr, lse_ptr, out, lse, b, h, pos, row_ok, cols, sob, soh, son, sod, slb, slh, sln,
-                HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr):
-    """Decode rows' outputs (cast to the output's dtype) and, STORE_LSE, log-sum-exps."""
-    o_rows = tl.cast(b, tl.int64) * sob + tl.cast(h, tl.int64) * soh + tl.cast(pos, tl.int64) * son
-    tl.store(o_ptr + o_rows[:, None] + cols[None, :] * sod, out.to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM))
-    if STORE_LSE:
-        tl.store(lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + tl.cast(pos, tl.int64) * sln,
-                 lse, mask=row_ok)
-
-
-@triton.jit(do_not_specialize=["n_splits", "n_part"])
-def attn_decode_merge_kernel(
-    part_ptr, o_ptr, lse_ptr, n_heads, n_q, n_splits, n_part,
-    sob, soh, son, sod, slb, slh, sln,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-):
-    """One query row's output from its slices' partial outputs (contiguous (rows, slices, D) fp32)
-    and log-sum-exps (from n_part on, (rows, slices)): out = sum_s exp(lse_s - lse) out_s, lse = log sum_s exp(lse_s). A row that
-    saw no key (every lse_s = -inf) gets 0 and -inf (the lse stored where STORE_LSE). PDL: launched
-    early, it waits for the partials here."""
-    if PDL:
-        tl_cuda.gdc_wait()
-    row = tl.program_id(0)
-    i = row % n_q
-    h = (row // n_q) % n_heads
-    b = row // (n_q * n_heads)
-    s = tl.arange(0, BLOCK_S)
-    cols = tl.arange(0, HEAD_DIM_PADDED)
-    base = tl.cast(row, tl.int64) * n_splits
-    part_lse = tl.load(part_ptr + n_part + base + s, mask=s < n_splits, other=float("-inf"))
-    m = tl.max(part_lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2((part_lse - m_safe) * LOG2E)
-    total = tl.sum(w, 0)
-    parts = tl.load(part_ptr + (base + s)[:, None] * HEAD_DIM + cols[None, :],
-                    mask=(s[:, None] < n_splits) & (cols[None, :] < HEAD_DIM), other=0.0)
-    total_safe = tl.where(total > 0.0, total, 1.0)
-    out = tl.sum(parts * w[:, None], 0) / total_safe
-    o_row = tl.cast(b, tl.int64) * sob + tl.cast(h, tl.int64) * soh + tl.cast(i, tl.int64) * son
-    tl.store(o_ptr + o_row + cols * sod, out.to(o_ptr.dtype.element_ty), mask=cols < HEAD_DIM)
-    if STORE_LSE:
-        lse = tl.where(total > 0.0, m_safe + tl.log2(total_safe) * LN2, float("-inf"))
-        tl.store(lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh + tl.cast(i, tl.int64) * sln, lse)
-
-
-@triton.jit(do_not_specialize=["n_new", "capacity", "last_page"])
-def kv_append_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, seqlens_ptr, table_ptr, n_new, n_heads_k, capacity, last_page,
-    skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scn, scd, swb, swh, swn, swd, stb,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """Rows [0, n_new) of new keys and values of one (sequence, KV head) written into the cache at
-    rows seqlens[b] + r; rows at or past the capacity are dropped (never an out-of-range write)."""
-    r_blocks = tl.cdiv(n_new, BLOCK_R)
-    pid = tl.program_id(0)
-    block = pid % r_blocks
-    bhk = pid // r_blocks
-    b = bhk // n_heads_k
-    hk = bhk % n_heads_k
-    r = block * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, HEAD_DIM_PADDED)
-    pos = tl.minimum(tl.maximum(tl.load(seqlens_ptr + b), 0), capacity) + r  # clamped first: no int32 wrap
-    ok = (r < n_new) & (pos < capacity)
-    mask = ok[:, None] & (cols[None, :] < HEAD_DIM)
-    if PAGED:
-        page = tl.load(table_ptr + tl.cast(b, tl.int64) * stb + pos // PAGE_SIZE, mask=ok, other=0)
-        page = tl.cast(tl.minimum(tl.maximum(page, 0), last_page), tl.int64)
-        k_dst = page * scb + tl.cast(pos % PAGE_SIZE, tl.int64) * scn
-        v_dst = page * swb + tl.cast(pos % PAGE_SIZE, tl.int64) * swn
-    else:
-        k_dst = tl.cast(b, tl.int64) * scb + tl.cast(pos, tl.int64) * scn
-        v_dst = tl.cast(b, tl.int64) * swb + tl.cast(pos, tl.int64) * swn
-    k_src = tl.cast(b, tl.int64) * skb + tl.cast(hk, tl.int64) * skh + tl.cast(r, tl.int64) * skn
-    v_src = tl.cast(b, tl.int64) * svb + tl.cast(hk, tl.int64) * svh + tl.cast(r, tl.int64) * svn
-    k = tl.load(k_ptr + k_src[:, None] + cols[None, :] * skd, mask=mask)
-    v = tl.load(v_ptr + v_src[:, None] + cols[None, :] * svd, mask=mask)
-    tl.store(kc_ptr + (k_dst + tl.cast(hk, tl.int64) * sch)[:, None] + cols[None, :] * scd, k, mask=mask)
-    tl.store(vc_ptr + (v_dst + tl.cast(hk, tl.int64) * swh)[:, None] + cols[None, :] * swd, v, mask=mask)

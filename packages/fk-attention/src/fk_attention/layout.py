@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import torch
 from fk_runtime import alloc, backend, checks, sizing
@@ -75,6 +76,18 @@ def check_alibi(alibi, q: torch.Tensor, batch: int, heads: int) -> None:
     checks.check_same_device(q=q, alibi_slopes=alibi)
     if alibi.requires_grad:
         raise ValueError("alibi_slopes must not require grad (FlashAttention's slopes are constants too)")
+
+
+def check_dropout(dropout_p, generator) -> float:
+    """Attention dropout's probability, a float in [0, 1) (FlashAttention's `dropout_p`), and the
+    optional torch.Generator its seeds are drawn from."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:  # (NaN fails this too)
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    return float(dropout_p)
 
 
 def alibi_strides(alibi: torch.Tensor | None) -> tuple[int, int]:

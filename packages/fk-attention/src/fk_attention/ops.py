@@ -10,7 +10,9 @@ their key's bound plan once a call of that key passed the checks (`fk_runtime.op
 no checks, no argument parsing, no autograd.Function.
 
 The registered ops carry the mask as one list of floats (`mask.op_args`: window sides, -1 for
-unbounded; lower-right alignment; softcap, 0.0 for none).
+unbounded; lower-right alignment; softcap, 0.0 for none). Attention dropout (`dropout_p` > 0) comes last,
+with its seed: an int64 (1,) tensor on q's device drawn from the caller's generator per call and saved for
+the backward, whose kernels regenerate the forward's mask from it (`kernels.dropout_scale`).
 """
 
 from __future__ import annotations
@@ -20,30 +22,34 @@ from fk_runtime import checks
 from fk_runtime import ops as fk_ops
 
 from . import decode, plan
-from .layout import Packing, check_alibi, check_attention_inputs, fake_like, output_dtype, softmax_scale, widened
+from .config import DROPOUT_SEED_BOUND
+from .layout import (Packing, check_alibi, check_attention_inputs, check_dropout, fake_like, output_dtype, softmax_scale,
+                     widened)
 from .mask import from_op_args, lower_right, op_args
 
 
 def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, mask: list[float],
-    alibi: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None, dropout_p: float = 0.0, seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     mask = from_op_args(mask)
-    if decode.takes(q):  # few query rows: keys sliced across programs (split-KV)
+    if dropout_p == 0 and decode.takes(q):  # few query rows: keys sliced across programs (split-KV)
         return decode.forward(q, k, v, mask, sm_scale, alibi=alibi)
-    return plan.forward(q, k, v, mask, sm_scale, alibi=alibi)
+    # (with dropout, few rows too take the prefill kernels: the split-KV path has no dropout)
+    return plan.forward(q, k, v, mask, sm_scale, alibi=alibi, dropout_p=dropout_p, seed=seed)
 
 
-def _forward_fake(q, k, v, sm_scale, mask, alibi=None):
+def _forward_fake(q, k, v, sm_scale, mask, alibi=None, dropout_p=0.0, seed=None):
     return fake_like(q, output_dtype(q.dtype)), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _backward(
     grad_out: torch.Tensor, grad_lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sm_scale: float, mask: list[float],
-    alibi: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None, dropout_p: float = 0.0, seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return plan.backward(grad_out, grad_lse, q, k, v, out, lse, from_op_args(mask), sm_scale, alibi=alibi)
+    return plan.backward(grad_out, grad_lse, q, k, v, out, lse, from_op_args(mask), sm_scale, alibi=alibi,
+                         dropout_p=dropout_p, seed=seed)
 
 
 def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, *rest):
@@ -51,21 +57,24 @@ def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, *rest):
 
 
 def _saved(tensors: int, others: int):
-    """save(inputs, outputs) of an op: its first `tensors` inputs, the outputs and the ALiBi slopes
-    (the input after the `others` arguments that follow those tensors; None where not passed) as
-    tensors, those arguments as the rest."""
+    """save(inputs, outputs) of an op: its first `tensors` inputs, the outputs, the ALiBi slopes and
+    the dropout seed (the inputs after the `others` arguments that follow those tensors, with
+    dropout_p between them; None where not passed) as tensors, those arguments and dropout_p as the
+    rest."""
     def save(inputs, outputs):
-        alibi = inputs[tensors + others] if len(inputs) > tensors + others else None
-        return (*inputs[:tensors], *outputs, alibi), inputs[tensors:tensors + others]
+        extra = inputs[tensors + others:]
+        alibi, dropout_p, seed = (*extra, *(None, 0.0, None)[len(extra):])
+        return (*inputs[:tensors], *outputs, alibi, seed), (*inputs[tensors:tensors + others], dropout_p)
     return save
 
 
 def _backward_args(saved, other, grads, needs):
-    *inputs, out, lse, alibi = saved
+    *inputs, out, lse, alibi, seed = saved
+    *other, dropout_p = other
     grad_out, grad_lse = grads
     if grad_out is None:  # only the log-sum-exp was used
         grad_out = torch.zeros_like(out)
-    return (grad_out, grad_lse, *inputs[:3], out, lse, *inputs[3:], *other, alibi)
+    return (grad_out, grad_lse, *inputs[:3], out, lse, *inputs[3:], *other, alibi, dropout_p, seed)
 
 
 # Both outputs are differentiable (the log-sum-exp's gradient folds into the backward's delta);
@@ -100,11 +109,12 @@ def _index(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _forward_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-    max_k: int, sm_scale: float, mask: list[float], alibi: torch.Tensor | None = None,
+    max_k: int, sm_scale: float, mask: list[float], alibi: torch.Tensor | None = None, dropout_p: float = 0.0,
+    seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cu_q, cu_k = _index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k)
     return plan.forward_packed(q, k, v, cu_q, cu_k, _packing(cu_q, max_q, max_k),
-                                from_op_args(mask), sm_scale, alibi=alibi)
+                                from_op_args(mask), sm_scale, alibi=alibi, dropout_p=dropout_p, seed=seed)
 
 
 def _forward_varlen_fake(q, k, v, cu_q, cu_k, *args):
@@ -116,11 +126,12 @@ def _backward_varlen(
     grad_out: torch.Tensor, grad_lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
     max_q: int, max_k: int, sm_scale: float, mask: list[float], alibi: torch.Tensor | None = None,
+    dropout_p: float = 0.0, seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cu_q, cu_k = _index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k)
     return plan.backward_packed(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k,
                                  _packing(cu_q, max_q, max_k), from_op_args(mask),
-                                 sm_scale, alibi=alibi)
+                                 sm_scale, alibi=alibi, dropout_p=dropout_p, seed=seed)
 
 
 def _backward_varlen_fake(grad_out, grad_lse, q, k, v, *args):
@@ -138,8 +149,22 @@ ATTENTION_VARLEN = fk_ops.define(
 )
 
 
+def _dropout(dropout_p, generator, q: torch.Tensor) -> tuple:
+    """The registered ops' trailing dropout arguments: none for dropout_p = 0 (the call as without
+    dropout), else (dropout_p, seed), the seed an int64 (1,) on q's device drawn from `generator`
+    (torch's default CPU generator when None), so that torch.manual_seed or a seeded generator
+    repeats a call's mask."""
+    p = check_dropout(dropout_p, generator)
+    if p == 0:
+        return ()
+    device = generator.device if generator is not None else torch.device("cpu")
+    seed = torch.randint(0, DROPOUT_SEED_BOUND, (1,), generator=generator, device=device, dtype=torch.int64)
+    return p, seed.to(q.device, non_blocking=True)
+
+
 def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: bool = False,
-              window=None, softcap: float | None = None, align: str | None = None, alibi_slopes=None):
+              window=None, softcap: float | None = None, align: str | None = None, alibi_slopes=None,
+              dropout_p: float = 0.0, generator: torch.Generator | None = None):
     """`scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=True)`,
     with sliding windows, softcapping and lower-right causal alignment.
 
@@ -160,14 +185,18 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
     (Gemma 2). `alibi_slopes`: fp32 (Hq,) or (B, Hq), FlashAttention's ALiBi: -slope * |j - (i +
     shift)| is added to the (scaled, capped) score of query i and key j, shift as for windows;
     no gradient reaches the slopes. A query that sees no key gets a zero output and a log-sum-exp
-    of -inf.
+    of -inf. `dropout_p` in [0, 1): FlashAttention's attention dropout, applied whenever > 0 (pass it
+    in training only): each softmax weight is kept with probability 1 - p and scaled by 1 / (1 - p);
+    the mask is a function of (seed, batch, head, i, j) with the seed drawn per call from `generator`
+    (default: torch's CPU generator, so torch.manual_seed repeats it), regenerated by the backward.
 
     `return_lse=True` returns (out, lse) with lse the fp32 row log-sum-exp (B, Hq, Nq) of the
     scaled scores, natural log: what merging partial attentions needs. It is differentiable too.
     The output is laid out like q ((B, N, H, D) storage for such a view). Under `torch.autocast`
     q, k, v are taken in its dtype, as SDPA takes them."""
     key = None
-    if alibi_slopes is None:  # (calls with slopes take the full path)
+    # (calls with slopes or dropout take the full path)
+    if alibi_slopes is None and type(dropout_p) in (float, int) and dropout_p == 0 and generator is None:
         key, run = fk_ops.quiet_run(plan.BOUND, "attention", (q, k, v),
                                     (causal, sm_scale, return_lse, window, softcap, align))
         if run:
@@ -181,7 +210,7 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
     run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(q, k, v, scale, mask, return_lse))
     if run:  # checked, and autograd records nothing: this key's calls go straight to the plan
         return run(q, k, v)
-    out, lse = ATTENTION.apply(q, k, v, scale, mask, alibi_slopes)
+    out, lse = ATTENTION.apply(q, k, v, scale, mask, alibi_slopes, *_dropout(dropout_p, generator, q))
     return (out, lse) if return_lse else out
 
 
@@ -208,7 +237,8 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor) -> None:
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal=False,
                      sm_scale: float | None = None, window=None, softcap: float | None = None,
-                     return_lse: bool = False, align: str | None = None, alibi_slopes=None):
+                     return_lse: bool = False, align: str | None = None, alibi_slopes=None,
+                     dropout_p: float = 0.0, generator: torch.Generator | None = None):
     """Attention over packed sequences, as FlashAttention's `flash_attn_varlen_func`.
 
     q (total_q, Hq, D), k and v (total_k, Hk, D): the sequences' tokens one after another;
@@ -216,6 +246,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     cu[i]:cu[i + 1]), on q's device; `max_seqlen_q` / `max_seqlen_k` the longest lengths (they
     size the grid: a smaller value costs parallelism, never correctness). No attention crosses
     sequences and no work is spent on padding. `causal`, `window`, `softcap`, `sm_scale`, `align`,
+    `dropout_p`, `generator` (the mask's i, j count within each sequence, b the sequence),
     `alibi_slopes` ((Hq,) or (sequences, Hq)) as in `attention`, per sequence (lower-right alignment uses each sequence's own lengths). Bounds
     are read on the GPU without a sync: out-of-range or decreasing ones are clamped to [0, total]
     (wrong rows, never an out-of-range access). Gradients for q, k, v; the backward is
@@ -240,7 +271,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     return_lse = checks.check_flag("return_lse", return_lse)
     check_alibi(alibi_slopes, q, cu_seqlens_q.shape[0] - 1, q.shape[1])
     out, lse = ATTENTION_VARLEN.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                                      softmax_scale(sm_scale, q.shape[-1]), mask, alibi_slopes)
+                                      softmax_scale(sm_scale, q.shape[-1]), mask, alibi_slopes,
+                                      *_dropout(dropout_p, generator, q))
     return (out, lse) if return_lse else out
 
 

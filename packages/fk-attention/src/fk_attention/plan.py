@@ -322,8 +322,10 @@ def tuning_keys(n_q: int, n_k: int, batch_heads: int, dtype: torch.dtype, mask: 
     return length_key(n_q), length_key(walk), heads_key(batch_heads), dtype_key(dtype)
 
 
-def _meta(mask: Mask, varlen: bool, head_dim: int, dtype: torch.dtype, alibi: bool = False) -> dict:
-    return {"WINDOW": window_build(mask), "SOFTCAP": mask.softcap is not None, "ALIBI": alibi, "VARLEN": varlen,
+def _meta(mask: Mask, varlen: bool, head_dim: int, dtype: torch.dtype, alibi: bool = False,
+          dropout: bool = False) -> dict:
+    return {"WINDOW": window_build(mask), "SOFTCAP": mask.softcap is not None, "ALIBI": alibi, "DROPOUT": dropout,
+            "VARLEN": varlen,
             "HEAD_DIM": head_dim, "PRECISION": precision(dtype),
             "HEAD_DIM_PADDED": padded_head_dim(head_dim, dtype)}
 
@@ -351,10 +353,11 @@ def _tail_fill(device: torch.device, sequences: int, total: int, *tensors: tuple
 
 
 def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=None,
-                  packing: Packing | None = None, alibi: torch.Tensor | None = None):
-    """The forward of one key: run(q, k, v, cu_q, cu_k, alibi) -> (out, lse). Dense: (B, H, N, D)
-    inputs, out like q, lse (B, H, N). Packed: (total, H, D) inputs, out (total, H, D), lse
-    (H, total). `alibi`: ALiBi slopes laid out as the calls will pass them (`layout.check_alibi`)."""
+                  packing: Packing | None = None, alibi: torch.Tensor | None = None, dropout: bool = False):
+    """The forward of one key: run(q, k, v, cu_q, cu_k, alibi, dropout_p, seed) -> (out, lse). Dense:
+    (B, H, N, D) inputs, out like q, lse (B, H, N). Packed: (total, H, D) inputs, out (total, H, D), lse
+    (H, total). `alibi`: ALiBi slopes laid out as the calls will pass them (`layout.check_alibi`);
+    `dropout`: the calls pass a dropout_p > 0 and their int64 seed on the device."""
     check_inputs(q, k, v, packing is not None)  # one dtype and device among them
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_kernel_device(name, t)
@@ -408,7 +411,8 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
             *lse_strides, *alibi_strides(alibi), *tuning_keys(n_q, n_k, b * hq, dtype, mask))
     tiles = _inputs_only(FORWARD_TILES, (3,) if varlen else ())
     kernel = Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, tiles, (q_, k_, v_, out), tail,
-                     _meta(mask, varlen, d, dtype, alibi is not None), dtype, should_autotune(dtype, b * hq, n_q, n_k), descriptors,
+                     _meta(mask, varlen, d, dtype, alibi is not None, dropout), dtype,
+                     should_autotune(dtype, b * hq, n_q, n_k), descriptors,
                      config, device, mask.span)
     # Packed rows past the last sequence: output 0, log-sum-exp -inf (as a row that sees no key).
     tail = _tail_fill(device, b, total_q, ((total_q, hq, d), 0.0), ((hq, total_q), -math.inf)) \
@@ -416,10 +420,10 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
     # The Gluon kernel on Hopper where it serves (hopper.py); a forced config or TMA choice is the tl one's.
     gluon = None
     if not varlen and config is None and descriptors is None and q_ok and k_ok and v_ok and alibi is None \
-            and hopper.takes(q_, k_, v_, mask, sm_scale):
+            and not dropout and hopper.takes(q_, k_, v_, mask, sm_scale):
         gluon = hopper.bind(q_, k_, v_, out, lse_strides, mask, sm_scale)
 
-    def run(q, k, v, cu_q=None, cu_k=None, alibi=None):
+    def run(q, k, v, cu_q=None, cu_k=None, alibi=None, dropout_p=0.0, seed=None):
         out, lse = new_outputs()
         if gluon is not None and bases_aligned((q, k, v, out)):
             gluon(q, k, v, out, lse)
@@ -427,7 +431,7 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
         q, k, v = as_kernel(q), as_kernel(k), as_kernel(v)
         kernel(q if q_ok else q.contiguous(), k if k_ok else k.contiguous(), v if v_ok else v.contiguous(),
                as_kernel(out), lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k,
-               lse if alibi is None else alibi)
+               lse if alibi is None else alibi, lse if seed is None else seed, float(dropout_p))
         if tail is not None:
             tail(out, lse, cu_q)
         return out, lse
@@ -436,53 +440,62 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
 
 
 def forward(q, k, v, mask: Mask, sm_scale: float, config: Config | None = None,
-            descriptors: bool | None = None, alibi: torch.Tensor | None = None):
+            descriptors: bool | None = None, alibi: torch.Tensor | None = None, dropout_p: float = 0.0,
+            seed: torch.Tensor | None = None):
     """(out, lse): out like q ((B, Hq, Nq, D), bf16 for fp8 inputs), lse (B, Hq, Nq) fp32 in
     natural log. `config` (with its `descriptors` flag) or `descriptors` alone override the
-    config's choice (tests; not cached). `alibi`: fp32 ALiBi slopes, (Hq,) or (B, Hq)."""
+    config's choice (tests; not cached). `alibi`: fp32 ALiBi slopes, (Hq,) or (B, Hq). `dropout_p`
+    > 0: attention dropout keyed by `seed` (int64 (1,) on q's device; `kernels.dropout_scale`)."""
     if widened(q.dtype):
-        out, lse = forward(q.float(), k.float(), v.float(), mask, sm_scale, config, descriptors, alibi)
+        out, lse = forward(q.float(), k.float(), v.float(), mask, sm_scale, config, descriptors, alibi, dropout_p,
+                           seed)
         return out.to(q.dtype), lse
+    drop = (dropout_p, seed)
     if config is not None or descriptors is not None:
-        return bind_forward(q, k, v, mask, sm_scale, config, descriptors, alibi=alibi)(q, k, v, alibi=alibi)
-    return bound_forward(q, k, v, mask, sm_scale, alibi)(q, k, v, alibi=alibi)
+        return bind_forward(q, k, v, mask, sm_scale, config, descriptors, alibi=alibi,
+                            dropout=dropout_p > 0)(q, k, v, None, None, alibi, *drop)
+    return bound_forward(q, k, v, mask, sm_scale, alibi, dropout_p > 0)(q, k, v, None, None, alibi, *drop)
 
 
-def bound_forward(q, k, v, mask: Mask, sm_scale: float, alibi: torch.Tensor | None = None):
-    """run(q, k, v, alibi=None) -> (out, lse): the forward bound for these inputs' layouts (not
-    widened)."""
-    key = (*layout_key(q, k, v, alibi), mask, sm_scale)
-    return BOUND.get(key) or BOUND.get_or_build(key, lambda: bind_forward(q, k, v, mask, sm_scale, alibi=alibi))
+def bound_forward(q, k, v, mask: Mask, sm_scale: float, alibi: torch.Tensor | None = None, dropout: bool = False):
+    """run(q, k, v, cu_q, cu_k, alibi, dropout_p, seed) -> (out, lse): the forward bound for these
+    inputs' layouts (not widened)."""
+    key = (*layout_key(q, k, v, alibi), mask, sm_scale, dropout)
+    return BOUND.get(key) or BOUND.get_or_build(
+        key, lambda: bind_forward(q, k, v, mask, sm_scale, alibi=alibi, dropout=dropout))
 
 
 def forward_packed(q, k, v, cu_q, cu_k, packing: Packing, mask: Mask, sm_scale: float,
-                   config: Config | None = None, alibi: torch.Tensor | None = None):
+                   config: Config | None = None, alibi: torch.Tensor | None = None, dropout_p: float = 0.0,
+                   seed: torch.Tensor | None = None):
     """(out (total_q, Hq, D), lse (Hq, total_q)) of packed sequences: sequence i is rows
     cu_q[i]:cu_q[i + 1] of q against rows cu_k[i]:cu_k[i + 1] of k and v; `alibi` (Hq,) or
-    (sequences, Hq)."""
+    (sequences, Hq); `dropout_p`, `seed` as in `forward`."""
     if widened(q.dtype):
         out, lse = forward_packed(q.float(), k.float(), v.float(), cu_q, cu_k, packing, mask, sm_scale, config,
-                                  alibi)
+                                  alibi, dropout_p, seed)
         return out.to(q.dtype), lse
+    dropout = dropout_p > 0
     for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         checks.check_kernel_device(name, t)
     if config is not None:
-        return bind_forward(q, k, v, mask, sm_scale, config, None, packing, alibi)(q, k, v, cu_q, cu_k, alibi)
-    key = ("packed", packing, *layout_key(q, k, v, cu_q, cu_k, alibi), mask, sm_scale)
+        return bind_forward(q, k, v, mask, sm_scale, config, None, packing, alibi, dropout)(
+            q, k, v, cu_q, cu_k, alibi, dropout_p, seed)
+    key = ("packed", packing, *layout_key(q, k, v, cu_q, cu_k, alibi), mask, sm_scale, dropout)
 
     def build():
         check_bounds(cu_q, cu_k, packing)
-        return bind_forward(q, k, v, mask, sm_scale, packing=packing, alibi=alibi)
+        return bind_forward(q, k, v, mask, sm_scale, packing=packing, alibi=alibi, dropout=dropout)
 
     run = BOUND.get(key) or BOUND.get_or_build(key, build)
-    return run(q, k, v, cu_q, cu_k, alibi)
+    return run(q, k, v, cu_q, cu_k, alibi, dropout_p, seed)
 
 
 def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: float,
                    configs=None, descriptors=None, packing: Packing | None = None,
-                   alibi: torch.Tensor | None = None):
-    """The backward of one key: run(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, alibi) ->
-    (dq, dk, dv), the gradients laid out like the inputs (packed: (total, H, D))."""
+                   alibi: torch.Tensor | None = None, dropout: bool = False):
+    """The backward of one key: run(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, alibi, dropout_p,
+    seed) -> (dq, dk, dv), the gradients laid out like the inputs (packed: (total, H, D))."""
     check_backward(grad_out, grad_lse, q, k, v, out, lse, packing is not None)
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("grad_out", grad_out), ("lse", lse)):
         checks.check_kernel_device(name, t)
@@ -551,7 +564,7 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
     dq, dk, dv = (as_kernel(g) for g in new_grads())
     delta, lse2 = new_stats()
     dq_config, dkdv_config = configs or (None, None)
-    meta = _meta(mask, varlen, d, dtype, alibi is not None)
+    meta = _meta(mask, varlen, d, dtype, alibi is not None, dropout)
     keys = tuning_keys(n_q, n_k, b * hq, dtype, mask)
     tune = should_autotune(dtype, b * hq, n_q, n_k)
     forced = configs is not None or descriptors is not None
@@ -582,11 +595,11 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
              _tail_fill(device, b, totals[1], (shapes[1], 0.0), (shapes[2], 0.0))) if varlen else None
     # dK/dV in Gluon on Hopper where it serves (hopper.py); forced configs or TMA choices run tl.
     gluon = None
-    if not varlen and not forced and alibi is None and hopper.serves(q_, k_, v_, mask) \
+    if not varlen and not forced and alibi is None and not dropout and hopper.serves(q_, k_, v_, mask) \
             and descriptors_may_serve(device, (go_, dk, dv)):
         gluon = hopper.bind_dkdv(q_, k_, v_, go_, dk, dv, scratch_strides, mask, sm_scale)
 
-    def run(grad_out, grad_lse, q, k, v, out, lse, cu_q=None, cu_k=None, alibi=None):
+    def run(grad_out, grad_lse, q, k, v, out, lse, cu_q=None, cu_k=None, alibi=None, dropout_p=0.0, seed=None):
         if expanded:  # materialized as bound: before the packed view (whose own copy has other strides)
             grad_out = grad_out.contiguous()
         q, k, v, out, grad_out = (as_kernel(t) for t in (q, k, v, out, grad_out))
@@ -600,12 +613,13 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
         cu_q = lse if cu_q is None else cu_q
         cu_k = lse if cu_k is None else cu_k
         alibi = lse if alibi is None else alibi
-        dq_kernel(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, cu_q, cu_k, alibi)
+        drop = (lse if seed is None else seed, float(dropout_p))
+        dq_kernel(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, cu_q, cu_k, alibi, *drop)
         # dK/dV reads the delta and base-2 lse the dQ kernel wrote (same stream, in order).
         if gluon is not None and bases_aligned((q, k, v, grad_out, dk, dv)):
             gluon(q, k, v, grad_out, lse2, delta, dk, dv)
         else:
-            dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k, alibi)
+            dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k, alibi, *drop)
         if tails is not None:
             tails[0](grads[0], cu_q)
             tails[1](grads[1], grads[2], cu_k)
@@ -616,43 +630,50 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
 
 def backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: float,
              configs: tuple[Config, Config] | None = None, descriptors: bool | None = None,
-             alibi: torch.Tensor | None = None):
+             alibi: torch.Tensor | None = None, dropout_p: float = 0.0, seed: torch.Tensor | None = None):
     """(dq, dk, dv). `grad_lse` (may be None) is the gradient reaching the log-sum-exp output.
     `configs` = (dQ config, dK/dV config) or `descriptors` alone override the config's choice
-    (tests; not cached; each config's `descriptors` flag holds for its kernel)."""
+    (tests; not cached; each config's `descriptors` flag holds for its kernel). `dropout_p`, `seed`:
+    the forward's (its mask regenerated, never stored)."""
     if widened(q.dtype):
         wide = [t.float() for t in (grad_out, q, k, v, out)]
-        grads = backward(wide[0], grad_lse, *wide[1:], lse, mask, sm_scale, configs, descriptors, alibi)
+        grads = backward(wide[0], grad_lse, *wide[1:], lse, mask, sm_scale, configs, descriptors, alibi, dropout_p,
+                         seed)
         return tuple(g.to(q.dtype) for g in grads)
     lse = lse.contiguous()  # the kernels read it as (B, H, N) rows (a saved-tensor hook may hand back other strides)
+    drop = (dropout_p, seed)
     if configs is not None or descriptors is not None:
         return bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, configs, descriptors,
-                              alibi=alibi)(grad_out, grad_lse, q, k, v, out, lse, alibi=alibi)
-    key = (*layout_key(q, k, v, out, grad_out, lse, grad_lse, alibi), mask, sm_scale)
+                              alibi=alibi, dropout=dropout_p > 0)(grad_out, grad_lse, q, k, v, out, lse, None, None,
+                                                                   alibi, *drop)
+    key = (*layout_key(q, k, v, out, grad_out, lse, grad_lse, alibi), mask, sm_scale, dropout_p > 0)
     run = BOUND.get(key) or BOUND.get_or_build(
-        key, lambda: bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, alibi=alibi))
-    return run(grad_out, grad_lse, q, k, v, out, lse, alibi=alibi)
+        key, lambda: bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, alibi=alibi,
+                                   dropout=dropout_p > 0))
+    return run(grad_out, grad_lse, q, k, v, out, lse, None, None, alibi, *drop)
 
 
 def backward_packed(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, packing: Packing, mask: Mask,
                     sm_scale: float, configs: tuple[Config, Config] | None = None,
-                    alibi: torch.Tensor | None = None):
+                    alibi: torch.Tensor | None = None, dropout_p: float = 0.0, seed: torch.Tensor | None = None):
     """(dq, dk, dv) of `forward_packed`, each (total, H, D). Deterministic (no atomics)."""
     if widened(q.dtype):
         wide = [t.float() for t in (grad_out, q, k, v, out)]
         grads = backward_packed(wide[0], grad_lse, *wide[1:], lse, cu_q, cu_k, packing, mask, sm_scale, configs,
-                                alibi)
+                                alibi, dropout_p, seed)
         return tuple(g.to(q.dtype) for g in grads)
     lse = lse.contiguous()  # the kernels read it as (H, total) rows
+    dropout = dropout_p > 0
     if configs is not None:
-        return bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, configs, None,
-                              packing, alibi)(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, alibi)
+        return bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, configs, None, packing, alibi,
+                              dropout)(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, alibi, dropout_p, seed)
     key = ("packed", packing, *layout_key(q, k, v, out, grad_out, lse, grad_lse, cu_q, cu_k, alibi), mask,
-           sm_scale)
+           sm_scale, dropout)
 
     def build():
         check_bounds(cu_q, cu_k, packing)
-        return bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, packing=packing, alibi=alibi)
+        return bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask, sm_scale, packing=packing, alibi=alibi,
+                              dropout=dropout)
 
     run = BOUND.get(key) or BOUND.get_or_build(key, build)
-    return run(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, alibi)
+    return run(grad_out, grad_lse, q, k, v, out, lse, cu_q, cu_k, alibi, dropout_p, seed)
