@@ -41,7 +41,7 @@ OLDEST = ["triton==3.6.0", "numpy>=2.3,<2.4"]
 # depend on the Triton version and run once, in `tests` (CI's two sessions fit about 20 minutes).
 OLDEST_TARGETS = [
     RUNTIME / "tests",
-    *(OPS["attention"] / "tests" / name for name in ("test_attention.py", "test_alibi.py")),
+    *(OPS["attention"] / "tests" / name for name in ("test_attention.py", "test_alibi.py", "test_dropout.py")),
     OPS["attention"] / "tests" / "test_masks_and_packing.py::test_masks_match_float64_reference",
     OPS["attention"] / "tests" / "test_masks_and_packing.py::test_packed_equals_dense_on_equal_lengths",
     OPS["layernorm"] / "tests" / "test_layernorm.py",

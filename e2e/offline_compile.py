@@ -1,0 +1,193 @@
+"""Compile for sm_90 (Hopper), on a machine without a GPU, every kernel launch that a set of calls makes.
+
+The interpreter runs fk's kernels in Python and never compiles them, so a kernel can pass every CPU
+test and still fail Triton's compiler on a GPU. The 3.8 run of the ALiBi decode path did, with one
+helper returning a float constant on one branch and a tensor on the other. This script:
+1. runs the calls on the interpreter in a child process (`TRITON_INTERPRET=1`), recording each
+   distinct launch: the kernel, its argument types and values, and its constexprs;
+2. compiles each one with `triton.compile(..., GPUTarget("cuda", 90, 32))` here, specializing the int
+   arguments as Triton's JIT would (1 as a constant, multiples of 16 marked divisible, except the
+   kernel's `do_not_specialize`). The tiles are the interpreter's, not the GPU's defaults: this
+   checks that each constexpr combination compiles, not what it costs.
+
+    bash shared/from-source.sh python e2e/offline_compile.py [--ops attention norms softmax weightedsum]
+
+It prints one line per launch and exits 1 if any fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+OPS = ("attention", "norms", "softmax", "weightedsum")
+DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "int32": "i32",
+          "int64": "i64", "uint8": "u8"}
+
+
+def _calls(ops) -> None:
+    """The calls whose launches are compiled: every attention path (dense, windows, softcap, ALiBi,
+    dropout, few rows, packed, KV cache dense and paged), the norms, softmax and weighted_sum."""
+    import torch
+
+    def g(*shape):
+        return torch.randn(*shape, dtype=torch.float16, requires_grad=True)
+
+    if "attention" in ops:
+        import fk_attention as fa
+
+        for n_q, n_k in ((70, 70), (3, 80)):  # the prefill kernels and the split-KV decode path
+            for kw in ({}, {"causal": True}, {"window": (5, 3)}, {"softcap": 5.0},
+                       {"alibi_slopes": torch.rand(4)}, {"dropout_p": 0.2}):
+                fa.attention(g(1, 4, n_q, 64), g(1, 2, n_k, 64), g(1, 2, n_k, 64), **kw).sum().backward()
+        cu = torch.tensor([0, 30, 75], dtype=torch.int32)
+        fa.attention_varlen(g(75, 4, 64), g(75, 2, 64), g(75, 2, 64), cu, cu, 45, 45,
+                            causal=True).sum().backward()
+        lengths = torch.tensor([40, 90], dtype=torch.int32)
+        new = [torch.randn(2, 2, 1, 64, dtype=torch.float16) for _ in range(2)]
+        fa.attention_with_kvcache(torch.randn(2, 4, 1, 64, dtype=torch.float16),
+                                  *(torch.randn(2, 2, 128, 64, dtype=torch.float16) for _ in range(2)), lengths,
+                                  *new, causal=True, alibi_slopes=torch.rand(4))
+        pages = [torch.randn(8, 2, 32, 64, dtype=torch.float16) for _ in range(2)]
+        table = torch.arange(8, dtype=torch.int32).reshape(2, 4)
+        fa.attention_with_kvcache(torch.randn(2, 4, 2, 64, dtype=torch.float16), *pages, lengths,
+                                  block_table=table, causal=True)
+    x, w, b = g(8, 1000), g(1000), g(1000)
+    if "norms" in ops:
+        import fk_layernorm
+
+        fk_layernorm.layer_norm(x, w, b).sum().backward()
+        fk_layernorm.rms_norm(x, w).sum().backward()
+    if "softmax" in ops:
+        import fk_softmax
+
+        fk_softmax.softmax(x, -1).sum().backward()
+    if "weightedsum" in ops:
+        import fk_weightedsum
+
+        fk_weightedsum.weighted_sum(x, w).sum().backward()
+
+
+def _argument(a):
+    """A launch argument as the compile needs it: a pointer type, [scalar type, value], or None."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return "*" + DTYPES[str(a.dtype).removeprefix("torch.")]
+    if isinstance(a, bool):
+        return ["i1", int(a)]
+    if isinstance(a, float):
+        return ["fp32", a]
+    if isinstance(a, int):
+        return ["i32" if -2**31 <= a < 2**31 else "i64", a]
+    if a is None:
+        return None
+    raise TypeError(f"a launch argument of type {type(a).__name__}: not recorded")
+
+
+def record(ops) -> list[str]:
+    """The distinct launches of `_calls` (run here, on the interpreter), as JSON strings."""
+    from fk_runtime import launch
+
+    launches = {}
+    call = launch.Launch.__call__
+
+    def recorded(self, *head):
+        fn = getattr(self.kernel, "fn", self.kernel)
+        meta = {k: v if isinstance(v, (int, float, bool, str, type(None))) else str(v) for k, v in self.meta.items()}
+        spec = [fn.__module__, fn.__name__, [_argument(a) for a in (*head, *self.tail)], meta]
+        launches[json.dumps(spec, sort_keys=True)] = None
+        return call(self, *head)
+
+    launch.Launch.__call__ = recorded
+    try:
+        _calls(ops)
+    finally:
+        launch.Launch.__call__ = call
+    return list(launches)
+
+
+def compile_one(spec: str) -> str | None:
+    """Compile one recorded launch for sm_90; None if it compiles, else the error's last lines."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, name, args, meta = json.loads(spec)
+    fn = getattr(importlib.import_module(module), name)  # an unknown kernel raises: a recording gone stale
+    names = fn.arg_names
+    unspecialized = {names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+    options = {k: meta.pop(k) for k in ("num_warps", "num_stages") if k in meta}
+    signature, constants, attrs = {}, {}, {}
+    for i, param in enumerate(names):
+        if param in meta:
+            signature[param], constants[param] = "constexpr", meta[param]
+        elif i >= len(args):  # a constexpr left to its default
+            signature[param], constants[param] = "constexpr", fn.params[i].default
+        elif args[i] is None:
+            signature[param], constants[param] = "constexpr", None
+        elif isinstance(args[i], str):  # a pointer: Triton's allocations are 16-byte aligned
+            signature[param] = args[i]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            kind, value = args[i]
+            integer = kind in ("i32", "i64") and param not in unspecialized
+            if integer and value == 1:
+                signature[param], constants[param] = "constexpr", 1
+                continue
+            signature[param] = kind
+            if integer and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    try:
+        triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=options)
+    except Exception as error:  # noqa: BLE001 (any compiler error is the finding)
+        return " | ".join(str(error).strip().splitlines()[-3:])
+    return None
+
+
+def _child(args: list[str], interpret: bool) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}  # fixed when the kernels are defined
+    return subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env, check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # the children's parts
+    parser.add_argument("--compile", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.record:
+        print(json.dumps(record(args.ops)))
+        return 0
+    if args.compile:
+        import triton
+
+        launches, failed = json.loads(open(args.compile).read()), 0
+        for spec in launches:
+            _, name, _, meta = json.loads(spec)
+            error = compile_one(spec)
+            failed += error is not None
+            flags = {k: v for k, v in meta.items() if k.isupper()}
+            print(("ok  " if error is None else "FAIL") + f" {name} {flags}" + ("" if error is None else f": {error}"))
+        print(f"triton {triton.__version__}, sm_90: {len(launches)} launches, {failed} failed to compile")
+        return 1 if failed else 0
+    recorded = _child(["--record", "--ops", *args.ops], interpret=True)
+    if recorded.returncode != 0:
+        print(recorded.stderr[-3000:])
+        return recorded.returncode
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as launches:
+        launches.write(recorded.stdout.strip().splitlines()[-1])
+        launches.flush()
+        compiled = _child(["--compile", launches.name], interpret=False)
+    print(compiled.stdout + compiled.stderr[-3000:] * (compiled.returncode not in (0, 1)))
+    return compiled.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
