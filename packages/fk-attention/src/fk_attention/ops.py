@@ -150,13 +150,14 @@ ATTENTION_VARLEN = fk_ops.define(
 
 
 def _dropout(dropout_p, generator, q: torch.Tensor) -> tuple:
-    """The registered ops' trailing dropout arguments: none for dropout_p = 0 (the call as without
-    dropout), else (dropout_p, seed), the seed an int64 (1,) on q's device drawn from `generator`
-    (torch's default CPU generator when None), so that torch.manual_seed or a seeded generator
-    repeats a call's mask."""
+    """The registered ops' trailing dropout arguments (dropout_p, seed): (0.0, None) for dropout_p = 0
+    (no seed drawn), else the seed an int64 (1,) on q's device drawn from `generator` (torch's default
+    CPU generator when None), so that torch.manual_seed or a seeded generator repeats a call's mask.
+    Always both: Dynamo hands the Function's context to a forward called with fewer inputs than it has
+    parameters."""
     p = check_dropout(dropout_p, generator)
     if p == 0:
-        return ()
+        return 0.0, None
     device = generator.device if generator is not None else torch.device("cpu")
     seed = torch.randint(0, DROPOUT_SEED_BOUND, (1,), generator=generator, device=device, dtype=torch.int64)
     return p, seed.to(q.device, non_blocking=True)
