@@ -382,7 +382,12 @@ def _ring_backward(grad_out, grad_lse, q, k, v, out, lse, ring: _Ring, steps: li
         # dK/dV of the shard held now: what the ranks before added (waited for after this step's
         # kernels, which overlap the transfer), plus this step's; a skipped block adds nothing.
         if index == 0:
-            grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            whole = bool(block_grads) and block_grads[0][0] == slice(0, kv.shape[3])
+            grad_kv = (torch.empty if whole else torch.zeros)(kv.shape, dtype=torch.float32, device=kv.device)
+            if whole:  # the own shard's first block covers every key: copied in, no zero fill to add to
+                _, dk_block, dv_block = block_grads.pop(0)
+                grad_kv[0].copy_(dk_block)
+                grad_kv[1].copy_(dv_block)
         else:
             grad_kv = arriving_grad()
         for cols, dk_block, dv_block in block_grads:
