@@ -1,7 +1,7 @@
 """First calls and shape changes: what a user waits for before a call runs, fk beside SDPA / torch.
 
 Wall time of each call (synchronized), each case in a fresh process:
-- cold: an empty Triton cache (TRITON_CACHE_DIR a new folder), the first call of each op, fwd+bwd
+- cold: empty Triton and fk caches (TRITON_CACHE_DIR, FK_CACHE_DIR a new folder), the first call of each op, fwd+bwd
   (attention per dtype and head dim; rms_norm, layer_norm, softmax);
 - warm: the same first calls in a second process on the cache the cold one filled;
 - new length: after the first call, calls at lengths the process has not seen (attention
@@ -121,7 +121,7 @@ def child(case: str) -> None:
 
 
 def _spawn(case: str, cache: Path) -> object:
-    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "FK_CACHE_DIR": str(cache / "fk")}  # fk's too (Triton's key)
     done = subprocess.run([sys.executable, __file__, "--child", case], env=env, capture_output=True, text=True,
                           check=False)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -148,8 +148,8 @@ def report(run: dict) -> str:
     m = run["meta"]
     lines = ["## First calls and shape changes", "",
              f"{m['device']}, torch {m['torch']}, Triton {m['triton']} ({m['date']}). Wall time of each call, "
-             "synchronized, each case in a fresh process. Cold: an empty Triton cache; warm: a second process "
-             "on the cache the cold one filled. SDPA / torch's op beside, in the same process after fk's call.", "",
+             "synchronized, each case in a fresh process. Cold: empty Triton and fk caches; warm: a second process "
+             "on the caches the cold one filled. SDPA / torch's op beside, in the same process after fk's call.", "",
              f"Command: `{m['command']}`", "",
              "| op | case | dtype | fk cold (ms) | fk warm (ms) | torch cold (ms) | torch warm (ms) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

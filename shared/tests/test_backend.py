@@ -90,3 +90,72 @@ def test_every_supported_triton_has_the_cache_key_fk_hashes_ahead():
     from fk_runtime import launch
 
     assert launch.hash_triton()
+
+
+def test_triton_key_is_read_back_from_the_cache_file(tmp_path, monkeypatch):
+    """The first process hashes Triton's sources and stores the key under their sizes and times;
+    the next reads it back, and Triton's cache then uses the same key (`ahead.load_triton_key`)."""
+    import sys
+
+    from fk_runtime import ahead
+    from triton.runtime import cache
+
+    monkeypatch.setenv(ahead.CACHE_DIR_ENV, str(tmp_path))
+    original = cache.triton_key
+    holders = [m for m in list(sys.modules.values())
+               if getattr(m, "__name__", "").startswith("triton") and getattr(m, "triton_key", None) is original]
+    for module in holders:
+        monkeypatch.setattr(module, "triton_key", original)
+    expected = original()
+    assert ahead.load_triton_key() is False  # hashed, then stored
+    assert len(list(tmp_path.glob("triton-key-*.json"))) == 1
+    assert cache.triton_key() == expected and cache.triton_key is not original
+    for module in holders:
+        monkeypatch.setattr(module, "triton_key", original)
+    assert ahead.load_triton_key() is True  # read back
+    assert all(m.triton_key() == expected and m.triton_key is not original for m in holders)
+    signature = ahead.triton_signature()
+    assert signature == ahead.triton_signature()
+
+
+def test_compiles_submitted_ahead_finish_before_their_kernel_is_waited_for():
+    """`ahead.submit` runs a kernel's compile in the pool; `ahead.wait(kernel)` returns only once
+    every compile submitted for that kernel ran; a failing compile is left to the launch."""
+    import threading
+    import time
+
+    from fk_runtime import ahead
+
+    kernel, other, done = object(), object(), []
+    gate = threading.Event()
+
+    def slow():
+        gate.wait(5)
+        time.sleep(0.05)
+        done.append("slow")
+
+    def fails():
+        raise RuntimeError("a compile error: the launch reports it")
+
+    ahead.submit(kernel, slow)
+    ahead.submit(kernel, fails)
+    ahead.submit(other, lambda: done.append("other"))
+    assert "slow" not in done
+    gate.set()
+    ahead.wait(kernel)
+    assert "slow" in done
+    ahead.wait(other)
+    assert "other" in done
+    ahead.wait(kernel)  # nothing left: returns at once
+
+
+def test_compile_ahead_is_off_on_the_interpreter_and_with_fk_prewarm_0(monkeypatch):
+    from fk_runtime import ahead, backend
+
+    with ahead.compile_ahead():
+        assert ahead.active() is (not backend.is_interpreter())
+    assert not ahead.active()
+    monkeypatch.setenv(ahead.PREWARM_ENV, "0")
+    with ahead.compile_ahead():
+        assert not ahead.active()
+    assert not ahead.useful(torch.zeros(1))

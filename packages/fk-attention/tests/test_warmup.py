@@ -75,3 +75,34 @@ def test_new_lengths_compile_nothing_after_warmup(causal):
     new = {name: keys - before[name] for name, keys in _compiled().items() if keys - before[name]}
     assert not new, "new variants (and one from before each):\n" + "\n".join(
         f"{name}: {sorted(keys)} was {sorted(before[name])[:1]}" for name, keys in new.items())
+
+
+@pytest.mark.skipif(not testing.on_gpu(), reason="compiles for the GPU ahead (the interpreter compiles nothing)")
+def test_backward_compiles_ahead_and_its_gradients_are_right(monkeypatch):
+    """A call that autograd records binds its backward at once, whose kernels compile in threads
+    during the forward (`ops._backward_ahead`, `fk_runtime.ahead`): the backward then compiles
+    nothing more, and its gradients are right. (Every GPU gradient test's first call of a layout
+    takes this path too.)"""
+    from fk_runtime import ahead
+    from fk_runtime.launch import PlanCache
+
+    from fk_attention import ops, plan
+
+    monkeypatch.setattr(ops, "AHEAD", PlanCache())
+    monkeypatch.setattr(plan, "BOUND", PlanCache())
+    q, k, v = (testing.randn((2, h, 203, 40), dtype=torch.float16, requires_grad=True) for h in (4, 2, 2))
+    out = attention(q, k, v, causal=True)
+    assert len(ops.AHEAD) == 1
+    for fn in [f for m in (kernels, hopper) for name, f in vars(m).items() if name.endswith("_kernel")]:
+        ahead.wait(fn)
+    before = _compiled()
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert _compiled() == before, "the backward compiled what was to be compiled ahead"
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        ref[0], *(t.repeat_interleave(2, dim=1) for t in ref[1:]), is_causal=True)
+    expected.backward(grad.double())
+    torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2e-3)
+    for t, r in zip((q, k, v), ref, strict=True):
+        torch.testing.assert_close(t.grad.double(), r.grad, atol=2e-2, rtol=2e-2)

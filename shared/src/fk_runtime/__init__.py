@@ -14,8 +14,10 @@ __version__ = package_version(__name__, __file__)
 # < the next minor (tests/test_runtime_surface.py checks both against the op packages).
 SURFACE_VERSION = "0.1"
 PUBLIC = {
-    "fk_runtime": ("Backend", "alloc", "backend", "checks", "gluon", "harness", "launch", "ops", "package_version",
+    "fk_runtime": ("Backend", "ahead", "alloc", "backend", "checks", "gluon", "harness", "launch", "ops", "package_version",
                    "partials", "siblings", "sizing", "timing", "views"),
+    "ahead": ("AHEAD_WORKERS", "CACHE_DIR_ENV", "HASHED_FOLDERS", "PREWARM_ENV", "active", "compile_ahead", "enabled",
+              "load_triton_key", "start_key", "submit", "triton_signature", "useful", "wait", "wait_key"),
     "alloc": ("empty", "empty_like", "new_empty", "new_empty_strided", "poisoned_outputs", "poisoning"),
     "backend": ("Backend", "backend", "check_interpreter_numpy", "default_device", "device_name", "gpu_available",
                 "interpreter_numpy_problem", "is_hip", "is_interpreter", "kernel_device_type", "l2_cache_bytes",

@@ -38,7 +38,7 @@ import warnings
 
 import torch
 
-from . import backend
+from . import ahead, backend
 
 # (major, minor) Triton versions whose compiled launcher takes the arguments `_launcher_entry`
 # passes (13 leading arguments) and whose descriptor wrapper `_tensordesc_fast_path` mirrors: 3.4
@@ -54,8 +54,8 @@ MAX_SPECIALIZATIONS = 16
 # Floating-point contraction (a * b + c as one FMA), pinned: Triton 3.9 warns while it is left to
 # its default and 3.10 turns the default off; fk's kernels were written and measured with it on.
 FP_FUSION = True
-# FK_PREWARM=0: no thread at import hashing Triton's sources for its cache key (`hash_triton`).
-PREWARM_ENV = "FK_PREWARM"
+# FK_PREWARM=0: no Triton cache key looked up or hashed at import, no compiles ahead (`ahead`).
+PREWARM_ENV = ahead.PREWARM_ENV
 # Bound plans an op keeps (and the size of its plan functions' caches): a model uses a handful of
 # shapes; a sweep over thousands should not grow without bound.
 PLAN_CACHE_SIZE = 1024
@@ -369,8 +369,11 @@ class Launch:
 
     def _slow(self, head) -> None:
         real = tuple(a.real() if isinstance(a, Descriptor) else a for a in head)
-        for thread in _hashing:  # else Triton hashes its sources again rather than wait for the thread's hash
-            thread.join()
+        ahead.wait_key()
+        if ahead.active():  # compiled in the pool; this call runs nothing (`ahead.compile_ahead`)
+            ahead.submit(self.kernel, functools.partial(self._compile, real))
+            return
+        ahead.wait(self.kernel)
         with self._on_device():
             bind_context(self.device)
             compiled = self.kernel[self.grid](*real, *self.tail, **self.meta)  # compiles on first use
@@ -394,6 +397,12 @@ class Launch:
             entry = _launcher_entry(compiled, len(head))
             if entry is not None:
                 self._compiled[bits] = entry
+
+    def _compile(self, real) -> None:
+        """Compile what `real` (the head) would launch, without launching (a pool thread)."""
+        with self._on_device():
+            bind_context(self.device)
+            self.kernel.warmup(*real, *self.tail, grid=self.grid, **self.meta)
 
     def _on_device(self):
         if self.device is None or backend.is_interpreter() or _current_device() == self.device:
@@ -430,7 +439,8 @@ def hash_triton() -> bool:
     """Compute Triton's own cache key once for this process (`triton_key`: a hash of its sources and
     of libtriton, about 500 MB), which the first kernel a process compiles or loads from Triton's
     cache otherwise waits for (a cache hit: 0.40 s with it, 0.02 s after it, on a 2-core CPU).
-    False where this Triton has no such function."""
+    False where this Triton has no such function. (At import, `ahead.start_key` reads the key back
+    from fk's cache instead, where an earlier process stored it.)"""
     try:
         from triton.runtime.cache import triton_key
     except ImportError:
@@ -439,9 +449,7 @@ def hash_triton() -> bool:
     return True
 
 
-# Started at import, the hash runs while the caller builds its model and inputs (file reads and
-# hashlib release the GIL); the first launch waits for what is left of it.
-_hashing: list[threading.Thread] = []
-if os.environ.get(PREWARM_ENV, "1") != "0" and not backend.interpreter_requested() and torch.cuda.is_available():
-    _hashing.append(threading.Thread(target=hash_triton, name="fk-hash-triton", daemon=True))
-    _hashing[0].start()
+# Started at import, the key is read back (or hashed) while the caller builds its model and inputs;
+# the first launch waits for what is left of it.
+if ahead.enabled() and not backend.interpreter_requested() and torch.cuda.is_available():
+    ahead.start_key()

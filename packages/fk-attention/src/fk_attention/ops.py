@@ -18,14 +18,43 @@ the backward, whose kernels regenerate the forward's mask from it (`kernels.drop
 from __future__ import annotations
 
 import torch
-from fk_runtime import checks
+from fk_runtime import ahead, checks
 from fk_runtime import ops as fk_ops
+from fk_runtime.launch import PlanCache, layout_key
 
 from . import decode, plan
 from .config import DROPOUT_SEED_BOUND
 from .layout import (Packing, check_alibi, check_attention_inputs, check_dropout, fake_like, output_dtype, softmax_scale,
                      widened)
 from .mask import from_op_args, lower_right, op_args
+
+# Forward layouts and masks whose backward was bound, and its kernels compiled, ahead (`_backward_ahead`).
+AHEAD = PlanCache()
+
+
+def _backward_ahead(q, k, v, scale: float, mask: list[float], alibi, dropout: tuple, cu: tuple = (), packing=None):
+    """On a call that autograd records, bind its backward now (the upstream gradient laid out like
+    the output) so that the backward's kernels compile in threads while the forward's kernel
+    compiles (`fk_runtime.ahead`: a cold fwd+bwd then waits for the slowest compile, not their
+    sum). Once per forward layout and mask; nothing runs on the GPU."""
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return
+    key = (layout_key(q, k, v, alibi, *cu), tuple(mask), scale, dropout[0] > 0, packing)
+    if key in AHEAD or not ahead.useful(q, k, v):
+        return
+    AHEAD.get_or_build(key, lambda: True)
+    seed = torch.zeros(1, dtype=torch.int64, device=q.device) if dropout[0] > 0 else None
+    with ahead.compile_ahead():
+        if packing is None:
+            out = fake_like(q, output_dtype(q.dtype))
+            lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+            plan.backward(out, None, q, k, v, out, lse, from_op_args(mask), scale, alibi=alibi,
+                          dropout_p=dropout[0], seed=seed)
+        else:
+            out = q.new_empty(q.shape, dtype=output_dtype(q.dtype))
+            lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+            plan.backward_packed(out, None, q, k, v, out, lse, *cu, packing, from_op_args(mask), scale, alibi=alibi,
+                                 dropout_p=dropout[0], seed=seed)
 
 
 def _forward(
@@ -211,7 +240,9 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
     run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(q, k, v, scale, mask, return_lse))
     if run:  # checked, and autograd records nothing: this key's calls go straight to the plan
         return run(q, k, v)
-    out, lse = ATTENTION.apply(q, k, v, scale, mask, alibi_slopes, *_dropout(dropout_p, generator, q))
+    dropout = _dropout(dropout_p, generator, q)
+    _backward_ahead(q, k, v, scale, mask, alibi_slopes, dropout)
+    out, lse = ATTENTION.apply(q, k, v, scale, mask, alibi_slopes, *dropout)
     return (out, lse) if return_lse else out
 
 
@@ -271,9 +302,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     mask = op_args(causal, window, softcap, align)
     return_lse = checks.check_flag("return_lse", return_lse)
     check_alibi(alibi_slopes, q, cu_seqlens_q.shape[0] - 1, q.shape[1])
-    out, lse = ATTENTION_VARLEN.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                                      softmax_scale(sm_scale, q.shape[-1]), mask, alibi_slopes,
-                                      *_dropout(dropout_p, generator, q))
+    scale, dropout = softmax_scale(sm_scale, q.shape[-1]), _dropout(dropout_p, generator, q)
+    cu = (_index("cu_seqlens_q", cu_seqlens_q), _index("cu_seqlens_k", cu_seqlens_k))
+    _backward_ahead(q, k, v, scale, mask, alibi_slopes, dropout, cu, _packing(cu_seqlens_q, max_q, max_k))
+    out, lse = ATTENTION_VARLEN.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, mask, alibi_slopes,
+                                      *dropout)
     return (out, lse) if return_lse else out
 
 

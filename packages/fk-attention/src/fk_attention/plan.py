@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from fk_runtime import alloc, backend, checks, package_version, sizing, timing
+from fk_runtime import ahead, alloc, backend, checks, package_version, sizing, timing
 from fk_runtime.launch import FP_FUSION, Descriptor, Launch, PlanCache, bind_context, layout_key
 
 from . import hopper, kernels
@@ -272,6 +272,8 @@ class Kernel:
             if config is None and self.tune:
                 config = WINNERS.get((self.tuning_key, use)) or stored_winner((self.tuning_key, use), self.device)
                 if config is None:
+                    if ahead.active():  # no tuning ahead: the backward's own first call tunes
+                        return
                     self._tune(head, use)  # the tuner's launch ran the kernel (REST false)
                     if not self.rest:
                         return
