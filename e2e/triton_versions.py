@@ -28,6 +28,7 @@ import importlib
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 from collections import Counter
@@ -99,7 +100,7 @@ def measure(out: Path, tables: tuple[str, ...], budget_s: float) -> Path:
     full = not backend.is_interpreter()
     cases = [dataclasses.replace(c, variants={bench.FK: c.variants[bench.FK]})
              for m in modules for c in m.cases(full) if c.op in tables and bench.FK in c.variants]
-    ceilings = bench.measure_ceilings()
+    ceilings = bench.measure_ceilings() if cases else None
     device, skipped, start = [], [], time.monotonic()
     for case in cases:
         if time.monotonic() - start > budget_s:
@@ -127,12 +128,43 @@ def _fmt(x, digits: int) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """One version's runs as one: each host and device figure the median over the runs; each fk
+    host row also gets `ratio`, the median of the runs' fk ÷ torch (torch's op in the same run)."""
+    if len(runs) == 1:
+        return runs[0]
+
+    def key(r, fields):
+        return tuple(r[f] for f in fields)
+
+    host_fields, device_fields = ("op", "shape", "dtype", "mode", "variant"), ("op", "shape", "direction", "dtype")
+    host, device = {}, {}
+    for run in runs:
+        peers = {key(r, host_fields[:4]): r["us"] for r in run["host"] if r["variant"] != "fk"}
+        for r in run["host"]:
+            row = host.setdefault(key(r, host_fields), dict(r, us=[], ratio=[]))
+            row["us"].append(r["us"])
+            if r["variant"] == "fk" and r["us"] and peers.get(key(r, host_fields[:4])):
+                row["ratio"].append(r["us"] / peers[key(r, host_fields[:4])])
+        for r in run["device"]:
+            device.setdefault(key(r, device_fields), dict(r, ms=[]))["ms"].append(r["ms"])
+
+    def median(values):
+        values = [x for x in values if x]
+        return statistics.median(values) if values else None
+
+    return dict(meta=runs[0]["meta"], skipped=runs[0]["skipped"],
+                host=[dict(r, us=median(r["us"]), ratio=median(r["ratio"])) for r in host.values()],
+                device=[dict(r, ms=median(r["ms"])) for r in device.values()])
+
+
 def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: str = "on the same machine") -> str:
-    runs = {}
+    rounds: dict[str, list] = {}
     for folder in folders:
         for path in sorted(folder.glob(f"{PREFIX}*.json")):
             run = json.loads(path.read_text())
-            runs[run["meta"]["triton"]] = run
+            rounds.setdefault(run["meta"]["triton"], []).append(run)
+    runs = {v: _median_run(r) for v, r in rounds.items()}
     versions = sorted(runs, key=lambda v: tuple(int(p) for p in _release(v).split(".")))
     base = next((v for v in versions if _release(v) == baseline), None)
     if base is None:
@@ -142,7 +174,10 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: s
     lines = [
         "## Triton versions", "",
         f"{first['device']}, torch {first['torch']}; Triton {', '.join(versions)}, each in its own process on "
-        f"{where} ({', '.join(runs[v]['meta']['date'] for v in versions)}). `÷ {_release(base)}`: the "
+        f"{where} ({', '.join(runs[v]['meta']['date'] for v in versions)}); "
+        f"{', '.join(f'{len(rounds[v])} run(s) of {v}' for v in versions)}, alternating versions where several: "
+        "each figure the median over a version's runs (host ratios: each run's fk ÷ torch, then the median). "
+        f"`÷ {_release(base)}`: the "
         f"version's time over {_release(base)}'s (below 1: faster). Host: µs per eager call on a tiny input "
         "(the host section's method), fk's and torch's op in the same process; host time moves between "
         "processes on this machine (torch's own op by up to 1.8x here), so a version's host figure is "
@@ -168,7 +203,7 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: s
         peer = next((p for k, p in host[v].items() if k[:4] == key[:4] and p["variant"] != "fk"), None)
         if not (fk and peer and fk["us"] and peer["us"]):
             return None, None, None
-        return fk["us"], peer["us"], fk["us"] / peer["us"]
+        return fk["us"], peer["us"], fk.get("ratio") or fk["us"] / peer["us"]
 
     worst_host = {v: 0.0 for v in others}
     for key, r in host[base].items():
@@ -220,7 +255,7 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks"))
-    parser.add_argument("--tables", nargs="+", default=list(DEFAULT_TABLES))
+    parser.add_argument("--tables", nargs="*", default=list(DEFAULT_TABLES), help="none: host time only")
     parser.add_argument("--budget-s", type=float, default=float("inf"))
     parser.add_argument("--summarize", type=Path, nargs="+", default=None,
                         help="folders of earlier runs' versions-*.json: write the section")

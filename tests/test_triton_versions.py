@@ -30,3 +30,19 @@ def test_summary_sets_each_version_against_the_baseline(tmp_path, e2e_script):
     fast = next(line for line in text.splitlines() if "B1 N4096" in line)
     assert "1.100 !" in slow and "0.950" in fast and "!" not in fast
     assert "Worst device ratio: 3.8.0 1.100 (attention B1 N128 fwd bfloat16)" in text
+
+
+def test_several_runs_of_a_version_are_taken_as_their_medians(tmp_path, e2e_script):
+    """Alternating processes (3.6, 3.8, 3.6, 3.8, ...): each version's host ratio is the median of
+    its runs' fk ÷ torch, and each device row the median of its runs' times."""
+    versions = e2e_script("triton_versions")
+    for i, (fk_us, torch_us, ms) in enumerate(((40.0, 20.0, 1.0), (50.0, 20.0, 1.2), (30.0, 20.0, 1.1))):
+        (tmp_path / f"a{i}").mkdir()
+        _run(tmp_path / f"a{i}", "3.6.0", fk_us, torch_us, {"B1 N128": ms})
+        (tmp_path / f"b{i}").mkdir()
+        _run(tmp_path / f"b{i}", "3.8.0", 2 * fk_us, 3 * torch_us, {"B1 N128": 2 * ms})
+    text = versions.summarize(sorted(p for p in tmp_path.iterdir() if p.is_dir()), tmp_path / "benchmarks")
+    assert "3 run(s) of 3.6.0, 3 run(s) of 3.8.0" in text
+    host_row = next(line for line in text.splitlines() if line.startswith("| rms_norm"))
+    assert "| 40.0 / 20.0 | 80.0 / 60.0 | 0.67 |" in host_row  # median µs; each 3.8 run at 2/3 of its 3.6 pair
+    assert "| 1.1000 | 2.2000 | 2.000 ! |" in text
