@@ -122,7 +122,7 @@ def compile_one(spec: str) -> str | None:
     fn = getattr(importlib.import_module(module), name)  # an unknown kernel raises: a recording gone stale
     names = fn.arg_names
     unspecialized = {names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
-    options = {k: meta.pop(k) for k in ("num_warps", "num_stages") if k in meta}
+    options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
     signature, constants, attrs = {}, {}, {}
     for i, param in enumerate(names):
         if param in meta:

@@ -106,11 +106,14 @@ def row_warps(elements: int) -> int:
     return max(MIN_WARPS, min(warps, max_warps()))
 
 
-def launch_options(num_warps: int, num_stages: int | None = None) -> dict:
-    """Keyword arguments for a kernel launch, with the backend's extras."""
+def launch_options(num_warps: int, num_stages: int | None = None, max_registers: int | None = None) -> dict:
+    """Keyword arguments for a kernel launch, with the backend's extras. `max_registers`: a cap on
+    each thread's registers (CUDA's maxnreg; ignored elsewhere)."""
     options: dict = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
+    if max_registers is not None and not backend.is_hip():
+        options["maxnreg"] = max_registers
     if backend.is_hip():
         options["waves_per_eu"] = HIP_WAVES_PER_EU
     return options

@@ -39,6 +39,13 @@ FORWARD_ROW_TILE_BYTES = 8192
 # ... except RMSNorm in 16 bits on rows padded to this many features (8193 to 16384), which takes
 # the warps of a row twice as long (32, not 16): +8-21% there on an H100 (TUNING.md).
 FORWARD_RMS_16BIT_WIDE_ROW = 16384
+# The fused forward of 16-bit rows keeps this many programs on a multiprocessor: at most
+# 65536 / (programs x threads) registers a thread, and FORWARD_MAX_REGISTERS. Triton 3.6 stays
+# within it on its own (64 on 8-16 warps, 32 on 32); 3.9 took 77-93 and 37, one program less per
+# multiprocessor: 1.14-1.32x slower on an H100 (TUNING.md).
+FORWARD_16BIT_PROGRAMS_PER_SM = 2
+FORWARD_MAX_REGISTERS = 64
+REGISTERS_PER_SM = 65536  # 32-bit registers of a multiprocessor (sm_70 to sm_90)
 # Backward: rows held whole up to this many features; 16384 spilled at any warps (TUNING.md).
 BACKWARD_FUSED_MAX_ELEMENTS = 8192
 # RMSNorm in 16 bits holds fewer fp32 values per feature (no mean, no bias sum): rows of up to
@@ -101,6 +108,7 @@ class Plan:
     params_num_warps: int = sizing.MIN_WARPS
     prefetch: bool = False  # fused backward: next step's rows loaded ahead
     recompute: bool = False  # fused backward: 16-bit x, dy widened again after the row sums
+    max_registers: int | None = None  # forward: a cap on each thread's registers (maxnreg)
 
 
 def _is_16bit(dtype: torch.dtype) -> bool:
@@ -130,7 +138,12 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = Fa
         elements = rows * block
         if is_rms and _is_16bit(dtype) and elements == FORWARD_RMS_16BIT_WIDE_ROW:
             elements *= 2
-        return Plan(Path.FUSED, rows, block, sizing.row_warps(elements))
+        warps = sizing.row_warps(elements)
+        cap = None
+        if _is_16bit(dtype):
+            threads = FORWARD_16BIT_PROGRAMS_PER_SM * backend.warp_size() * warps
+            cap = min(FORWARD_MAX_REGISTERS, REGISTERS_PER_SM // threads)
+        return Plan(Path.FUSED, rows, block, warps, max_registers=cap)
     chunk = SPLIT_FORWARD_CHUNK_BYTES // sizing.element_size(dtype)
     chunks = _split_chunks(n_cols, chunk)
     if chunks is not None:
@@ -262,7 +275,7 @@ def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: b
         return lambda x, w, b: (alloc.empty(shape, dtype=dtype, device=device), new_stats().zero_())
     p = forward_plan(n_rows, n_cols, dtype, is_rms)
     meta = dict(**_flags(has_w, has_b, is_rms, stable), SAVE_STATS=save_stats,
-                **sizing.launch_options(p.num_warps))
+                **sizing.launch_options(p.num_warps, max_registers=p.max_registers))
     strides = (x2.stride(0), x2.stride(1), n_cols)
     if p.path is Path.FUSED:
         fused = Launch(kernels.norm_fwd_fused_kernel, (sizing.cdiv(n_rows, p.block_rows),),
