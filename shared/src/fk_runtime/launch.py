@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import threading
 import warnings
 
