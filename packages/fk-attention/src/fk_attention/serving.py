@@ -34,8 +34,9 @@ def check_paged(q, k, v, cu_q, cu_k, block_table, k_new, v_new) -> None:
     for name, t in (("k", k), ("v", v)):
         checks.check_tensor(name, t, dtypes=SERVING_DTYPES)
         if t.dim() != 4:
-            raise ValueError(f"{name} must be a paged cache (pages, Hk, page_size, D) with block_table (FlashAttention's "
-                             f"(pages, page_size, Hk, D) as .transpose(1, 2)), got shape {tuple(t.shape)}")
+            raise ValueError(f"{name} must be a paged cache (pages, Hk, page_size, D) with block_table "
+                             f"(FlashAttention's (pages, page_size, Hk, D) as .transpose(1, 2)), got shape "
+                             f"{tuple(t.shape)}")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must share the page_size (dim 2), got {k.shape[2]} and {v.shape[2]}")
     check_heads(q, k, v, 1, same=False)
