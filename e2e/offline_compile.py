@@ -127,7 +127,7 @@ def record(ops) -> list[str]:
 
 def compile_one(spec: str, registers: bool = False) -> str | None:
     """Compile one recorded launch for sm_90; None if it compiles, else the error's last lines.
-    `registers`: print ptxas's register and spill counts of the compiled kernel first."""
+    `registers`: print the compiled kernel's registers, stack (spills) and shared memory first."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -168,16 +168,17 @@ def compile_one(spec: str, registers: bool = False) -> str | None:
 
 
 def _resources(compiled) -> str:
-    """ptxas's registers and spills for a compiled kernel (its PTX assembled again with -v)."""
+    """The compiled kernel's registers, stack (spills land there) and shared memory: its cubin's
+    resource usage as Triton's cuobjdump reads it."""
     from triton import knobs
 
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(compiled.asm["ptx"])
-        ptx.flush()
-        run = subprocess.run([knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", ptx.name, "-o", os.devnull],
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        run = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", cubin.name],
                              capture_output=True, text=True, check=False)
-    lines = [line.split("info    : ")[-1] for line in run.stderr.splitlines() if "registers" in line or "spill" in line]
-    return "; ".join(lines) or run.stderr.strip()[-200:]
+    usage = [line.strip() for line in run.stdout.splitlines() if "REG:" in line]
+    return "; ".join(usage) or (run.stdout + run.stderr).strip()[-200:]
 
 
 def _child(args: list[str], interpret: bool) -> subprocess.CompletedProcess:
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # the children's parts
     parser.add_argument("--compile", help=argparse.SUPPRESS)
     parser.add_argument("--registers", nargs="*", metavar="KERNEL",
-                        help="print ptxas's registers and spills (sm_90a) of these kernels' launches (none named: all)")
+                        help="print registers, stack (spills) and shared memory of these kernels' launches (none named: all)")
     args = parser.parse_args(argv)
     if args.record:
         print(json.dumps(record(args.ops)))
