@@ -11,6 +11,7 @@ helper returning a float constant on one branch and a tensor on the other. This 
    checks that each constexpr combination compiles, not what it costs.
 
     bash shared/from-source.sh python e2e/offline_compile.py [--ops attention norms softmax weightedsum]
+        [--registers [KERNEL ...]]
 
 It prints one line per launch and exits 1 if any fails to compile.
 """
@@ -32,7 +33,8 @@ DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "
 
 def _calls(ops) -> None:
     """The calls whose launches are compiled: every attention path (dense, windows, softcap, ALiBi,
-    dropout, few rows, packed, KV cache dense and paged), the norms, softmax and weighted_sum."""
+    dropout, few rows, packed, KV cache dense and paged, paged varlen), the norms, softmax and
+    weighted_sum."""
     import torch
 
     def g(*shape):
@@ -57,6 +59,17 @@ def _calls(ops) -> None:
         table = torch.arange(8, dtype=torch.int32).reshape(2, 4)
         fa.attention_with_kvcache(torch.randn(2, 4, 2, 64, dtype=torch.float16), *pages, lengths,
                                   block_table=table, causal=True)
+        # Paged varlen (serving): decode tokens split and merged, a prefill chunk's row tiles, new rows
+        # written; pages of 32 rows (a block in one page) and of 5 (a page per row), softcap.
+        cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 1, 41, 42], [0, 90, 120, 70]))
+        new = [torch.randn(42, 2, 64, dtype=torch.float16) for _ in range(2)]
+        with torch.no_grad():
+            fa.attention_varlen(torch.randn(42, 4, 64, dtype=torch.float16), *pages, cu_q, cu_k, 40, 90, causal=True,
+                                block_table=torch.arange(12, dtype=torch.int32).remainder(8).reshape(3, 4),
+                                k_new=new[0], v_new=new[1])
+            small = [torch.randn(60, 2, 5, 64, dtype=torch.float16) for _ in range(2)]
+            fa.attention_varlen(torch.randn(42, 4, 64, dtype=torch.float16), *small, cu_q, cu_k, 40, 90,
+                                block_table=torch.arange(60, dtype=torch.int32).reshape(3, 20), softcap=5.0)
     x, w, b = g(8, 1000), g(1000), g(1000)
     if "norms" in ops:
         import fk_layernorm
@@ -112,8 +125,9 @@ def record(ops) -> list[str]:
     return list(launches)
 
 
-def compile_one(spec: str) -> str | None:
-    """Compile one recorded launch for sm_90; None if it compiles, else the error's last lines."""
+def compile_one(spec: str, registers: bool = False) -> str | None:
+    """Compile one recorded launch for sm_90; None if it compiles, else the error's last lines.
+    `registers`: print the compiled kernel's registers, stack (spills) and shared memory first."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -144,11 +158,27 @@ def compile_one(spec: str) -> str | None:
             if integer and value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     try:
-        triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=options)
+        compiled = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options=options)
     except Exception as error:  # noqa: BLE001 (any compiler error is the finding)
         return " | ".join(str(error).strip().splitlines()[-3:])
+    if registers:
+        print(f"     {name}: {_resources(compiled)}")
     return None
+
+
+def _resources(compiled) -> str:
+    """The compiled kernel's registers, stack (spills land there) and shared memory: its cubin's
+    resource usage as Triton's cuobjdump reads it."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        run = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", cubin.name],
+                             capture_output=True, text=True, check=False)
+    usage = [line.strip() for line in run.stdout.splitlines() if "REG:" in line]
+    return "; ".join(usage) or (run.stdout + run.stderr).strip()[-200:]
 
 
 def _child(args: list[str], interpret: bool) -> subprocess.CompletedProcess:
@@ -161,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # the children's parts
     parser.add_argument("--compile", help=argparse.SUPPRESS)
+    parser.add_argument("--registers", nargs="*", metavar="KERNEL",
+                        help="print registers, stack (spills) and shared memory of these kernels' launches (none named: all)")
     args = parser.parse_args(argv)
     if args.record:
         print(json.dumps(record(args.ops)))
@@ -171,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         launches, failed = json.loads(open(args.compile).read()), 0
         for spec in launches:
             _, name, _, meta = json.loads(spec)
-            error = compile_one(spec)
+            wanted = args.registers is not None and (not args.registers or name in args.registers)
+            error = compile_one(spec, wanted)
             failed += error is not None
             flags = {k: v for k, v in meta.items() if k.isupper()}
             print(("ok  " if error is None else "FAIL") + f" {name} {flags}" + ("" if error is None else f": {error}"))
@@ -184,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".json") as launches:
         launches.write(recorded.stdout.strip().splitlines()[-1])
         launches.flush()
-        compiled = _child(["--compile", launches.name], interpret=False)
+        extra = [] if args.registers is None else ["--registers", *args.registers]
+        compiled = _child(["--compile", launches.name, *extra], interpret=False)
     print(compiled.stdout + compiled.stderr[-3000:] * (compiled.returncode not in (0, 1)))
     return compiled.returncode
 

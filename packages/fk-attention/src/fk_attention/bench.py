@@ -17,11 +17,17 @@ of a row, so a peer's rate is fk's work over the peer's time and `fk / peer` the
   block-diagonal causal mask (its backends that take a mask).
 - attention-window: a causal sliding window at N = 16384 against fk's full causal.
 - attention-head-dims: head dims 64, 96, 128 at one shape (d96 runs padded to 128 in `tl`).
+
+attention-serving (`serving_cases`): a serving batch against a paged cache, device time of the mixed
+batch in ONE `attention_varlen(..., block_table=...)` call ("fk") against the same work as two
+`attention_with_kvcache` calls ("prefill + decode": its "fk / prefill + decode" column is
+(prefill + decode) / mixed, at least 1 where one call is no slower than two) and each alone.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -83,6 +89,14 @@ KV_READ_ROWS, KV_READ_TILE, KV_READ_PROGRAMS_PER_SM, KV_READ_INTERPRETER_PROGRAM
 # Interpreter stand-ins: documents, window and head dims small enough for the CPU.
 SMALL_PACKED, SMALL_HEADS, SMALL_HEAD_DIM = [5, 16, 11], 2, 16
 SMALL_WINDOW_SHAPE, SMALL_WINDOW = (1, 2, 48, 16), 8
+# A serving batch (`serving_cases`), causal, bf16: PREFILL sequences of (new rows, cached rows),
+# DECODE sequences of one new row onto cached rows uniform in [low, high] (drawn from SERVING_SEED),
+# Hq:Hk heads of head dim d, pages of SERVING_PAGE rows, shuffled; and the interpreter's stand-in
+# (fp32). The new rows are in the cache already: the timed calls only read it.
+SERVING_PREFILL, SERVING_DECODE, SERVING_HEADS, SERVING_PAGE = (8, 512, 2048), (56, 4096, 16384), (32, 8, 128), 256
+SMALL_SERVING_PREFILL, SMALL_SERVING_DECODE, SMALL_SERVING_HEADS, SMALL_SERVING_PAGE = (2, 8, 8), (2, 20, 40), \
+    (4, 2, 16), 8
+SERVING_SEED = 0
 
 
 def _sdpa(backend_name: str | None, causal: bool):
@@ -297,7 +311,8 @@ def feature_cases(full: bool) -> list[bench.Case]:
     """Packed documents, a sliding window and head dims (module docstring); tiny on the interpreter."""
     if not full:
         return (_varlen_cases(SMALL_PACKED, SMALL_HEADS, SMALL_HEAD_DIM, torch.float32, "small", full)
-                + _window_cases(SMALL_WINDOW_SHAPE, SMALL_WINDOW, torch.float32) + decode_cases(full))
+                + _window_cases(SMALL_WINDOW_SHAPE, SMALL_WINDOW, torch.float32) + decode_cases(full)
+                + serving_cases(full))
     dtype = torch.bfloat16
     out = []
     for d in PACKED_HEAD_DIMS:
@@ -308,7 +323,7 @@ def feature_cases(full: bool) -> list[bench.Case]:
         out += _varlen_cases(lengths, heads, d, dtype,
                              f"{len(lengths)} docs random {PACKED_MIN}-{PACKED_MAX}", full)
     out += _window_cases(WINDOW_SHAPE, WINDOW, dtype)
-    return out + _head_dim_cases(HEAD_DIM_SHAPE, HEAD_DIM_SWEEP, dtype) + decode_cases(full)
+    return out + _head_dim_cases(HEAD_DIM_SHAPE, HEAD_DIM_SWEEP, dtype) + decode_cases(full) + serving_cases(full)
 
 
 @triton.jit
@@ -443,6 +458,56 @@ def decode_cases(full: bool) -> list[bench.Case]:
     return [_decode_case(b, hq, hk, n, d, dtype, full)
             for (hq, hk) in DECODE_HEADS for d in DECODE_HEAD_DIMS for b in DECODE_BATCHES for n in DECODE_LENGTHS
             if 2 * b * hk * n * d * dtype.itemsize <= DECODE_MAX_KV_BYTES]
+
+
+def serving_cases(full: bool) -> list[bench.Case]:
+    """A serving batch (module constants): the mixed batch in one paged varlen call against the
+    prefill and decode batches as two KV-cache calls."""
+    (n_pre, new, cached), (n_dec, low, high), (hq, hk, d), page = (
+        (SERVING_PREFILL, SERVING_DECODE, SERVING_HEADS, SERVING_PAGE) if full
+        else (SMALL_SERVING_PREFILL, SMALL_SERVING_DECODE, SMALL_SERVING_HEADS, SMALL_SERVING_PAGE))
+    dtype = torch.bfloat16 if full else torch.float32
+    generator = torch.Generator().manual_seed(SERVING_SEED)
+    decode_lengths = torch.randint(low, high + 1, (n_dec,), generator=generator).tolist()
+    lengths = [cached + new] * n_pre + decode_lengths
+    rows = [new] * n_pre + [1] * n_dec
+    per_seq = sizing.cdiv(max(lengths), page)
+    pages = sum(sizing.cdiv(n, page) for n in lengths)
+
+    def make_inputs():
+        dev = testing.device()
+        order = torch.randperm(pages, device=dev).to(torch.int32)
+        table = torch.zeros(len(lengths), per_seq, dtype=torch.int32, device=dev)
+        used = 0
+        for b, n in enumerate(lengths):  # each sequence its own pages, spread over the cache
+            table[b, :sizing.cdiv(n, page)] = order[used:used + sizing.cdiv(n, page)]
+            used += sizing.cdiv(n, page)
+        k, v = testing.randn((pages, hk, page, d), dtype), testing.randn((pages, hk, page, d), dtype)
+        q = testing.randn((sum(rows), hq, d), dtype)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=dev)  # noqa: E731
+        cu_q, cu_k = as_tensor([0, *itertools.accumulate(rows)]), as_tensor([0, *itertools.accumulate(lengths)])
+        q_pre = q[:n_pre * new].view(n_pre, new, hq, d).transpose(1, 2)
+        q_dec = q[n_pre * new:].view(n_dec, 1, hq, d).transpose(1, 2)
+        return [q, k, v, table, cu_q, cu_k, q_pre, q_dec, as_tensor(lengths)]
+
+    def mixed(q, k, v, table, cu_q, cu_k, q_pre, q_dec, seqlens):
+        return attention_varlen(q, k, v, cu_q, cu_k, new, max(lengths), causal=True, block_table=table)
+
+    def prefill(q, k, v, table, cu_q, cu_k, q_pre, q_dec, seqlens):
+        return attention_with_kvcache(q_pre, k, v, seqlens[:n_pre], block_table=table[:n_pre], causal=True)
+
+    def decode(q, k, v, table, cu_q, cu_k, q_pre, q_dec, seqlens):
+        return attention_with_kvcache(q_dec, k, v, seqlens[n_pre:], block_table=table[n_pre:], causal=True)
+
+    variants = {"fk": mixed, "prefill + decode": lambda *a: (prefill(*a), decode(*a))}
+    if full:  # (the interpreter: the two columns that show the path runs)
+        variants.update({"prefill": prefill, "decode": decode})
+    visible = n_pre * (new * cached + new * (new + 1) // 2) + sum(decode_lengths)  # scores, causal
+    return [bench.Case(op="attention-serving", direction="fwd",
+                       shape=f"{n_pre}x{new} on {cached} + {n_dec}x1 on {low}-{high} H{hq}:{hk} d{d} page{page}",
+                       dtype=dtype, unit=bench.TFLOPS, work=4 * visible * hq * d, make_inputs=make_inputs,
+                       variants={name: bench.forward(fn) for name, fn in variants.items()},
+                       input_bytes=2 * pages * hk * page * d * dtype.itemsize)]
 
 
 def host_cases() -> list[bench.HostCase]:

@@ -296,3 +296,41 @@ GLUON_PRODUCER_REGISTERS = 24
 GLUON_KEYS = 64
 GLUON_Q_ROWS = 64
 GLUON_BWD_STAGES = 2
+
+
+# ---- serving: packed prefill and decode sequences against a paged cache in one launch ---------
+# (serving.py, serving_kernels.py). Priors, not yet timed on a GPU: the prefill forward's tiles
+# for long sequences' row tiles, decode's key blocks for the short ones' splits.
+
+# Long sequences' row tiles (BLOCK_M (token, group head) rows x BLOCK_N keys), short sequences'
+# (SHORT_N keys; SHORT_M rows: at least the dot's 16, at least a GQA group), warps and stages of
+# the one launch, by padded head dim: (max head dim, (BLOCK_M, BLOCK_N, SHORT_N, warps, stages)).
+# One kernel holds both walks: its shared memory is the larger one's, so both take 64-key blocks
+# at d128 (three stages of K and V, 96 KB). Eight warps at d128: with four the sm_90 build held 255
+# registers and spilled 656 bytes; with eight 237, no spill (e2e/offline_compile.py --registers).
+SERVING_TILES_16BIT = ((64, (128, 64, 64, 4, 3)), (128, (128, 64, 64, 8, 3)), (256, (64, 32, 32, 8, 2)))
+SERVING_TILES_32BIT = ((64, (64, 32, 32, 4, 2)), (128, (64, 32, 32, 4, 2)), (256, (32, 16, 16, 4, 2)))
+SERVING_MIN_SHORT_M = 16
+SERVING_MAX_SHORT_M = 64
+
+# Short sequences' key splits: about SERVING_SPLIT_PROGRAMS_PER_SM programs per multiprocessor
+# over the sequences' (KV head) items, as a power of two, each of at least SERVING_MIN_SPLIT_KEYS
+# keys, at most SERVING_MAX_SPLITS, and at most SERVING_MAX_SPLIT_ITEMS items per call (their fp32
+# scratch: 16 rows x (D + 1) each, 68 MB at d128). Splits of about one size balance the decode
+# reads, and many small items fill the gaps that prefill tiles leave.
+SERVING_SPLIT_PROGRAMS_PER_SM = 16
+SERVING_MIN_SPLIT_KEYS = 1024
+SERVING_MAX_SPLITS = 64
+SERVING_MAX_SPLIT_ITEMS = 1 << 13
+
+# Sequences each program's prefix sums read at a time (more: a loop).
+SERVING_BLOCK_S = 1024
+
+# New rows written per program of the page-write launch, and the sequences it compares at a time.
+SERVING_WRITE_ROWS = 16
+SERVING_WRITE_BLOCK_S = 128
+
+# The interpreter: the smallest tiles, long tiles of two blocks, and splits of a few blocks.
+SERVING_INTERPRETER_TILES = (32, 16, 16, 1, 1)
+SERVING_INTERPRETER_PROGRAMS = 16
+SERVING_INTERPRETER_SPLIT_KEYS = 16

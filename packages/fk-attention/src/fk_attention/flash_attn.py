@@ -17,8 +17,8 @@ changes nothing).
 as FlashAttention applies it (whenever passed; its callers pass it in training only), fk's
 `attention(dropout_p=...)`: the seed is drawn per call from torch's default CPU generator, so
 `torch.manual_seed(s)` before a call repeats its mask (FlashAttention reads the CUDA generator's
-Philox state instead: same semantics, other bits). Not honoured yet, refused with a ValueError
-naming it: `block_table` in the varlen call. `return_attn_probs=True` returns (out,
+Philox state instead: same semantics, other bits). `block_table` in the varlen call: paged
+KV, forward only (no dropout, no ALiBi with it). `return_attn_probs=True` returns (out,
 softmax_lse, None): no probabilities (nor dropout mask).
 """
 
@@ -112,16 +112,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """`flash_attn.flash_attn_varlen_func`: q (total_q, nheads, headdim), k and v (total_k,
     nheads_k, headdim), int32 `cu_seqlens_q` / `cu_seqlens_k` (batch + 1,); out (total_q,
-    nheads, headdim), and with `return_attn_probs` (out, softmax_lse (nheads, total_q), None)."""
-    if block_table is not None:
-        raise ValueError("block_table: fk_attention.flash_attn_varlen_func reads no paged KV yet; pass None "
-                         "(flash_attn_with_kvcache takes a block_table)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _dims(name, t, 3)
+    nheads, headdim), and with `return_attn_probs` (out, softmax_lse (nheads, total_q), None).
+    Paged KV (`block_table` int32 (batch, blocks per sequence)): k and v are caches (num_blocks,
+    page_block_size, nheads_k, headdim) and cu_seqlens_k counts each sequence's cached keys;
+    forward only (fk's `attention_varlen(..., block_table=...)`: one launch for prefill and decode)."""
+    paged = block_table is not None
+    _dims("q", q, 3)
+    for name, t in (("k", k), ("v", v)):
+        if paged and isinstance(t, torch.Tensor) and t.dim() != 4:
+            raise ValueError(f"{name} must be a paged cache (num_blocks, page_block_size, nheads_k, headdim) with "
+                             f"block_table, got shape {tuple(t.shape)}")
+        _dims(name, t, 4 if paged else 3)
+    if paged:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # fk's (pages, heads_k, rows, headdim) order
     result = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                               sm_scale=_scale(softmax_scale, q.shape[-1]), window=_window(window_size),
                               softcap=softcap, return_lse=bool(return_attn_probs), align=ALIGN,
-                              alibi_slopes=alibi_slopes, dropout_p=dropout_p)
+                              alibi_slopes=alibi_slopes, dropout_p=dropout_p, block_table=block_table)
     out, lse = result if return_attn_probs else (result, None)
     return (out, _lse(lse), None) if return_attn_probs else out
 

@@ -22,7 +22,7 @@ from fk_runtime import ahead, checks
 from fk_runtime import ops as fk_ops
 from fk_runtime.launch import PlanCache, layout_key
 
-from . import decode, plan
+from . import decode, plan, serving
 from .config import DROPOUT_SEED_BOUND
 from .layout import (Packing, check_alibi, check_attention_inputs, check_dropout, fake_like, output_dtype, softmax_scale,
                      widened)
@@ -270,7 +270,8 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor) -> None:
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal=False,
                      sm_scale: float | None = None, window=None, softcap: float | None = None,
                      return_lse: bool = False, align: str | None = None, alibi_slopes=None,
-                     dropout_p: float = 0.0, generator: torch.Generator | None = None):
+                     dropout_p: float = 0.0, generator: torch.Generator | None = None, block_table=None,
+                     k_new=None, v_new=None):
     """Attention over packed sequences, as FlashAttention's `flash_attn_varlen_func`.
 
     q (total_q, Hq, D), k and v (total_k, Hk, D): the sequences' tokens one after another;
@@ -288,8 +289,26 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     sequence's edge rows NaN (0 * inf): keep spare rows finite (e.g. a buffer from torch.zeros).
     Spare rows past cu_seqlens[-1] get a zero output, a log-sum-exp of -inf and zero gradients.
 
+    Paged KV (`block_table` int32 (S, pages per sequence), on q's device; a serving batch of
+    prefilling and decoding sequences in one call, as FlashAttention's paged varlen call): k and v
+    are paged caches (pages, Hk, page_size, D) with any strides, as `attention_with_kvcache` takes
+    them (FlashAttention's (pages, page_size, Hk, D) as `.transpose(1, 2)`): key j of sequence b in
+    page block_table[b, j // page_size], row j % page_size. Sequence b has L_b = cu_seqlens_k[b + 1]
+    - cu_seqlens_k[b] keys (its cache length after this call's rows) and Q_b query rows, query i at
+    key position L_b - Q_b + i: every mask is aligned lower-right (`causal=True`; "upper_left" is
+    refused). `k_new`, `v_new` (total_q, Hk, D), packed like q, optional (both or neither): written
+    into the pages in place first, at positions [L_b - Q_b, L_b), then read as part of the cache.
+    Lengths and page indices are read on the GPU (no host sync: CUDA graphs capture the call) and
+    clamped (L_b to the table's pages, pages to the cache): wrong rows, never an out-of-range access.
+    Forward only (inputs must not require grad with grad mode on); no `alibi_slopes`, no dropout;
+    the output is a fresh (total_q, Hq, D) tensor, rows past cu_seqlens_q[-1] left unwritten.
+
     Returns out (total_q, Hq, D), and with `return_lse=True` also lse (Hq, total_q) fp32. Under
     `torch.autocast` q, k, v are taken in its dtype, as in `attention`."""
+    if block_table is not None or k_new is not None or v_new is not None:
+        return _attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                       sm_scale, window, softcap, return_lse, align, alibi_slopes, dropout_p,
+                                       generator, block_table, k_new, v_new)
     q, k, v = fk_ops.autocast(q, k, v)
     check_attention_inputs(q, k, v, packed=True)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
@@ -307,6 +326,97 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     _backward_ahead(q, k, v, scale, mask, alibi_slopes, dropout, cu, _packing(cu_seqlens_q, max_q, max_k))
     out, lse = ATTENTION_VARLEN.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, mask, alibi_slopes,
                                       *dropout)
+    return (out, lse) if return_lse else out
+
+
+def _forward_paged(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+    block_table: torch.Tensor, max_k: int, sm_scale: float, mask: list[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return serving.forward(q, k, v, _index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k),
+                           _index("block_table", block_table), None, None, max_k, from_op_args(mask), sm_scale)
+
+
+def _forward_paged_append(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+    block_table: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, max_k: int, sm_scale: float,
+    mask: list[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_writable(k, v)
+    return serving.forward(q, k, v, _index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k),
+                           _index("block_table", block_table), k_new, v_new, max_k, from_op_args(mask), sm_scale)
+
+
+def _check_writable(k_cache, v_cache, names=("k", "v")) -> None:
+    """torch's rule on in-place writes into inference tensors, which the kernels' writes bypass."""
+    if torch.is_inference_mode_enabled():
+        return
+    for name, t in zip(names, (k_cache, v_cache), strict=True):
+        if t.is_inference():
+            raise RuntimeError(f"{name} is an inference tensor and the new rows are written into it in place: "
+                               f"inplace updates to inference tensors outside InferenceMode are not allowed; "
+                               f"call under torch.inference_mode(), or allocate the cache outside it")
+
+
+# Forward only (inference), paged KV: one op that reads the caches, one that first writes new rows
+# into them in place (only it declares the caches mutated: torch.compile copies nothing for reads).
+ATTENTION_VARLEN_PAGED = torch.library.custom_op("fk::attention_varlen_paged", _forward_paged, mutates_args=())
+ATTENTION_VARLEN_PAGED_APPEND = torch.library.custom_op("fk::attention_varlen_paged_append", _forward_paged_append,
+                                                        mutates_args=("k", "v"))
+
+
+def _forward_paged_fake(q, *args):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+ATTENTION_VARLEN_PAGED.register_fake(_forward_paged_fake)
+ATTENTION_VARLEN_PAGED_APPEND.register_fake(_forward_paged_fake)
+
+
+def _attention_varlen_paged(q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, window, softcap, return_lse,
+                            align, alibi_slopes, dropout_p, generator, block_table, k_new, v_new):
+    """`attention_varlen` over a paged KV cache (its docstring): checks, then the serving plan
+    (eager) or the registered ops (traced)."""
+    if block_table is None:
+        raise ValueError("k_new and v_new are written into a paged cache: they need block_table")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: not supported with block_table (paged KV) yet; pass None")
+    if check_dropout(dropout_p, generator) > 0:
+        raise ValueError("dropout_p: attention with block_table (paged KV) is inference-only; pass dropout_p=0")
+    q, k_new, v_new = fk_ops.autocast(q, k_new, v_new)
+    serving.check_paged(q, k, v, cu_q, cu_k, block_table, k_new, v_new)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, k_new, v_new)):
+        raise ValueError("attention_varlen with block_table is forward-only (inference): q, k, v, k_new, v_new must "
+                         "not require grad (or call under torch.no_grad() / torch.inference_mode())")
+    checks.check_size("max_seqlen_q", max_q, minimum=0)
+    max_k = checks.check_size("max_seqlen_k", max_k, minimum=0)
+    variant = causal.name if type(causal).__name__ == "CausalVariant" else causal
+    if (isinstance(variant, str) and variant.lower() == "upper_left") or align == "upper_left":
+        raise ValueError("attention_varlen with block_table aligns masks lower-right (each sequence's cache end): "
+                         "pass causal=True or 'lower_right', align None or 'lower_right'")
+    mask = lower_right(op_args(causal, window, softcap, align))
+    return_lse = checks.check_flag("return_lse", return_lse)
+    scale = softmax_scale(sm_scale, q.shape[-1])
+    tensors = (q, k, v, cu_q, cu_k, block_table, k_new, v_new)
+    if fk_ops.transforms_active() or fk_ops.traced(tensors):
+        if k_new is None:
+            out, lse = ATTENTION_VARLEN_PAGED(q, k, v, cu_q, cu_k, block_table, max_k, scale, mask)
+        else:
+            out, lse = ATTENTION_VARLEN_PAGED_APPEND(q, k, v, cu_q, cu_k, block_table, k_new, v_new, max_k, scale,
+                                                     mask)
+    else:
+        if k_new is not None:
+            for name, t in (("k", k), ("v", v)):
+                if t.is_neg():  # written in place: a lazily negated view cannot be resolved into a copy
+                    raise ValueError(f"{name} must not be a lazily negated view (is_neg()): written in place, "
+                                     f"it would hold -values; pass a real tensor")
+            _check_writable(k, v)
+        q, k, v, k_new, v_new = fk_ops.resolve_negated((q, k, v, k_new, v_new))
+        out, lse = serving.forward(q, k, v, _index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k),
+                                   _index("block_table", block_table), k_new, v_new, max_k, from_op_args(mask), scale)
+        if k_new is not None:  # as the registered op would: autograd sees the caches written
+            torch.autograd.graph.increment_version(k)
+            torch.autograd.graph.increment_version(v)
     return (out, lse) if return_lse else out
 
 
