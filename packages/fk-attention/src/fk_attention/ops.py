@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from fk_runtime import ahead, checks
 from fk_runtime import ops as fk_ops
-from fk_runtime.launch import PlanCache, layout_key
+from fk_runtime.launch import PlanCache
 
 from . import decode, plan, serving
 from .config import DROPOUT_SEED_BOUND
@@ -28,7 +28,7 @@ from .layout import (Packing, check_alibi, check_attention_inputs, check_dropout
                      widened)
 from .mask import from_op_args, lower_right, op_args
 
-# Forward layouts and masks whose backward was bound, and its kernels compiled, ahead (`_backward_ahead`).
+# What the kernels compile for, whose backward was bound and compiled ahead (`_backward_ahead`).
 AHEAD = PlanCache()
 
 
@@ -36,10 +36,12 @@ def _backward_ahead(q, k, v, scale: float, mask: list[float], alibi, dropout: tu
     """On a call that autograd records, bind its backward now (the upstream gradient laid out like
     the output) so that the backward's kernels compile in threads while the forward's kernel
     compiles (`fk_runtime.ahead`: a cold fwd+bwd then waits for the slowest compile, not their
-    sum). Once per forward layout and mask; nothing runs on the GPU."""
+    sum). Once per what the kernels compile for (dtype, heads, head dim, mask, device; not lengths
+    or strides: a packed batch's new lengths must not bind a plan twice); nothing runs on the GPU."""
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return
-    key = (layout_key(q, k, v, alibi, *cu), tuple(mask), scale, dropout[0] > 0, packing)
+    key = (q.dtype, q.shape[-1], q.shape[-3 if packing is None else -2], k.shape[-3 if packing is None else -2],
+           tuple(mask), dropout[0] > 0, alibi is None, packing is None, q.device)
     if key in AHEAD or not ahead.useful(q, k, v):
         return
     AHEAD.get_or_build(key, lambda: True)
