@@ -37,6 +37,7 @@ import triton.language as tl
 from fk_runtime import backend, sizing
 from fk_runtime.harness import bench, testing
 
+from .flash_attn import flash_attn_func
 from .ops import attention, attention_varlen, attention_with_kvcache
 
 TOKENS = 16384
@@ -525,6 +526,12 @@ def host_cases() -> list[bench.HostCase]:
         return [testing.randn((db, dhq, 1, dd), dtype), testing.randn((db, dhk, dn, dd), dtype),
                 testing.randn((db, dhk, dn, dd), dtype), lengths]
 
+    def flash_layout_inputs():  # FlashAttention's (B, N, H, D)
+        return [testing.randn((b, n, h, d), dtype, requires_grad=True) for _ in range(3)]
+
+    def native(q, k, v):  # what the flash_attn layer stands for: fk's call on (B, H, N, D) views
+        return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True).transpose(1, 2)
+
     return [bench.HostCase(op="attention", shape=f"B{b} H{h} N{n} d{d} causal", dtype=dtype,
                            make_inputs=make_inputs,
                            variants={"fk": functools.partial(attention, causal=True),
@@ -534,4 +541,8 @@ def host_cases() -> list[bench.HostCase]:
                            variants={"fk": lambda q, k, v, lengths: attention_with_kvcache(q, k, v, lengths,
                                                                                            causal=True),
                                      "torch": lambda q, k, v, lengths: F.scaled_dot_product_attention(
-                                         q, k, v, enable_gqa=True)})]
+                                         q, k, v, enable_gqa=True)}),
+            # The flash_attn drop-in against fk's own call: the layer's host cost (issue: at most 5%).
+            bench.HostCase(op="flash_attn_func", shape=f"B{b} N{n} H{h} d{d} causal", dtype=dtype,
+                           make_inputs=flash_layout_inputs,
+                           variants={"fk": functools.partial(flash_attn_func, causal=True), "fk attention": native})]

@@ -35,6 +35,8 @@ from .ops import attention, attention_varlen, attention_with_kvcache
 
 # FlashAttention's alignment of every mask where Nq != Nk.
 ALIGN = "lower_right"
+# FlashAttention's window_size for no window.
+UNBOUNDED = (-1, -1)
 
 
 def _side(name: str, value) -> int | None:
@@ -51,6 +53,8 @@ def _side(name: str, value) -> int | None:
 
 def _window(window_size) -> tuple[int | None, int | None] | None:
     """fk's `window` from FlashAttention's `window_size` (a pair, or a 2-element tensor)."""
+    if type(window_size) is tuple and window_size == UNBOUNDED:  # the default, at no parsing cost
+        return None
     if isinstance(window_size, torch.Tensor):
         window_size = window_size.reshape(-1).tolist() if window_size.numel() == 2 else window_size
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
@@ -69,7 +73,10 @@ def _lse(lse: torch.Tensor) -> torch.Tensor:
 
 
 def _dims(name: str, t, dims: int) -> None:
-    checks.check_tensor(name, t, dtypes=DTYPES, min_dim=dims, max_dim=dims)
+    # The full check (its error names the argument) only where a quick look finds something off:
+    # fk's call checks dtypes and devices again, and this layer must cost the host next to nothing.
+    if type(t) is not torch.Tensor or t.dim() != dims or t.dtype not in DTYPES:
+        checks.check_tensor(name, t, dtypes=DTYPES, min_dim=dims, max_dim=dims)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
