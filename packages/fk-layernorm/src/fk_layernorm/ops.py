@@ -14,8 +14,9 @@ import math
 from typing import Optional
 
 import torch
-from fk_runtime import checks
+from fk_runtime import ahead, checks
 from fk_runtime import ops as fk_ops
+from fk_runtime.launch import PlanCache
 
 from . import plan
 
@@ -73,8 +74,29 @@ def _needs_stats(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+# What the kernels compile for, whose backward was bound and compiled ahead (`_backward_ahead`).
+AHEAD = PlanCache()
+
+
+def _backward_ahead(x, weight, bias, is_rms: bool, stable: bool) -> None:
+    """On a call that autograd records, bind the backward now (the upstream gradient laid out like
+    x) so that its kernels compile in threads while the forward's compiles (`fk_runtime.ahead`).
+    Once per what the kernels compile for (dtypes, row length, flags, device)."""
+    key = (x.dtype, x.shape[-1], None if weight is None else weight.dtype, None if bias is None else bias.dtype,
+           is_rms, stable, x.device)
+    if key in AHEAD or not ahead.useful(x, weight, bias):
+        return
+    AHEAD.get_or_build(key, lambda: True)
+    stats = x.new_empty(plan.stats_shape(math.prod(x.shape[:-1]), is_rms, stable, True), dtype=torch.float32)
+    with ahead.compile_ahead():
+        plan.backward(torch.empty_like(x), x, weight, bias, stats, is_rms, stable)
+
+
 def _norm(x, weight, bias, eps, is_rms: bool, stable: bool) -> torch.Tensor:
-    y, _ = NORM.apply(x, weight, bias, float(eps), is_rms, stable, _needs_stats(x, weight, bias))
+    needs = _needs_stats(x, weight, bias)
+    if needs:
+        _backward_ahead(x, weight, bias, is_rms, stable)
+    y, _ = NORM.apply(x, weight, bias, float(eps), is_rms, stable, needs)
     return y
 
 
