@@ -70,6 +70,19 @@ def _kv_tile(src, page, b, hk, start_n, n_k, stride_n, stride_d, stride_page, BL
 
 
 @triton.jit
+def key_split(lo, hi, full_lo, full_hi, n_splits, split, BLOCK_N: tl.constexpr):
+    """Split `split` of `n_splits` over the keys [lo, hi) some row sees, in whole key blocks:
+    (s_lo, s_hi), and (mid_lo, mid_hi) its part inside [full_lo, full_hi), the keys every row sees."""
+    lo = (lo // BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(hi - lo, n_splits), BLOCK_N) * BLOCK_N
+    s_lo = tl.minimum(lo + split * chunk, hi)
+    s_hi = tl.minimum(s_lo + chunk, hi)
+    mid_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
+    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), s_hi)
+    return s_lo, s_hi, mid_lo, mid_hi
+
+
+@triton.jit
 def _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_page, b, hk, lo, hi, pos, n_k,
                   shift, left, right, qk_scale, cap_scale, slope, skn, skd, skp, svn, svd, svp, last_page,
                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -170,13 +183,7 @@ def attn_decode_kernel(
     full_lo = tl.cdiv(tl.maximum(last + shift - left, first_key), BLOCK_N) * BLOCK_N
     full_hi = (tl.maximum(first + shift + right + 1, 0) // BLOCK_N) * BLOCK_N
     full_hi = tl.minimum(full_hi, (n_k_b // BLOCK_N) * BLOCK_N)
-    # This program's slice of [lo, hi), whole key blocks each.
-    lo = (lo // BLOCK_N) * BLOCK_N
-    chunk = tl.cdiv(tl.cdiv(hi - lo, n_splits), BLOCK_N) * BLOCK_N
-    s_lo = tl.minimum(lo + split * chunk, hi)
-    s_hi = tl.minimum(s_lo + chunk, hi)
-    mid_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
-    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), s_hi)
+    s_lo, s_hi, mid_lo, mid_hi = key_split(lo, hi, full_lo, full_hi, n_splits, split, BLOCK_N)
     if SLICE_PAGES:
         first_page = s_lo // PAGE_SIZE
         ids = first_page + tl.arange(0, SLICE_PAGES)

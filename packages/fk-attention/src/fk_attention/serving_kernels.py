@@ -21,6 +21,7 @@ an open side), as in the decode kernel.
 import triton
 import triton.language as tl
 
+from .decode_kernels import key_split
 from .kernels import LN2, LOG2E, capped, score_scales, softmax_step, tile_load
 
 
@@ -170,13 +171,7 @@ def _attend(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, table_ptr, sm_scale, 
     full_lo = tl.cdiv(tl.maximum(last_pos + shift - left, 0), BLOCK_N) * BLOCK_N
     full_hi = (tl.maximum(first_pos + shift + right + 1, 0) // BLOCK_N) * BLOCK_N
     full_hi = tl.minimum(full_hi, (n_k // BLOCK_N) * BLOCK_N)
-    # This item's split of [lo, hi), whole key blocks each.
-    lo = (lo // BLOCK_N) * BLOCK_N
-    chunk = tl.cdiv(tl.cdiv(hi - lo, n_splits), BLOCK_N) * BLOCK_N
-    s_lo = tl.minimum(lo + split * chunk, hi)
-    s_hi = tl.minimum(s_lo + chunk, hi)
-    mid_lo = tl.minimum(tl.maximum(full_lo, s_lo), s_hi)
-    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), s_hi)
+    s_lo, s_hi, mid_lo, mid_hi = key_split(lo, hi, full_lo, full_hi, n_splits, split, BLOCK_N)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32)
