@@ -106,3 +106,33 @@ def test_backward_compiles_ahead_and_its_gradients_are_right(monkeypatch):
     torch.testing.assert_close(out.double(), expected, atol=2e-3, rtol=2e-3)
     for t, r in zip((q, k, v), ref, strict=True):
         torch.testing.assert_close(t.grad.double(), r.grad, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the placeholders hold whatever memory held
+def test_backward_bound_ahead_leaves_the_call_as_it_was(monkeypatch):
+    """The path that binds the backward ahead (`ops._backward_ahead`; on a GPU it only compiles)
+    runs here in full on placeholders: the call's output and gradients are those of a call
+    without it, dense and packed, and it binds once per what the kernels compile for."""
+    from fk_runtime import ahead
+    from fk_runtime.launch import PlanCache
+
+    from fk_attention import ops
+
+    def run(packed: bool):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(20, h, 16, requires_grad=True) for h in (2, 1, 1))
+        if packed:
+            cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+            out = attention_varlen(q, k, v, cu, cu, 13, 13, causal=True)
+        else:
+            out = attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), causal=True)
+        out.square().sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    expected = [run(packed) for packed in (False, True)]
+    monkeypatch.setattr(ops, "AHEAD", PlanCache())
+    monkeypatch.setattr(ahead, "useful", lambda *tensors: True)
+    for packed, want in zip((False, True), expected, strict=True):
+        for got, ref in zip(run(packed), want, strict=True):
+            torch.testing.assert_close(got, ref)
+    assert len(ops.AHEAD) == 2  # dense and packed (their lengths and layouts differ: keyed apart only by path)

@@ -393,3 +393,32 @@ def test_fake_stats_match_a_zero_width_input():
 def test_compiled_graph_runs_the_fk_op():
     x = testing.randn((4, 8), requires_grad=True)
     assert "fk.norm.default" in testing.compiled_graph_ops(rms_norm, x, testing.randn((8,)))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the placeholders hold whatever memory held
+@pytest.mark.parametrize("rms", [False, True])
+def test_backward_bound_ahead_leaves_the_call_as_it_was(monkeypatch, rms):
+    """The path that binds the backward ahead (`ops._backward_ahead`; on a GPU it only compiles)
+    runs here in full on placeholders: y and every gradient are those of a call without it, and it
+    binds once per what the kernels compile for (not per row count)."""
+    from fk_runtime import ahead
+    from fk_runtime.launch import PlanCache
+
+    from fk_layernorm import ops
+
+    def run(rows=6):
+        torch.manual_seed(0)
+        x, w, b = torch.randn(rows, 40, requires_grad=True), torch.randn(40, requires_grad=True), torch.randn(40)
+        b.requires_grad_()
+        y = rms_norm(x, w) if rms else layer_norm(x, w, b)
+        y.square().sum().backward()
+        return y.detach(), x.grad, w.grad, None if rms else b.grad
+
+    expected = run()
+    monkeypatch.setattr(ops, "AHEAD", PlanCache())
+    monkeypatch.setattr(ahead, "useful", lambda *tensors: True)
+    for got, want in zip(run(), expected, strict=True):
+        if want is not None:
+            torch.testing.assert_close(got, want)
+    run(rows=9)
+    assert len(ops.AHEAD) == 1
