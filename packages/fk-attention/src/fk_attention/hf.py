@@ -18,19 +18,26 @@ read to the last position through `attention_with_kvcache` (sliding layers too, 
 passed; under autograd the filled rows are sliced, a host sync, for the dense call). Without a
 causal mask (bidirectional, cross-attention) a padding mask covers the keys and every query is
 kept. transformers is imported by this module only.
+
+`context_parallel(group)` registers "fk_ring" and returns that name: ring attention over the
+ranks of `group`, each rank's model fed its shard of the sequence (`fk_attention.ring`).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
+import torch.distributed as dist
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from .ops import attention, attention_varlen, attention_with_kvcache
+from .ring import LAYOUTS, ring_attention, shard_sequence
 
 NAME = "fk"
+RING_NAME = "fk_ring"
 # Attention-function arguments some models pass that fk's kernels have no term for.
 UNSUPPORTED_KWARGS = ("s_aux", "position_bias")
 
@@ -221,3 +228,68 @@ def _cached_self_attention(query, key, position_ids, causal: bool) -> bool:
 
 AttentionInterface.register(NAME, fk_attention_forward)
 AttentionMaskInterface.register(NAME, fk_mask)
+
+
+# The last position ids found to be this rank's shard (the tensor and its version): every layer of
+# one forward gets the same tensor, so the check's host sync is paid once per forward.
+_checked_positions: list = [None, None]
+
+
+def ring_mask(*args, attention_mask=None, use_vmap: bool = False, **kwargs):
+    """No mask (the ring is causal by itself); refuses padding and models' own mask functions."""
+    # transformers' packed-sequence detection fires on a zigzag shard's jump in positions: ignored.
+    if use_vmap or (attention_mask is not None and not bool(attention_mask.all())):
+        raise ValueError(f"attn_implementation {RING_NAME!r} supports causal and sliding-window masks only: "
+                         "no padding mask (pack or trim the batch) and no model-specific mask functions")
+    return None
+
+
+def _check_positions(position_ids: torch.Tensor, n: int, group, layout: str) -> None:
+    if _checked_positions[0] is position_ids and _checked_positions[1] == position_ids._version:
+        return
+    full = torch.arange(n * dist.get_world_size(group), device=position_ids.device)
+    if position_ids.shape[-1] != n or not bool((position_ids == shard_sequence(full, 0, group, layout)).all()):
+        raise ValueError(f"attn_implementation {RING_NAME!r} needs each rank's GLOBAL position ids, its shard of "
+                         f"arange(N): shard_sequence(torch.arange(N), 0, group, {layout!r})")
+    if not position_ids.is_inference():  # (no version to tell a later tensor by)
+        _checked_positions[:] = [position_ids, position_ids._version]
+
+
+def fk_ring_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                              scaling: float | None = None, sliding_window: int | None = None,
+                              softcap: float | None = None, is_causal: bool | None = None,
+                              position_ids: torch.Tensor | None = None, *, group=None, layout: str = "zigzag",
+                              **kwargs) -> tuple[torch.Tensor, None]:
+    """`fk_attention_forward` over the ranks of `group`: this rank's shard of query, key and value."""
+    refused = [name for name, given in (("dropout", dropout), ("softcap", softcap),
+                                        ("a padding mask", attention_mask is not None),
+                                        ("a KV cache", key.shape[2] != query.shape[2]))
+               if given]
+    refused += [name for name in ("cu_seq_lens_q", "cu_seq_lens_k", *UNSUPPORTED_KWARGS)
+                if kwargs.get(name) is not None]
+    if refused:
+        raise ValueError(f"attn_implementation {RING_NAME!r} does not support {', '.join(refused)} "
+                         "(a cache: call the model with use_cache=False)")
+    if position_ids is not None:  # rotary embeddings must have seen the tokens' global positions
+        _check_positions(position_ids, query.shape[2], group, layout)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    out = ring_attention(query, key, value, group=group, causal=bool(causal), sm_scale=scaling, layout=layout,
+                         window=window)
+    return out.transpose(1, 2), None
+
+
+def context_parallel(group=None, layout: str = "zigzag") -> str:
+    """Registers attn_implementation "fk_ring" (returned): `ring_attention` (causal, GQA, sliding
+    windows) over the ranks of `group` (None: the default group) in `layout`. Each rank's model gets
+    its shard of the tokens, `shard_sequence(input_ids, 1, group, layout)`, with their GLOBAL
+    position ids (the same shard of `arange(N)`; checked once per forward) and use_cache=False;
+    combining the loss over the shards is the caller's (e2e/train_context_parallel.py). Refused
+    with a ValueError: padding masks, packed sequences, a KV cache, dropout, softcap. One
+    registration per process: a later call rebinds the name."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    AttentionInterface.register(RING_NAME, functools.partial(fk_ring_attention_forward, group=group,
+                                                             layout=layout))
+    AttentionMaskInterface.register(RING_NAME, ring_mask)
+    return RING_NAME
