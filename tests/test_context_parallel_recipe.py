@@ -34,8 +34,8 @@ ATOL, RTOL = 1e-5, 1e-4
 REFERENCE = "sdpa"
 
 
-def config():
-    return recipe.llama_config("tiny")
+def config():  # one decoder layer: FSDP2 still shards it apart from the root (CI's time)
+    return recipe.llama_config("tiny", num_hidden_layers=1)
 
 
 def rank_main(rank: int, store: str, state: dict, result: str, backend: str) -> None:

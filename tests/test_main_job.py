@@ -1,5 +1,6 @@
 """The README's main job, end to end: every op found, checked and benchmarked on this device."""
 
+import dataclasses
 import importlib
 import json
 import subprocess
@@ -21,11 +22,10 @@ def test_main_job_checks_and_benchmarks_every_op(tmp_path):
     out.mkdir()
     stale = out / "attention-decode.md"  # as a `--tables attention-decode` run leaves it
     stale.write_text("## attention-decode\n")
-    run = subprocess.run([sys.executable, "-m", "fk_runtime", "--small", "--out", str(out)],
+    # The checks' comparisons are the op tests' (and half this run's time): `test_checks_run_and_report`.
+    run = subprocess.run([sys.executable, "-m", "fk_runtime", "--small", "--no-check", "--out", str(out)],
                          capture_output=True, text=True, cwd=tmp_path)
-    # A failed check prints FAIL (its line, and each failing comparison) among many lines.
-    failed = [line for line in run.stdout.splitlines() if "FAIL" in line]
-    assert run.returncode == 0, "\n".join(failed) + "\n" + run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     for op in cli.discover_ops():
         payload = json.loads((out / f"{op}.json").read_text())
         fk_rows = [r for r in payload["results"] if r["variant"] == "fk"]
@@ -40,6 +40,23 @@ def test_main_job_checks_and_benchmarks_every_op(tmp_path):
     assert not stale.exists(), "the whole op's run must replace a --tables section of its table"
     text = (tmp_path / "BENCHMARKS.md").read_text()
     assert "## Host time per call" in text and "## " in text.replace("## Host time per call", "")
+
+
+def test_checks_run_and_report(capsys, monkeypatch):
+    """The main job's checks (`--no-bench`): each comparison's line, exit 0 when all pass, and a
+    failing comparison reported as FAIL with exit 1."""
+    assert cli.main(["--ops", "weightedsum", "--no-bench", "--small"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any("weighted" in line for line in lines) and not any("FAIL" in line for line in lines)
+    module = importlib.import_module("fk_weightedsum.bench")
+    checks = list(module.checks(False))[:1]
+
+    def wrong(check=checks[0][1]):  # the first check, its errors past their bounds
+        return [dataclasses.replace(c, error=2 * c.bound + 1) for c in check()]
+
+    monkeypatch.setattr(module, "checks", lambda full: [(checks[0][0], wrong)])
+    assert cli.main(["--ops", "weightedsum", "--no-bench", "--small"]) == 1
+    assert "FAIL" in capsys.readouterr().out
 
 
 def test_interpreter_run_leaves_the_committed_numbers_alone(tmp_path):
