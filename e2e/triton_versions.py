@@ -165,6 +165,8 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: s
             run = json.loads(path.read_text())
             rounds.setdefault(run["meta"]["triton"], []).append(run)
     runs = {v: _median_run(r) for v, r in rounds.items()}
+    # runs per version: a file of medians (meta "runs") stands for the runs it was made from
+    counts = {v: sum(r["meta"].get("runs", 1) for r in rs) for v, rs in rounds.items()}
     versions = sorted(runs, key=lambda v: tuple(int(p) for p in _release(v).split(".")))
     base = next((v for v in versions if _release(v) == baseline), None)
     if base is None:
@@ -175,7 +177,7 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: s
         "## Triton versions", "",
         f"{first['device']}, torch {first['torch']}; Triton {', '.join(versions)}, each in its own process on "
         f"{where} ({', '.join(runs[v]['meta']['date'] for v in versions)}); "
-        f"{', '.join(f'{len(rounds[v])} run(s) of {v}' for v in versions)}, alternating versions where several: "
+        f"{', '.join(f'{counts[v]} run(s) of {v}' for v in versions)}, alternating versions where several: "
         "each figure the median over a version's runs (host ratios: each run's fk ÷ torch, then the median). "
         f"`÷ {_release(base)}`: the "
         f"version's time over {_release(base)}'s (below 1: faster). Host: µs per eager call on a tiny input "
