@@ -108,12 +108,12 @@ def test_another_out_folder_gathers_its_own_benchmarks_md(tmp_path):
     beside = tmp_path / "BENCHMARKS.md"
     beside.write_text("the committed numbers\n")
     out = tmp_path / "results"
-    run = subprocess.run([sys.executable, "-m", "fk_runtime", "--ops", "softmax", "--small", "--no-check",
+    run = subprocess.run([sys.executable, "-m", "fk_runtime", "--ops", "weightedsum", "--small", "--no-check",
                           "--no-host", "--out", str(out)], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert beside.read_text() == "the committed numbers\n"
     text = (out / "BENCHMARKS.md").read_text()
-    assert "## softmax" in text and "](softmax.png)" in text and (out / "softmax.png").exists()
+    assert "## weightedsum" in text and "](weightedsum.png)" in text and (out / "weightedsum.png").exists()
 
 
 def test_tables_run_after_a_whole_op_run_keeps_every_table_once(tmp_path):
