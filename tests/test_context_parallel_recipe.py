@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from fk_runtime import backend
 from fk_runtime.harness import testing
 
 transformers = pytest.importorskip("transformers")  # nox installs it (the "transformers" extra)
@@ -87,11 +86,8 @@ def _runs(folder, backend: str):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """CPU ranks over gloo."""
-    problem = backend.interpreter_numpy_problem()  # the gloo ranks run kernels on the interpreter
-    if problem is not None:
-        pytest.skip(problem)
-    return testing.shared_across_workers(tmp_path_factory, "context-parallel-recipe-gloo",
-                                         lambda: _runs(tmp_path_factory.mktemp("cp-gloo"), "gloo"))
+    return testing.shared_gloo_runs(tmp_path_factory, "context-parallel-recipe-gloo",
+                                    lambda folder: _runs(folder, "gloo"))
 
 
 @pytest.fixture(scope="module")

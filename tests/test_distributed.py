@@ -8,7 +8,6 @@ unsharded)."""
 import pytest
 import torch
 import torch.distributed as dist
-from fk_runtime import backend
 from fk_runtime.harness import testing
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -106,11 +105,7 @@ def _runs(folder, backend: str):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """CPU ranks over gloo."""
-    problem = backend.interpreter_numpy_problem()  # the gloo ranks run kernels on the interpreter
-    if problem is not None:
-        pytest.skip(problem)
-    return testing.shared_across_workers(tmp_path_factory, "distributed-gloo",
-                                         lambda: _runs(tmp_path_factory.mktemp("gloo"), "gloo"))
+    return testing.shared_gloo_runs(tmp_path_factory, "distributed-gloo", lambda folder: _runs(folder, "gloo"))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from fk_runtime import backend
 from fk_runtime.harness import testing
 
 from fk_attention import attention
@@ -233,11 +232,7 @@ def _runs(folder, cases: dict, world: int, backend: str) -> dict:
 
 @pytest.fixture(scope="module")
 def ring_runs(tmp_path_factory):
-    problem = backend.interpreter_numpy_problem()  # the gloo ranks run kernels on the interpreter
-    if problem is not None:
-        pytest.skip(problem)
-    return testing.shared_across_workers(
-        tmp_path_factory, "ring-gloo", lambda: _runs(tmp_path_factory.mktemp("ring"), CASES, WORLD, "gloo"))
+    return testing.shared_gloo_runs(tmp_path_factory, "ring-gloo", lambda folder: _runs(folder, CASES, WORLD, "gloo"))
 
 
 @pytest.fixture(scope="module")

@@ -376,6 +376,17 @@ def shared_across_workers(tmp_path_factory, name: str, build: Callable[[], objec
         return result
 
 
+def shared_gloo_runs(tmp_path_factory, name: str, run: Callable[..., object]):
+    """`run(folder)` (a spawn of gloo CPU ranks) once per test session (`shared_across_workers`),
+    skipped where the ranks' kernels cannot run on the interpreter beside this numpy."""
+    import pytest
+
+    problem = backend.interpreter_numpy_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    return shared_across_workers(tmp_path_factory, name, lambda: run(tmp_path_factory.mktemp(name)))
+
+
 def spawn_ranks(fn: Callable, world: int, args: tuple, join: bool = True, backend: str = "gloo"):
     """Run fn(rank, *args) in `world` fresh processes: gloo, CPU processes under the Triton
     interpreter; nccl, one GPU each, compiled kernels, NVLink multicast off. They import fn's
