@@ -50,3 +50,11 @@ def test_tile_2d_fits_budget(rows, cols):
 def test_persistent_grid_is_bounded():
     assert sizing.persistent_grid(1) == 1
     assert sizing.persistent_grid(10**9) == backend.multiprocessor_count() * sizing.PROGRAMS_PER_SM
+
+
+@pytest.mark.parametrize("programs,warps,cap", [(9, 4, 56), (5, 4, 96), (4, 4, 128), (2, 8, 128), (2, 32, 32)])
+def test_register_cap_fits_the_programs_in_the_register_file(monkeypatch, programs, warps, cap):
+    monkeypatch.setattr(backend, "backend", lambda: backend.Backend.CUDA)
+    got = sizing.register_cap(programs, warps)
+    assert got == cap and got % sizing.REGISTER_ALLOCATION_UNIT == 0
+    assert programs * warps * 32 * got <= sizing.REGISTERS_PER_SM

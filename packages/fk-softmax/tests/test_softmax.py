@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from fk_runtime import sizing
 from fk_runtime.harness import testing
 from fk_softmax import plan as plans
 from fk_softmax import LogSoftmax, Softmax, log_softmax, softmax
@@ -47,6 +48,18 @@ def test_every_path_is_reached(dtype, backward):
     assert path_of(LONG, dtype, backward) is TWO_PASS
     if testing.on_gpu():
         assert {path_of(s, dtype, backward) for s in [(1024, 65536), (3, 262144), (2, 1_000_000)]} == {SPLIT}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_forward_keeps_its_occupancy(dtype):
+    """The split forward's register cap (maxnreg): the programs per multiprocessor of its table,
+    for both chunk sizes; the backward and the other paths take none."""
+    for shape in ((9, 40000), (3, 36000)):
+        p = plans.plan(*shape, dtype)
+        programs = plans.SPLIT_FORWARD_PROGRAMS_PER_SM.get((p.block_cols, dtype.itemsize))
+        assert p.max_registers == (None if programs is None else sizing.register_cap(programs, p.num_warps))
+        assert plans.plan(*shape, dtype, backward=True).max_registers is None
+    assert plans.plan(7, 4097, dtype).max_registers is None
 
 
 @pytest.mark.parametrize("mode", testing.compile_modes())

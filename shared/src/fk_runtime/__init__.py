@@ -36,7 +36,7 @@ PUBLIC = {
                  "publish", "scratch", "spin_limit", "widen_held"),
     "sizing": ("INT32_OFFSET_LIMIT", "MIN_WARPS", "Tile2D", "cdiv", "element_size", "fused_row_block",
                "launch_options", "looped_row_block", "max_warps", "next_power_of_2", "num_warps_for",
-               "persistent_grid", "row_warps", "rows_per_program", "tile_2d", "vector_elements"),
+               "persistent_grid", "register_cap", "row_warps", "rows_per_program", "tile_2d", "vector_elements"),
     "views": ("around", "in_place", "rows"),
     "timing": ("MIN_SAMPLES", "REP_MS", "WARMUP_MS", "do_bench"),
     # The harness: tests, benchmarks, the main job.

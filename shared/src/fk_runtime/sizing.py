@@ -34,6 +34,10 @@ HIP_WAVES_PER_EU = 2
 # Grids for memory-bound kernels: this many programs per multiprocessor keep enough bytes in
 # flight without a tail effect.
 PROGRAMS_PER_SM = 8
+# 32-bit registers of a multiprocessor (sm_70 to sm_90), and the unit a thread's count is
+# allocated in: what `register_cap` divides among the programs an op wants resident.
+REGISTERS_PER_SM = 65536
+REGISTER_ALLOCATION_UNIT = 8
 
 
 def next_power_of_2(n: int) -> int:
@@ -117,6 +121,15 @@ def launch_options(num_warps: int, num_stages: int | None = None, max_registers:
     if backend.is_hip():
         options["waves_per_eu"] = HIP_WAVES_PER_EU
     return options
+
+
+def register_cap(programs_per_sm: int, num_warps: int) -> int:
+    """The most registers a thread may take so that `programs_per_sm` programs of `num_warps`
+    warps fit one multiprocessor's register file. Newer Tritons allocate more registers for the
+    same kernel than 3.6 did, one program less per multiprocessor where a row kernel's speed is
+    its occupancy: a plan caps them at the occupancy it was measured at (`launch_options`)."""
+    per_thread = REGISTERS_PER_SM // (programs_per_sm * num_warps * backend.warp_size())
+    return per_thread - per_thread % REGISTER_ALLOCATION_UNIT
 
 
 def persistent_grid(n_work_items: int, programs_per_sm: int = PROGRAMS_PER_SM) -> int:

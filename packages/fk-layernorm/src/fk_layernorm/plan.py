@@ -45,7 +45,6 @@ FORWARD_RMS_16BIT_WIDE_ROW = 16384
 # multiprocessor: 1.14-1.32x slower on an H100 (TUNING.md).
 FORWARD_16BIT_PROGRAMS_PER_SM = 2
 FORWARD_MAX_REGISTERS = 64
-REGISTERS_PER_SM = 65536  # 32-bit registers of a multiprocessor (sm_70 to sm_90)
 # Backward: rows held whole up to this many features; 16384 spilled at any warps (TUNING.md).
 BACKWARD_FUSED_MAX_ELEMENTS = 8192
 # RMSNorm in 16 bits holds fewer fp32 values per feature (no mean, no bias sum): rows of up to
@@ -141,8 +140,7 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = Fa
         warps = sizing.row_warps(elements)
         cap = None
         if _is_16bit(dtype):
-            threads = FORWARD_16BIT_PROGRAMS_PER_SM * backend.warp_size() * warps
-            cap = min(FORWARD_MAX_REGISTERS, REGISTERS_PER_SM // threads)
+            cap = min(FORWARD_MAX_REGISTERS, sizing.register_cap(FORWARD_16BIT_PROGRAMS_PER_SM, warps))
         return Plan(Path.FUSED, rows, block, warps, max_registers=cap)
     chunk = SPLIT_FORWARD_CHUNK_BYTES // sizing.element_size(dtype)
     chunks = _split_chunks(n_cols, chunk)

@@ -39,6 +39,11 @@ SPLIT_CHUNK_ELEMENTS = 4096
 # of them: on an H100 that gained 2-12% at 8-32 chunks a row, lost 6-10% at 128 (TUNING.md).
 SPLIT_WIDE_CHUNK_ELEMENTS = 8192
 SPLIT_WIDE_MAX_CHUNKS = 32
+# The split forward keeps this many programs on a multiprocessor, by (chunk, element size): the
+# occupancy Triton 3.6's registers give (56, 96 and 105-118 registers); 3.8 and 3.9 took 70 and
+# 120, one or two programs less: 1.06-1.10x slower on an H100. Not causal rows, which spill at
+# these caps (`sizing.register_cap`, TUNING.md).
+SPLIT_FORWARD_PROGRAMS_PER_SM = {(4096, 2): 9, (4096, 4): 9, (8192, 2): 5, (8192, 4): 4}
 # The backward holds its y and grad_y chunks in their own dtype through the wait, which leaves
 # registers for twice the columns: 7% faster than 4096 on the longest rows (TUNING.md).
 SPLIT_BACKWARD_CHUNK_ELEMENTS = 8192
@@ -62,6 +67,7 @@ class Plan:
     num_warps: int
     programs: int  # grid size
     spin_limit: int
+    max_registers: int | None = None  # a cap on each thread's registers (maxnreg)
 
 
 # Plans depend only on the shape and dtype: cached, so a call pays for a dict lookup.
@@ -76,8 +82,10 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, backward: bool = False) -
         chunk, path = sizing.looped_row_block(dtype), Path.LONG
     chunks = sizing.cdiv(n_cols, chunk)
     warps = PROGRAM_WARPS if path is Path.SPLIT else sizing.row_warps(chunk)
+    programs = SPLIT_FORWARD_PROGRAMS_PER_SM.get((chunk, sizing.element_size(dtype)))
+    cap = sizing.register_cap(programs, warps) if path is Path.SPLIT and not backward and programs else None
     return Plan(path, 1, chunk, chunks, sizing.next_power_of_2(chunks), warps,
-                n_rows * chunks, spin_limit())
+                n_rows * chunks, spin_limit(), cap)
 
 
 # ---- launch: a plan bound once per (shape, strides, dtype, device, flags) -------------------------
@@ -114,7 +122,7 @@ def _bind_forward(x: torch.Tensor, dim: int, causal: bool, log: bool):
     n_rows, out_outer = outer * inner, n_cols * inner
     seq_rows = x.shape[-2] if causal else 1
     p = plan(n_rows, n_cols, dtype)
-    opts = sizing.launch_options(p.num_warps)
+    opts = sizing.launch_options(p.num_warps, max_registers=None if causal else p.max_registers)
     sx = x3.stride()
     grid = (p.programs,)
     if p.path is Path.FUSED:
