@@ -86,7 +86,7 @@ def dispatched_per_call(cases, calls: int = 4) -> dict:
     return found
 
 
-def measure(out: Path, tables: tuple[str, ...], budget_s: float) -> Path:
+def measure(out: Path, tables: tuple[str, ...], budget_s: float, host_rows: bool = True) -> Path:
     from fk_runtime import backend
     from fk_runtime.harness import bench
 
@@ -94,7 +94,7 @@ def measure(out: Path, tables: tuple[str, ...], budget_s: float) -> Path:
     meta = bench.environment()
     meta["command"] = "python e2e/triton_versions.py " + shlex.join(sys.argv[1:])
     modules = [importlib.import_module(f"fk_{op}.bench") for op in OPS]
-    host_cases = [c for m in modules if hasattr(m, "host_cases") for c in m.host_cases()]
+    host_cases = [c for m in modules if hasattr(m, "host_cases") for c in m.host_cases()] if host_rows else []
     host = bench.run_host_cases(host_cases)
     dispatched = dispatched_per_call(host_cases)
     full = not backend.is_interpreter()
@@ -264,12 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default=BASELINE)
     parser.add_argument("--where", default="on the same machine", help="where the runs ran (the section's words)")
     parser.add_argument("--autotune", action="store_true", help="let attention autotune (off by default)")
+    parser.add_argument("--no-host", action="store_true",
+                        help="device rows only (a run beside others on a shared host: its host times would be theirs too)")
     args = parser.parse_args(argv)
     os.environ["FK_AUTOTUNE"] = "1" if args.autotune else "0"
     if args.summarize is not None:
         summarize(args.summarize, args.out, args.baseline, args.where)
     else:
-        measure(args.out, tuple(args.tables), args.budget_s)
+        measure(args.out, tuple(args.tables), args.budget_s, host_rows=not args.no_host)
     return 0
 
 

@@ -175,7 +175,8 @@ def measure_ceilings() -> Ceilings:
     return Ceilings(copy_gbps=2 * nbytes / copy_ms / 1e6, matmul_tflops=2 * n**3 / mm_ms / 1e9)
 
 
-def _input_sets(case: Case) -> int:
+def input_sets(case: Case) -> int:
+    """How many input sets a case rotates through: enough to cover the L2 cache ROTATE_L2_FACTOR times."""
     if backend.is_interpreter() or case.input_bytes <= 0:
         return 1
     wanted = sizing.cdiv(ROTATE_L2_FACTOR * backend.l2_cache_bytes(), case.input_bytes)
@@ -203,16 +204,16 @@ def _peak_mib(prepare, inputs) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _time_variant(prepare, input_sets, eager: bool) -> tuple[float, str, float | None]:
+def _time_variant(prepare, sets, eager: bool) -> tuple[float, str, float | None]:
     """(ms, timing, eager ms): graph replays on a GPU, falling back to eager timing for a
     variant that cannot be captured; `eager` also times the plain calls."""
     if backend.is_interpreter():
-        ms = time_ms([prepare(inputs) for inputs in input_sets])
+        ms = time_ms([prepare(inputs) for inputs in sets])
         return ms, "eager", ms
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        calls = [prepare(inputs) for inputs in input_sets]
+        calls = [prepare(inputs) for inputs in sets]
         eager_ms = time_ms(calls) if eager else None
         try:
             ms, timing = time_ms(graphed(calls, stream)), "graph"
@@ -236,7 +237,7 @@ def _same_bytes_copy_pct(case: Case, ceilings: Ceilings) -> float | None:
     if half == 0:
         return None
     pairs = [[torch.empty(half, dtype=torch.bfloat16, device=backend.default_device()) for _ in range(2)]
-             for _ in range(_input_sets(case))]
+             for _ in range(input_sets(case))]
     for src, _ in pairs:
         src.normal_()
     ms, _, _ = _time_variant(lambda pair: functools.partial(torch.neg, pair[0], out=pair[1]), pairs, eager=False)
@@ -246,18 +247,18 @@ def _same_bytes_copy_pct(case: Case, ceilings: Ceilings) -> float | None:
 
 def run_case(case: Case, ceilings: Ceilings) -> list[Result]:
     results = []
-    input_sets = [case.make_inputs() for _ in range(_input_sets(case))]
+    sets = [case.make_inputs() for _ in range(input_sets(case))]
     for name, prepare in case.variants.items():
         ms = rate = pct = peak = eager_ms = None
         timing = "eager"
         error = None
         try:
-            ms, timing, eager_ms = _time_variant(prepare, input_sets, eager=name == FK)
+            ms, timing, eager_ms = _time_variant(prepare, sets, eager=name == FK)
             scale = 1e6 if case.unit == GBPS else 1e9
             rate = case.work / ms / scale
             pct = 100.0 * rate / ceilings.of(case.unit)
             if case.memory:
-                peak = _peak_mib(prepare, input_sets[0])
+                peak = _peak_mib(prepare, sets[0])
         except Exception as exc:  # a peer that refuses a shape is a result, not a crash
             error = _short(exc)
         results.append(
@@ -270,7 +271,7 @@ def run_case(case: Case, ceilings: Ceilings) -> list[Result]:
             torch.cuda.empty_cache()
     # Last, with the case's inputs freed: measured first, its buffers (cached by the allocator)
     # left fk's timings 2-4% lower in one H100 run, the peers' unchanged.
-    del input_sets
+    del sets
     gc.collect()  # inputs held by reference cycles (autograd graphs) go too
     if not backend.is_interpreter():
         torch.cuda.empty_cache()

@@ -1,0 +1,157 @@
+"""Device time of chosen benchmark rows under variants of an op's plan numbers, in one process.
+
+A variant sets module constants (`fk_softmax.plan:SPLIT_FORWARD_PROGRAMS_PER_SM={}`) and clears
+the plan caches; rounds alternate the variants, so that a slow stretch of the GPU weighs on each
+alike. Each row is timed as the main tables time fk (CUDA-graph replays, `do_bench` median), and
+the table gives each variant's median over the rounds and its ratio to the first variant.
+
+    bash shared/from-source.sh python e2e/row_variants.py --out DIR --rounds 3 \
+        --rows "softmax fwd 1024x65536 bfloat16" "layernorm bwd 256x262144 float32" \
+        --variant nocap "fk_softmax.plan:SPLIT_FORWARD_PROGRAMS_PER_SM={}"
+
+A row is `op direction shape dtype` as the main tables name them (`x` for `×`), or `all:TABLE`
+for every row of a main table; the first variant is always `base` (the code as it is), and
+`env:FK_AUTOTUNE='1'` is a variant too (attention autotuned, as a bind reads it). Writes `<out>/row-variants-<triton>.json` and
+prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import importlib
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+OPS = ("layernorm", "softmax", "attention", "weightedsum")
+BASE = "base"
+
+
+class _Environment:
+    """`env:NAME='value'` patches set os.environ[NAME] (None: unset) as module patches set names."""
+
+    def __getattr__(self, name):
+        return os.environ.get(name)
+
+    def __setattr__(self, name, value):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = str(value)
+
+
+def _patches(spec: str) -> list[tuple[object, str, object]]:
+    """`module:NAME=literal;env:NAME='value'` -> [(module or the environment, NAME, value)]."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        target, value = item.split("=", 1)
+        module, name = target.split(":")
+        holder = _Environment() if module == "env" else importlib.import_module(module)
+        out.append((holder, name, ast.literal_eval(value)))
+    return out
+
+
+def _clear_plans() -> None:
+    """Every cached plan and bound call of the op packages, so that new numbers take effect."""
+    from fk_runtime.launch import PlanCache
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fk_") or name.startswith("fk_runtime"):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, (functools._lru_cache_wrapper, PlanCache)):
+                value.cache_clear()
+
+
+def _time(case, variant: str, bench, torch) -> float:
+    """A variant's device time of `case` as the tables take it: CUDA-graph replays over its input sets."""
+    inputs = [case.make_inputs() for _ in range(bench.input_sets(case))]
+    prepare = case.variants[variant]
+    if not torch.cuda.is_available():  # the interpreter: that it runs, not what it costs
+        return bench.time_ms([prepare(i) for i in inputs])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls = [prepare(i) for i in inputs]
+        ms = bench.time_ms(bench.graphed(calls, stream))
+    torch.cuda.synchronize()
+    return ms
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rows", nargs="+", required=True)
+    parser.add_argument("--variant", nargs=2, action="append", default=[], metavar=("NAME", "PATCHES"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--peers", action="store_true", help="also time each row's peers (torch, ...) once a round")
+    args = parser.parse_args(argv)
+
+    import torch
+    import triton
+
+    from fk_runtime import backend
+    from fk_runtime.harness import bench
+
+    backend.use_interpreter_without_gpu()
+    full = not backend.is_interpreter()
+    wanted = [" ".join(r.replace("×", "x").split()) for r in args.rows]
+    tables = {w.removeprefix("all:") for w in wanted if w.startswith("all:")}
+    wanted = [w for w in wanted if not w.startswith("all:")]
+    cases = {}
+    for op in OPS:
+        for case in importlib.import_module(f"fk_{op}.bench").cases(full):
+            name = f"{case.op} {case.direction} {case.shape.replace('×', 'x')} {str(case.dtype).removeprefix('torch.')}"
+            if case.op in tables and name not in wanted:
+                wanted.append(name)
+            if name in wanted and bench.FK in case.variants:
+                cases[name] = case
+    missing = [w for w in wanted if w not in cases]
+    if missing:
+        raise SystemExit(f"no such rows: {missing}")
+    variants = [(BASE, [])] + [(name, _patches(spec)) for name, spec in args.variant]
+    peers = sorted({p for r in wanted for p in cases[r].variants if p != bench.FK}) if args.peers else []
+    times: dict = {(v, r): [] for v in [v for v, _ in variants] + peers for r in wanted}
+    for round_ in range(args.rounds):
+        for vname, patches in variants:
+            saved = [(m, n, getattr(m, n)) for m, n, _ in patches]
+            for m, n, value in patches:
+                setattr(m, n, value)
+            _clear_plans()
+            try:
+                for row in wanted:
+                    ms = _time(cases[row], bench.FK, bench, torch)
+                    times[(vname, row)].append(ms)
+                    print(f"round {round_} {vname:12s} {row}: {ms:.4f} ms", flush=True)
+                    for peer in peers if vname == BASE else ():
+                        if peer in cases[row].variants:
+                            times[(peer, row)].append(_time(cases[row], peer, bench, torch))
+            finally:
+                for m, n, value in saved:
+                    setattr(m, n, value)
+                _clear_plans()
+    meta = bench.environment()
+    meta["command"] = "python e2e/row_variants.py " + " ".join(sys.argv[1:])
+    names = [v for v, _ in variants] + peers
+    rows = [dict(row=r, variant=v, ms=times[(v, r)], median=statistics.median(times[(v, r)]))
+            for r in wanted for v in names if times[(v, r)]]
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"row-variants-{triton.__version__}.json"
+    path.write_text(json.dumps(dict(meta=meta, variants={v: s for v, s in args.variant}, rows=rows), indent=1))
+    print(f"\n{meta['device']}, torch {meta['torch']}, Triton {triton.__version__}; medians of {args.rounds} rounds (ms)")
+    print("| row | " + " | ".join(names) + " |")
+    for r in wanted:
+        base = statistics.median(times[(BASE, r)])
+        cells = [f"{statistics.median(times[(v, r)]):.4f} ({statistics.median(times[(v, r)]) / base:.3f})"
+                 if times[(v, r)] else "–" for v in names]
+        print(f"| {r} | " + " | ".join(cells) + " |")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""e2e/row_variants.py: chosen benchmark rows timed under variants of an op's numbers, in one process."""
+
+import json
+import os
+
+import pytest
+from fk_softmax import plan as softmax_plan
+
+
+def test_variants_take_effect_and_are_undone(tmp_path, e2e_script, capsys, monkeypatch):
+    """Each variant's numbers reach the plan (its rows bind again), and the module and the
+    environment are as they were afterwards; the table and JSON name every variant."""
+    variants = e2e_script("row_variants")
+    monkeypatch.delenv("FK_ROW_VARIANTS_PROBE", raising=False)
+    seen = []
+    real = softmax_plan.plan
+
+    def spy(*args, **kwargs):
+        seen.append((softmax_plan.FUSED_TILE_BYTES, os.environ.get("FK_ROW_VARIANTS_PROBE")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(softmax_plan, "plan", spy)
+    before = softmax_plan.FUSED_TILE_BYTES
+    assert variants.main(["--out", str(tmp_path), "--rounds", "1", "--rows", "softmax fwd 64x128 float32",
+                          "--variant", "small", "fk_softmax.plan:FUSED_TILE_BYTES=1024;env:FK_ROW_VARIANTS_PROBE='1'"]) == 0
+    assert (before, None) in seen and (1024, "1") in seen
+    assert softmax_plan.FUSED_TILE_BYTES == before and "FK_ROW_VARIANTS_PROBE" not in os.environ
+    (path,) = tmp_path.glob("row-variants-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["row"], r["variant"]) for r in rows] == [("softmax fwd 64x128 float32", "base"),
+                                                       ("softmax fwd 64x128 float32", "small")]
+    assert all(r["median"] > 0 for r in rows)
+    assert "| softmax fwd 64x128 float32 | " in capsys.readouterr().out
+
+
+def test_an_unknown_row_is_refused(tmp_path, e2e_script):
+    variants = e2e_script("row_variants")
+    with pytest.raises(SystemExit, match="no such rows"):
+        variants.main(["--out", str(tmp_path), "--rows", "softmax fwd 3x3 float32"])
