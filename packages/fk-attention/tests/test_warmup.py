@@ -120,9 +120,9 @@ def test_backward_bound_ahead_leaves_the_call_as_it_was(monkeypatch):
 
     def run(packed: bool):
         torch.manual_seed(0)
-        q, k, v = (torch.randn(20, h, 16, requires_grad=True) for h in (2, 1, 1))
+        q, k, v = (torch.randn(20, h, 16, device=testing.device(), requires_grad=True) for h in (2, 1, 1))
         if packed:
-            cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+            cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=q.device)
             out = attention_varlen(q, k, v, cu, cu, 13, 13, causal=True)
         else:
             out = attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), causal=True)

@@ -408,8 +408,7 @@ def test_backward_bound_ahead_leaves_the_call_as_it_was(monkeypatch, rms):
 
     def run(rows=6):
         torch.manual_seed(0)
-        x, w, b = torch.randn(rows, 40, requires_grad=True), torch.randn(40, requires_grad=True), torch.randn(40)
-        b.requires_grad_()
+        x, w, b = (torch.randn(*s, device=testing.device(), requires_grad=True) for s in ((rows, 40), (40,), (40,)))
         y = rms_norm(x, w) if rms else layer_norm(x, w, b)
         y.square().sum().backward()
         return y.detach(), x.grad, w.grad, None if rms else b.grad
