@@ -52,7 +52,8 @@ def enabled() -> bool:
 def useful(*tensors) -> bool:
     """Whether compiling ahead can serve a call on `tensors`: on (FK_PREWARM), a GPU's tensors,
     Triton compiling for it (not its interpreter), eager (no tracer or torch.func transform)."""
-    return (enabled() and all(t is None or t.device.type != "cpu" for t in tensors) and not backend.is_interpreter()
+    # the interpreter first: there it is asked on every recorded call (nothing is bound ahead)
+    return (not backend.is_interpreter() and enabled() and all(t is None or t.device.type != "cpu" for t in tensors)
             and not traced(tuple(t for t in tensors if t is not None)) and not transforms_active())
 
 
