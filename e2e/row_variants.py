@@ -11,15 +11,15 @@ the table gives each variant's median over the rounds and its ratio to the first
 
 A row is `op direction shape dtype` as the main tables name them (`x` for `×`), or `all:TABLE`
 for every row of a main table; the first variant is always `base` (the code as it is), and
-`env:FK_AUTOTUNE='1'` is a variant too (attention autotuned, as a bind reads it). Writes `<out>/row-variants-<triton>.json` and
-prints the table.
+`env:FK_AUTOTUNE='1'` is a variant too (attention autotuned, as a bind reads it). `--peers` times
+each row's other variants (torch, ...) once a round beside `base`. Writes
+`<out>/row-variants-<triton>.json` and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import functools
 import importlib
 import json
 import os
@@ -63,7 +63,7 @@ def _clear_plans() -> None:
         if not name.startswith("fk_") or name.startswith("fk_runtime"):
             continue
         for value in list(vars(module).values()):
-            if isinstance(value, (functools._lru_cache_wrapper, PlanCache)):
+            if isinstance(value, PlanCache) or hasattr(value, "cache_info"):  # functools.lru_cache's
                 value.cache_clear()
 
 

@@ -299,16 +299,17 @@ GLUON_BWD_STAGES = 2
 
 
 # ---- serving: packed prefill and decode sequences against a paged cache in one launch ---------
-# (serving.py, serving_kernels.py). The d128 16-bit tiles and the split rule are measured (H100,
-# the serving table's batch, TUNING.md); the other head dims and fp32 are priors.
+# (serving.py, serving_kernels.py). The d128 16-bit tiles are measured (H100, the serving table's
+# batch, TUNING.md); the split rule was varied with the earlier tiles only; other head dims and
+# fp32 are priors.
 
 # Long sequences' row tiles (BLOCK_M (token, group head) rows x BLOCK_N keys), short sequences'
 # (SHORT_N keys; SHORT_M rows: at least the dot's 16, at least a GQA group), warps and stages of
 # the one launch, by padded head dim: (max head dim, (BLOCK_M, BLOCK_N, SHORT_N, warps, stages)).
 # One kernel holds both walks: its shared memory is the larger one's, so both take 64-key blocks
 # at d128 (three stages of K and V, 96 KB). d128: 64 rows on four warps ran the mixed batch in
-# 0.70-0.72x the time of 128 rows on eight (one program per multiprocessor at 237 registers), the
-# other candidates within 4% of it (e2e/row_variants.py, Triton 3.6 and 3.8).
+# 0.70-0.72x the time of 128 rows on eight (one program per multiprocessor at 237 registers); two
+# stages or another split rule moved the latter by 4% at most (e2e/row_variants.py, 3.6 and 3.8).
 SERVING_TILES_16BIT = ((64, (128, 64, 64, 4, 3)), (128, (64, 64, 64, 4, 3)), (256, (64, 32, 32, 8, 2)))
 SERVING_TILES_32BIT = ((64, (64, 32, 32, 4, 2)), (128, (64, 32, 32, 4, 2)), (256, (32, 16, 16, 4, 2)))
 SERVING_MIN_SHORT_M = 16
