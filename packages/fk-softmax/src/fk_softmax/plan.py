@@ -82,8 +82,10 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, backward: bool = False) -
         chunk, path = sizing.looped_row_block(dtype), Path.LONG
     chunks = sizing.cdiv(n_cols, chunk)
     warps = PROGRAM_WARPS if path is Path.SPLIT else sizing.row_warps(chunk)
-    programs = SPLIT_FORWARD_PROGRAMS_PER_SM.get((chunk, sizing.element_size(dtype)))
-    cap = sizing.register_cap(programs, warps) if path is Path.SPLIT and not backward and programs else None
+    cap = None
+    if path is Path.SPLIT and not backward:
+        programs = SPLIT_FORWARD_PROGRAMS_PER_SM.get((chunk, sizing.element_size(dtype)))
+        cap = sizing.register_cap(programs, warps) if programs else None
     return Plan(path, 1, chunk, chunks, sizing.next_power_of_2(chunks), warps,
                 n_rows * chunks, spin_limit(), cap)
 
