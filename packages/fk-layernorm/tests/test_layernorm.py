@@ -36,6 +36,56 @@ def test_every_path_is_covered():
     assert wide.num_warps == 2 * plans.forward_plan(9, 12000, torch.bfloat16).num_warps
 
 
+@pytest.mark.parametrize("release, factor", [((3, 8), 1), ((3, 9), 2), ((3, 10), 2), (None, 1)])
+def test_layer_norm_fp32_wide_rows_take_twice_the_warps_from_triton_3_9(monkeypatch, release, factor):
+    """LayerNorm's fp32 forward on rows padded to 16384 features: 32 warps from Triton 3.9 on, 16
+    before (and where the version cannot be read); RMSNorm's keeps 16."""
+    from fk_runtime import backend
+
+    monkeypatch.setattr(backend, "triton_release", lambda: release)
+    plans.forward_plan.cache_clear()
+    try:
+        layer = plans.forward_plan(9, 12000, torch.float32)
+        rms = plans.forward_plan(9, 12000, torch.float32, is_rms=True)
+        assert layer.path is FUSED and layer.num_warps == factor * rms.num_warps
+        assert plans.forward_plan(9, 8000, torch.float32).num_warps == plans.forward_plan(
+            9, 8000, torch.float32, is_rms=True).num_warps
+    finally:
+        plans.forward_plan.cache_clear()
+
+
+@pytest.mark.parametrize("release", [(3, 6), (3, 8), (3, 9), None])
+def test_numbers_by_triton_release(monkeypatch, release):
+    """The plan's per-release numbers (H100 measurements in TUNING.md) reach the plans of that
+    release only: RMSNorm's 16-bit split forward of rows over 131072 features takes 32 KB chunks
+    from 3.9; on 3.8 the 16-bit fused backward takes 4 KB steps on short rows and twice the warps
+    on RMSNorm rows of 16384 features. Every release gives the reference's values."""
+    from fk_runtime import backend
+
+    monkeypatch.setattr(backend, "triton_release", lambda: release)
+    for fn in (plans.forward_plan, plans.backward_plan):
+        fn.cache_clear()
+    try:
+        from_3_9, on_3_8 = release is not None and release >= (3, 9), release == (3, 8)
+        split = plans.forward_plan(2, 140000, torch.bfloat16, is_rms=True)
+        if split.path is SPLIT:  # (the interpreter splits rows of at most 16 chunks)
+            assert split.block_cols == (16384 if from_3_9 else 8192)
+        assert plans.forward_plan(2, 140000, torch.bfloat16).block_cols != 16384  # LayerNorm keeps 16 KB
+        short, short_fp32 = plans.backward_plan(64, 1024, torch.bfloat16), plans.backward_plan(64, 1024, torch.float32)
+        assert short.block_rows == (2 if on_3_8 else 4) and short_fp32.block_rows == 2
+        wide = plans.backward_plan(64, 16384, torch.bfloat16, is_rms=True)
+        assert wide.path is FUSED
+        assert wide.num_warps == (2 if on_3_8 else 1) * plans.backward_plan(64, 8192, torch.bfloat16).num_warps
+        x = testing.randn((5, 1024), torch.bfloat16, requires_grad=True)
+        w, b = _params(1024, torch.bfloat16)
+        testing.assert_matches_reference(layer_norm, ref_layer_norm, [x, w, b], dtype=torch.bfloat16,
+                                         names=["x", "weight", "bias"])
+    finally:
+        for fn in (plans.forward_plan, plans.backward_plan):
+            fn.cache_clear()
+        plans.BOUND.clear()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_backward_keeps_16bit_rows_to_16384_whole(dtype):
     """RMSNorm's backward holds 16-bit rows of up to 16384 features in one program; LayerNorm and

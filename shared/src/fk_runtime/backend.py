@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import functools
 import os
+import re
 import sys
 
 import torch
@@ -75,17 +76,29 @@ def use_interpreter_without_gpu() -> bool:
 INTERPRETER_NUMPY_LIMIT = {(3, 6): (2, 4)}
 
 
+def release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string: "3.8.0", "3.9.0+git1a2b", "3.10.0rc1" -> (3, 10);
+    None where it has no such numbers."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+@functools.cache
+def triton_release() -> tuple[int, int] | None:
+    """(major, minor) of the Triton this process imports: the per-version numbers of the ops'
+    plans (a compiler release moves registers and schedules) key on it."""
+    import triton
+
+    return release(triton.__version__)
+
+
 def interpreter_numpy_problem() -> str | None:
     """Why this Triton's interpreter cannot run kernels under the installed numpy, or None."""
     import numpy
     import triton
 
-    def release(version: str) -> tuple[int, int]:
-        major, minor = version.split(".")[:2]
-        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
     limit = INTERPRETER_NUMPY_LIMIT.get(release(triton.__version__))
-    if limit is not None and release(numpy.__version__) >= limit:
+    if limit is not None and (release(numpy.__version__) or (0, 0)) >= limit:
         return (f"Triton {triton.__version__}'s interpreter needs numpy < {limit[0]}.{limit[1]} (numpy "
                 f"{numpy.__version__} is installed): pip install 'numpy<{limit[0]}.{limit[1]}', or a newer triton")
     return None

@@ -15,6 +15,8 @@ the Gluon paths are taken there only; elsewhere the `tl` kernels run.
 
 from __future__ import annotations
 
+from . import backend
+
 # (major, minor) Triton versions whose Gluon API fk's kernels were compiled and tested with.
 VERSIONS = ((3, 6), (3, 7), (3, 8), (3, 9))
 
@@ -54,12 +56,4 @@ def supported(version: str | None = None) -> bool:
     """Whether this Triton (or `version`) has the Gluon API fk's kernels were built for."""
     if gluon is None or tma_load is None:
         return False
-    if version is None:
-        import triton
-
-        version = triton.__version__
-    try:
-        major, minor = (int(part) for part in version.split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) in VERSIONS
+    return (backend.triton_release() if version is None else backend.release(version)) in VERSIONS

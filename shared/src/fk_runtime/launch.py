@@ -166,23 +166,11 @@ def _compiled_launcher(compiled) -> bool:
     return all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata"))
 
 
-def _version(version: str | None) -> tuple[int, int] | None:
-    if version is None:
-        import triton
-
-        version = triton.__version__
-    parts = version.split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
-
-
 @functools.cache
 def launcher_layout(version: str | None = None) -> str | None:
     """How this Triton's (or `version`'s) compiled kernels are launched directly: "per-signature"
     (3.5, 3.6), "generic" (3.7 on), or None where fk has not read the layout (Triton's dispatch)."""
-    v = _version(version)
+    v = backend.triton_release() if version is None else backend.release(version)
     if v in PER_SIGNATURE_VERSIONS:
         return "per-signature"
     return "generic" if v in GENERIC_VERSIONS else None

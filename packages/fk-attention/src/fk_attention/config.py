@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import re
 
 import torch
 from fk_runtime import backend, sizing
@@ -53,11 +52,8 @@ LEFT_UNBOUNDED_BUILD_FROM = (3, 7)
 
 def window_build(mask) -> int:
     """The WINDOW constexpr for `mask` (`mask.Mask.window_build`) on this Triton."""
-    import triton
-
     build = mask.window_build
-    release = tuple(int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
-    return 2 if build == 1 and release < LEFT_UNBOUNDED_BUILD_FROM else build
+    return 2 if build == 1 and (backend.triton_release() or (0, 0)) < LEFT_UNBOUNDED_BUILD_FROM else build
 
 
 # HIP (AMD): waves per execution unit by padded head dim, (max head dim, waves); one stage.

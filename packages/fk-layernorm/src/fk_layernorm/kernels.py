@@ -534,7 +534,7 @@ def norm_bwd_split_kernel(
     n_rows, n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr,
     groups, chunks, spin_limit,
     CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr, BATCH_ROWS: tl.constexpr, IS_RMS: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, REREAD_W: tl.constexpr,
 ):
     """Long rows (not STABLE): program (group, chunk) walks batches of BATCH_ROWS rows (batches
     group, group + groups, ...) with the batch's other chunks' programs as siblings
@@ -548,7 +548,9 @@ def norm_bwd_split_kernel(
     group = pid // chunks
     chunk = pid - group * chunks
     cols, col_mask = chunk_columns(chunk, n_cols, CHUNK)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) if HAS_W else 1.0
+    w = 1.0
+    if HAS_W and not REREAD_W:
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros((CHUNK,), tl.float32)
     db_acc = tl.zeros((CHUNK,), tl.float32)
     x_offs = cols.to(tl.int64) * stride_xc
@@ -565,6 +567,8 @@ def norm_bwd_split_kernel(
             mean, rstd = _saved_stats(mean_ptr, rstd_ptr, row, IS_RMS)
             xhat = tl.where(col_mask, _normalized(x, mean, rstd, 1.0, IS_RMS, False), 0.0)
             wdy = dy * w
+            if HAS_W and REREAD_W:  # read again each row (L1 holds it), not held through the loop
+                wdy = dy * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             slot = row * chunks + chunk
             publish(part_ptr + BWD_PARTIALS * slot, tl.sum(xhat * wdy, axis=0))
             publish(part_ptr + BWD_PARTIALS * slot + 1, tl.sum(wdy, axis=0))

@@ -87,6 +87,33 @@ SPLIT_BACKWARD_CHUNK_ELEMENTS = 4096
 # of each input (x, dy) in all: it reads the batch's chunks once for the row sums and once more,
 # from L2, to write dx. LayerNorm gained most on the longest rows, RMSNorm tied (TUNING.md).
 SPLIT_BACKWARD_BATCH_BYTES = 32768
+# fp32 rows: the split backward reads its weight chunk again for each row instead of holding it
+# through the loop: 4-warp chunks then fit 255 registers (held, 24-48 B spilled on Triton 3.8 / 3.9),
+# 3-6% faster on 3.6 too; 16-bit rows (no spill) held it 1-2% faster (TUNING.md).
+SPLIT_BACKWARD_REREAD_W_32BIT = True
+
+# Numbers that differ by Triton release, where a newer compiler's build of a kernel ran slower than
+# 3.6's on an H100 (each measured beside 3.6 in one run; TUNING.md, "Triton releases"):
+# - from 3.9, LayerNorm's fp32 fused forward on rows padded to 16384 features takes 32 warps, not
+#   16 (4096x16384: 1.31x 3.6's time -> 1.01x; 3.6 and 3.8 lose 1% and 23% on 32);
+FORWARD_LN_32BIT_WIDE_ROW = 16384
+FORWARD_LN_32BIT_WIDE_ROW_FROM = (3, 9)
+# - from 3.9, RMSNorm's 16-bit split forward on rows longer than this takes 32 KB chunks, not 16
+#   (256x262144: 1.07x -> 1.00x; 3.6 and 3.8 lose 1%); shorter split rows were not tried so;
+SPLIT_FORWARD_RMS_16BIT_LONG_ROW = 131072
+SPLIT_FORWARD_RMS_16BIT_LONG_CHUNK_BYTES = 32768
+SPLIT_FORWARD_RMS_16BIT_LONG_FROM = (3, 9)
+# - on 3.8 alone, the fused backward's 16-bit rows of up to BACKWARD_SHORT_16BIT_MAX_ELEMENTS take
+#   4 KB steps and 16 warps per multiprocessor (LayerNorm 32768x1024: 1.08x -> 1.04x; 3.6 loses 3%),
+#   and RMSNorm's 16-bit rows padded to BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT features take twice
+#   their warps (4096x16384: 1.12x -> 1.07x; 3.6 and 3.9 lose 7%).
+TRITON_3_8 = (3, 8)
+BACKWARD_SHORT_16BIT_ROW_TILE_BYTES_3_8 = 4096
+BACKWARD_SHORT_16BIT_WARPS_PER_SM_3_8 = 16
+
+
+def _triton_from(release: tuple[int, int]) -> bool:
+    return (backend.triton_release() or (0, 0)) >= release
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +134,7 @@ class Plan:
     params_num_warps: int = sizing.MIN_WARPS
     prefetch: bool = False  # fused backward: next step's rows loaded ahead
     recompute: bool = False  # fused backward: 16-bit x, dy widened again after the row sums
+    reread_w: bool = False  # split backward: the weight chunk read again each row
     max_registers: int | None = None  # forward: a cap on each thread's registers (maxnreg)
 
 
@@ -137,12 +165,19 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = Fa
         elements = rows * block
         if is_rms and _is_16bit(dtype) and elements == FORWARD_RMS_16BIT_WIDE_ROW:
             elements *= 2
+        if (not is_rms and not _is_16bit(dtype) and elements == FORWARD_LN_32BIT_WIDE_ROW
+                and _triton_from(FORWARD_LN_32BIT_WIDE_ROW_FROM)):
+            elements *= 2
         warps = sizing.row_warps(elements)
         cap = None
         if _is_16bit(dtype):
             cap = min(FORWARD_MAX_REGISTERS, sizing.register_cap(FORWARD_16BIT_PROGRAMS_PER_SM, warps))
         return Plan(Path.FUSED, rows, block, warps, max_registers=cap)
-    chunk = SPLIT_FORWARD_CHUNK_BYTES // sizing.element_size(dtype)
+    chunk_bytes = SPLIT_FORWARD_CHUNK_BYTES
+    if (is_rms and _is_16bit(dtype) and n_cols > SPLIT_FORWARD_RMS_16BIT_LONG_ROW
+            and _triton_from(SPLIT_FORWARD_RMS_16BIT_LONG_FROM)):
+        chunk_bytes = SPLIT_FORWARD_RMS_16BIT_LONG_CHUNK_BYTES
+    chunk = chunk_bytes // sizing.element_size(dtype)
     chunks = _split_chunks(n_cols, chunk)
     if chunks is not None:
         return Plan(Path.SPLIT, 1, chunk, PROGRAM_WARPS, chunks=chunks,
@@ -162,11 +197,16 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = F
                   is_rms: bool = False) -> Plan:
     block = sizing.fused_row_block(n_cols, dtype)
     if block is not None and block <= _backward_fused_max(dtype, is_rms):
-        rows = sizing.rows_per_program(n_rows, block, dtype, BACKWARD_ROW_TILE_BYTES)
-        warps = sizing.row_warps(block)
         narrow = _is_16bit(dtype)
-        warps_per_sm = (BACKWARD_SHORT_16BIT_WARPS_PER_SM if narrow and block <= BACKWARD_SHORT_16BIT_MAX_ELEMENTS
-                        else BACKWARD_WARPS_PER_SM)
+        short = narrow and block <= BACKWARD_SHORT_16BIT_MAX_ELEMENTS
+        on_3_8 = backend.triton_release() == TRITON_3_8
+        tile_bytes = BACKWARD_SHORT_16BIT_ROW_TILE_BYTES_3_8 if short and on_3_8 else BACKWARD_ROW_TILE_BYTES
+        warps_per_sm = BACKWARD_WARPS_PER_SM
+        if short:
+            warps_per_sm = BACKWARD_SHORT_16BIT_WARPS_PER_SM_3_8 if on_3_8 else BACKWARD_SHORT_16BIT_WARPS_PER_SM
+        wide_rms_3_8 = on_3_8 and is_rms and narrow and block == BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT
+        warps = sizing.row_warps(2 * block if wide_rms_3_8 else block)
+        rows = sizing.rows_per_program(n_rows, block, dtype, tile_bytes)
         groups, per_group = _groups(n_rows, n_cols, rows, max(1, warps_per_sm // warps))
         prefetch = narrow and block <= BACKWARD_PREFETCH_MAX_ELEMENTS
         return Plan(Path.FUSED, rows, block, warps, groups, per_group, prefetch=prefetch,
@@ -181,7 +221,7 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = F
         groups = max(1, min(batches, max_siblings() // chunks))
         return Plan(Path.SPLIT, 1, SPLIT_BACKWARD_CHUNK_ELEMENTS, PROGRAM_WARPS, groups,
                     chunks=chunks, chunks_p2=sizing.next_power_of_2(chunks), spin_limit=spin_limit(),
-                    batch_rows=batch_rows)
+                    batch_rows=batch_rows, reread_w=SPLIT_BACKWARD_REREAD_W_32BIT and not _is_16bit(dtype))
     chunk = LOOPED_CHUNK_BYTES // sizing.element_size(dtype)
     tile = sizing.tile_2d(n_rows, n_cols, dtype, PARAMS_TILE_BYTES, PARAMS_MAX_BLOCK_D)
     col_tiles = sizing.cdiv(n_cols, tile.block_cols)
@@ -347,7 +387,8 @@ def _bind_backward(grad_y, x, w_dtype, b_dtype, is_rms: bool, stable: bool):
         split = Launch(kernels.norm_bwd_split_kernel, (p.groups * p.chunks,),
                        (n_rows, n_cols, 1.0 / n_cols, *strides, p.groups, p.chunks, p.spin_limit),
                        dict(CHUNK=p.block_cols, CHUNKS_P2=p.chunks_p2, BATCH_ROWS=p.batch_rows,
-                            IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, **sizing.launch_options(p.num_warps)),
+                            IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, REREAD_W=p.reread_w,
+                            **sizing.launch_options(p.num_warps)),
                        device)
 
         def launch(x2, w, dy2, dx2, stats, w_parts, b_parts):
