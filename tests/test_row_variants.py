@@ -4,6 +4,8 @@ import json
 import os
 
 import pytest
+from fk_runtime import backend
+from fk_softmax import bench as softmax_bench
 from fk_softmax import plan as softmax_plan
 
 
@@ -21,16 +23,18 @@ def test_variants_take_effect_and_are_undone(tmp_path, e2e_script, capsys, monke
 
     monkeypatch.setattr(softmax_plan, "plan", spy)
     before = softmax_plan.FUSED_TILE_BYTES
-    assert variants.main(["--out", str(tmp_path), "--rounds", "1", "--rows", "softmax fwd 64x128 float32",
+    # the table's first softmax row on this device (the GPU's full tables or the interpreter's small ones)
+    case = next(c for c in softmax_bench.cases(not backend.is_interpreter()) if c.direction == "fwd")
+    row = f"softmax fwd {case.shape.replace('×', 'x')} {str(case.dtype).removeprefix('torch.')}"
+    assert variants.main(["--out", str(tmp_path), "--rounds", "1", "--rows", row,
                           "--variant", "small", "fk_softmax.plan:FUSED_TILE_BYTES=1024;env:FK_ROW_VARIANTS_PROBE='1'"]) == 0
     assert (before, None) in seen and (1024, "1") in seen
     assert softmax_plan.FUSED_TILE_BYTES == before and "FK_ROW_VARIANTS_PROBE" not in os.environ
     (path,) = tmp_path.glob("row-variants-*.json")
     rows = json.loads(path.read_text())["rows"]
-    assert [(r["row"], r["variant"]) for r in rows] == [("softmax fwd 64x128 float32", "base"),
-                                                       ("softmax fwd 64x128 float32", "small")]
+    assert [(r["row"], r["variant"]) for r in rows] == [(row, "base"), (row, "small")]
     assert all(r["median"] > 0 for r in rows)
-    assert "| softmax fwd 64x128 float32 | " in capsys.readouterr().out
+    assert f"| {row} | " in capsys.readouterr().out
 
 
 def test_an_unknown_row_is_refused(tmp_path, e2e_script):

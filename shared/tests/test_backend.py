@@ -84,6 +84,17 @@ def test_interpreter_numpy_pairs_that_cannot_run_say_so(monkeypatch):
             backend.check_interpreter_numpy()
 
 
+def test_release_reads_major_and_minor():
+    """One reading of a version string for every per-version choice (launch layout, Gluon, plans)."""
+    import triton
+
+    assert backend.release("3.8.0") == (3, 8)
+    assert backend.release("3.10.0rc1") == (3, 10)
+    assert backend.release("3.9.0+git1a2b3c") == (3, 9)
+    assert backend.release("main") is None
+    assert backend.triton_release() == backend.release(triton.__version__)
+
+
 def test_every_supported_triton_has_the_cache_key_fk_hashes_ahead():
     """`launch.hash_triton` (run in a thread at import on a GPU) finds Triton's cache-key function
     on this Triton, so the first compile of a process does not wait for it."""
@@ -147,6 +158,33 @@ def test_compiles_submitted_ahead_finish_before_their_kernel_is_waited_for():
     ahead.wait(other)
     assert "other" in done
     ahead.wait(kernel)  # nothing left: returns at once
+
+
+def test_finish_waits_for_every_compile_submitted_ahead():
+    """`ahead.finish()` returns only once every kernel's submitted compiles ran (what a host timing
+    waits for after its warm-up), and leaves `wait` nothing to wait for."""
+    import threading
+    import time
+
+    from fk_runtime import ahead
+
+    kernels, done = (object(), object()), []
+    gate = threading.Event()
+
+    def slow(name):
+        def compile_fn():
+            gate.wait(5)
+            time.sleep(0.05)
+            done.append(name)
+        return compile_fn
+
+    for i, kernel in enumerate(kernels):
+        ahead.submit(kernel, slow(i))
+    assert done == []
+    gate.set()
+    ahead.finish()
+    assert sorted(done) == [0, 1]
+    ahead.wait(kernels[0])
 
 
 def test_compile_ahead_is_off_on_the_interpreter_and_with_fk_prewarm_0(monkeypatch):

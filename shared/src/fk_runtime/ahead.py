@@ -177,6 +177,17 @@ def _quietly(compile_fn) -> None:
         pass
 
 
+def finish() -> None:
+    """Wait for every compile submitted ahead and for the key thread: a timing that starts after
+    it sees no compile thread holding the GIL (a recorded forward whose backward never ran leaves
+    its backward's compiles running for seconds)."""
+    wait_key()
+    with _pool_lock:
+        futures = [f for pending in _pending.values() for f in pending]
+    for future in futures:
+        future.result()
+
+
 def wait(kernel) -> None:
     """Wait for the compiles of `kernel` submitted ahead, so that its launch finds it compiled."""
     if not _pending:

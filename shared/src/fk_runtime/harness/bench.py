@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .. import backend, sizing, timing
+from .. import ahead, backend, sizing, timing
 
 FK = "fk"
 GBPS = "GB/s"
@@ -516,10 +516,12 @@ def interleaved_seconds(calls: dict[str, Callable[[], object]], warmup: int, cou
                         repeats: int) -> dict[str, float]:
     """Median wall seconds per call of each of `calls`: `count` calls back to back between two
     synchronizations make one sample; the samples of all calls are interleaved so that a slow
-    stretch of the machine weighs on each alike. Host work included: what a user pays."""
+    stretch of the machine weighs on each alike. Host work included: what a user pays, once the
+    compiles that the warm-up started ahead are done (`ahead.finish`): per call, not per process."""
     for call in calls.values():
         for _ in range(warmup):
             call()
+    ahead.finish()
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
