@@ -1,9 +1,11 @@
 """Device time of chosen benchmark rows under variants of an op's plan numbers, in one process.
 
 A variant sets module constants (`fk_softmax.plan:SPLIT_FORWARD_PROGRAMS_PER_SM={}`) and clears
-the plan caches; rounds alternate the variants, so that a slow stretch of the GPU weighs on each
-alike. Each row is timed as the main tables time fk (CUDA-graph replays, `do_bench` median), and
-the table gives each variant's median over the rounds and its ratio to the first variant.
+the plan caches. Each round times every row under every variant back to back (the variants'
+order reversed every other round), so that a slow stretch of the GPU, or its drift over a long
+run, weighs on each variant alike. Each row is timed as the main tables time fk (CUDA-graph
+replays, `do_bench` median), and the table gives each variant's median over the rounds and its
+ratio to the first variant.
 
     bash shared/from-source.sh python e2e/row_variants.py --out DIR --rounds 3 \
         --rows "softmax fwd 1024x65536 bfloat16" "layernorm bwd 256x262144 float32" \
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import json
 import os
@@ -65,6 +68,21 @@ def _clear_plans() -> None:
         for value in list(vars(module).values()):
             if isinstance(value, PlanCache) or hasattr(value, "cache_info"):  # functools.lru_cache's
                 value.cache_clear()
+
+
+@contextlib.contextmanager
+def _applied(patches):
+    """The patches set (plans cleared) inside, the old values back (plans cleared) after."""
+    saved = [(m, n, getattr(m, n)) for m, n, _ in patches]
+    for m, n, value in patches:
+        setattr(m, n, value)
+    _clear_plans()
+    try:
+        yield
+    finally:
+        for m, n, value in saved:
+            setattr(m, n, value)
+        _clear_plans()
 
 
 def _time(case, variant: str, bench, torch) -> float:
@@ -117,23 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     peers = sorted({p for r in wanted for p in cases[r].variants if p != bench.FK}) if args.peers else []
     times: dict = {(v, r): [] for v in [v for v, _ in variants] + peers for r in wanted}
     for round_ in range(args.rounds):
-        for vname, patches in variants:
-            saved = [(m, n, getattr(m, n)) for m, n, _ in patches]
-            for m, n, value in patches:
-                setattr(m, n, value)
-            _clear_plans()
-            try:
-                for row in wanted:
+        for row in wanted:
+            for vname, patches in variants if round_ % 2 == 0 else variants[::-1]:
+                with _applied(patches):
                     ms = _time(cases[row], bench.FK, bench, torch)
-                    times[(vname, row)].append(ms)
-                    print(f"round {round_} {vname:12s} {row}: {ms:.4f} ms", flush=True)
-                    for peer in peers if vname == BASE else ():
-                        if peer in cases[row].variants:
-                            times[(peer, row)].append(_time(cases[row], peer, bench, torch))
-            finally:
-                for m, n, value in saved:
-                    setattr(m, n, value)
-                _clear_plans()
+                times[(vname, row)].append(ms)
+                print(f"round {round_} {vname:12s} {row}: {ms:.4f} ms", flush=True)
+            for peer in peers:
+                if peer in cases[row].variants:
+                    times[(peer, row)].append(_time(cases[row], peer, bench, torch))
     meta = bench.environment()
     meta["command"] = "python e2e/row_variants.py " + " ".join(sys.argv[1:])
     names = [v for v, _ in variants] + peers

@@ -10,8 +10,9 @@ from fk_softmax import plan as softmax_plan
 
 
 def test_variants_take_effect_and_are_undone(tmp_path, e2e_script, capsys, monkeypatch):
-    """Each variant's numbers reach the plan (its rows bind again), and the module and the
-    environment are as they were afterwards; the table and JSON name every variant."""
+    """Each variant's numbers reach the plan (its rows bind again), a row's variants run back to
+    back in an order reversed every other round, and the module and the environment are as they
+    were afterwards; the table and JSON name every variant."""
     variants = e2e_script("row_variants")
     monkeypatch.delenv("FK_ROW_VARIANTS_PROBE", raising=False)
     seen = []
@@ -26,13 +27,15 @@ def test_variants_take_effect_and_are_undone(tmp_path, e2e_script, capsys, monke
     # the table's first softmax row on this device (the GPU's full tables or the interpreter's small ones)
     case = next(c for c in softmax_bench.cases(not backend.is_interpreter()) if c.direction == "fwd")
     row = f"softmax fwd {case.shape.replace('×', 'x')} {str(case.dtype).removeprefix('torch.')}"
-    assert variants.main(["--out", str(tmp_path), "--rounds", "1", "--rows", row,
+    assert variants.main(["--out", str(tmp_path), "--rounds", "2", "--rows", row,
                           "--variant", "small", "fk_softmax.plan:FUSED_TILE_BYTES=1024;env:FK_ROW_VARIANTS_PROBE='1'"]) == 0
-    assert (before, None) in seen and (1024, "1") in seen
+    order = [v for i, v in enumerate(seen) if i == 0 or seen[i - 1] != v]
+    assert order == [(before, None), (1024, "1"), (before, None)]  # base, small | small, base
     assert softmax_plan.FUSED_TILE_BYTES == before and "FK_ROW_VARIANTS_PROBE" not in os.environ
     (path,) = tmp_path.glob("row-variants-*.json")
     rows = json.loads(path.read_text())["rows"]
     assert [(r["row"], r["variant"]) for r in rows] == [(row, "base"), (row, "small")]
+    assert all(len(r["ms"]) == 2 for r in rows)
     assert all(r["median"] > 0 for r in rows)
     assert f"| {row} | " in capsys.readouterr().out
 
