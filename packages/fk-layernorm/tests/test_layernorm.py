@@ -146,7 +146,8 @@ def test_rms_norm_matches_float64(shape, dtype, mode):
 def test_rms_norm_of_one_feature(dtype):
     """With one feature RMSNorm's input gradient is w*dy * rstd * (1 - x-hat^2): a cancellation
     that fp32 resolves only to about 1e-7 of w*dy*rstd, so the relative-norm harness does not
-    apply. Checked element-wise against the exact formula with that absolute slack."""
+    apply. Checked element-wise against the exact formula with that absolute slack; grad w against
+    the sum of its terms, relative to their magnitudes."""
     x = testing.randn((64, 1), dtype, requires_grad=True)
     w = testing.randn((1,), dtype, shift=1.0, requires_grad=True)
     y = rms_norm(x, w)
@@ -158,7 +159,10 @@ def test_rms_norm_of_one_feature(dtype):
     exact = wg * rstd * (1 - (xd * rstd) ** 2)
     slack = 1e-5 * wg.abs() * rstd + 4 * testing.TOLERANCE[dtype] * exact.abs() + 1e-7
     assert ((gx.double() - exact).abs() <= slack).all()
-    testing.assert_close("grad w", gw, (g.double() * x.double() * rstd).sum(0), dtype)
+    # grad w sums 64 terms dy * x-hat of about |dy| each, which may cancel (about 1 seed in 300
+    # left it 1e-4 of its own size in fp32): bounded relative to the terms' magnitudes
+    terms = g.double() * x.double() * rstd
+    assert ((gw.double() - terms.sum(0)).abs() <= testing.TOLERANCE[dtype] * terms.abs().sum(0)).all()
 
 
 @pytest.mark.parametrize("cols", [40, 20000, LONG[-1]])
