@@ -26,12 +26,14 @@ torch.cuda.get_device_name())"
 if [ "$test_s" -gt 0 ]; then
   start=$(date +%s)
   timeout -s INT -k 20 "$test_s" bash shared/from-source.sh python3 -m pytest -v -n "${FK_GPU_WORKERS:-10}" -p no:cacheprovider \
-    -p no:benchmark -rfE --durations=25 "${tests[@]}" > "$out/tests-$version.log" 2>&1
+    -p no:benchmark -rfE --durations=25 "${tests[@]}" > "$out/tests-$version.log" 2>&1 &
+  group=$!  # timeout leads a process group of its own: pytest and its xdist workers
+  wait $group
   echo "tests: rc $?, $(( $(date +%s) - start )) s, $(grep -c ' PASSED ' "$out/tests-$version.log") passed," \
     "$(grep -c ' SKIPPED ' "$out/tests-$version.log") skipped, of $(grep -oE '\[[0-9]+ items\]' "$out/tests-$version.log")"
   grep -aE "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$out/tests-$version.log" | tail -30
-  # xdist workers are execnet processes reading their code from stdin
-  pkill -f "pytest -v -n" 2>/dev/null; pkill -f "sys.stdin.readline" 2>/dev/null; sleep 2
+  # every worker left, of this run only (a pattern kill ended another version's suite running beside it)
+  kill -- -$group 2>/dev/null; sleep 2
 fi
 if [ "$budget_s" -gt 0 ]; then
   start=$(date +%s)
