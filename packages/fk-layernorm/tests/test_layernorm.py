@@ -58,8 +58,8 @@ def test_layer_norm_fp32_wide_rows_take_twice_the_warps_from_triton_3_9(monkeypa
 def test_numbers_by_triton_release(monkeypatch, release):
     """The plan's per-release numbers (H100 measurements in TUNING.md) reach the plans of that
     release only: RMSNorm's 16-bit split forward of rows over 131072 features takes 32 KB chunks
-    from 3.9; on 3.8 the 16-bit fused backward takes 4 KB steps on short rows and twice the warps
-    on RMSNorm rows of 16384 features. Every release gives the reference's values."""
+    from 3.9; on 3.8 LayerNorm's 16-bit fused backward takes 4 KB steps on short rows, and
+    RMSNorm's twice the warps on rows of 16384 features. Every release gives the reference's values."""
     from fk_runtime import backend
 
     monkeypatch.setattr(backend, "triton_release", lambda: release)
@@ -73,6 +73,7 @@ def test_numbers_by_triton_release(monkeypatch, release):
         assert plans.forward_plan(2, 140000, torch.bfloat16).block_cols != 16384  # LayerNorm keeps 16 KB
         short, short_fp32 = plans.backward_plan(64, 1024, torch.bfloat16), plans.backward_plan(64, 1024, torch.float32)
         assert short.block_rows == (2 if on_3_8 else 4) and short_fp32.block_rows == 2
+        assert plans.backward_plan(64, 1024, torch.bfloat16, is_rms=True).block_rows == 4  # LayerNorm's only
         wide = plans.backward_plan(64, 16384, torch.bfloat16, is_rms=True)
         assert wide.path is FUSED
         assert wide.num_warps == (2 if on_3_8 else 1) * plans.backward_plan(64, 8192, torch.bfloat16).num_warps

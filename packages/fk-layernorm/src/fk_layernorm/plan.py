@@ -103,10 +103,11 @@ FORWARD_LN_32BIT_WIDE_ROW_FROM = (3, 9)
 SPLIT_FORWARD_RMS_16BIT_LONG_ROW = 131072
 SPLIT_FORWARD_RMS_16BIT_LONG_CHUNK_BYTES = 32768
 SPLIT_FORWARD_RMS_16BIT_LONG_FROM = (3, 9)
-# - on 3.8 alone, the fused backward's 16-bit rows of up to BACKWARD_SHORT_16BIT_MAX_ELEMENTS take
-#   4 KB steps and 16 warps per multiprocessor (LayerNorm 32768x1024: 1.08x -> 1.04x; 3.6 loses 3%),
-#   and RMSNorm's 16-bit rows padded to BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT features take twice
-#   their warps (4096x16384: 1.12x -> 1.07x; 3.6 and 3.9 lose 7%).
+# - on 3.8 alone, LayerNorm's fused backward of 16-bit rows up to BACKWARD_SHORT_16BIT_MAX_ELEMENTS
+#   takes 4 KB steps and 16 warps per multiprocessor (32768x1024: 1.08x -> 1.04x; 3.6 loses 3%;
+#   RMSNorm's, at 1.02x, was not tried so), and RMSNorm's 16-bit rows padded to
+#   BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT features take twice their warps (4096x16384: 1.12x ->
+#   1.07x; 3.6 and 3.9 lose 7%).
 TRITON_3_8 = (3, 8)
 BACKWARD_SHORT_16BIT_ROW_TILE_BYTES_3_8 = 4096
 BACKWARD_SHORT_16BIT_WARPS_PER_SM_3_8 = 16
@@ -200,10 +201,11 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = F
         narrow = _is_16bit(dtype)
         short = narrow and block <= BACKWARD_SHORT_16BIT_MAX_ELEMENTS
         on_3_8 = backend.triton_release() == TRITON_3_8
-        tile_bytes = BACKWARD_SHORT_16BIT_ROW_TILE_BYTES_3_8 if short and on_3_8 else BACKWARD_ROW_TILE_BYTES
+        short_ln_3_8 = short and on_3_8 and not is_rms
+        tile_bytes = BACKWARD_SHORT_16BIT_ROW_TILE_BYTES_3_8 if short_ln_3_8 else BACKWARD_ROW_TILE_BYTES
         warps_per_sm = BACKWARD_WARPS_PER_SM
         if short:
-            warps_per_sm = BACKWARD_SHORT_16BIT_WARPS_PER_SM_3_8 if on_3_8 else BACKWARD_SHORT_16BIT_WARPS_PER_SM
+            warps_per_sm = BACKWARD_SHORT_16BIT_WARPS_PER_SM_3_8 if short_ln_3_8 else BACKWARD_SHORT_16BIT_WARPS_PER_SM
         wide_rms_3_8 = on_3_8 and is_rms and narrow and block == BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT
         warps = sizing.row_warps(2 * block if wide_rms_3_8 else block)
         rows = sizing.rows_per_program(n_rows, block, dtype, tile_bytes)
