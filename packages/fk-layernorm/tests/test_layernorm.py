@@ -36,13 +36,25 @@ def test_every_path_is_covered():
     assert wide.num_warps == 2 * plans.forward_plan(9, 12000, torch.bfloat16).num_warps
 
 
+def _plans_on_release(monkeypatch, release):
+    """The plan module sees `release` as this Triton's (the launcher and the Gluon gate do not)."""
+    from fk_runtime import backend
+
+    class OnRelease:
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        def triton_release(self):
+            return release
+
+    monkeypatch.setattr(plans, "backend", OnRelease())
+
+
 @pytest.mark.parametrize("release, factor", [((3, 8), 1), ((3, 9), 2), ((3, 10), 2), (None, 1)])
 def test_layer_norm_fp32_wide_rows_take_twice_the_warps_from_triton_3_9(monkeypatch, release, factor):
     """LayerNorm's fp32 forward on rows padded to 16384 features: 32 warps from Triton 3.9 on, 16
     before (and where the version cannot be read); RMSNorm's keeps 16."""
-    from fk_runtime import backend
-
-    monkeypatch.setattr(backend, "triton_release", lambda: release)
+    _plans_on_release(monkeypatch, release)
     plans.forward_plan.cache_clear()
     try:
         layer = plans.forward_plan(9, 12000, torch.float32)
@@ -60,10 +72,7 @@ def test_numbers_by_triton_release(monkeypatch, release):
     release only: RMSNorm's 16-bit split forward of rows over 131072 features takes 32 KB chunks
     from 3.9; on 3.8 LayerNorm's 16-bit fused backward takes 4 KB steps on short rows, and
     RMSNorm's twice the warps on rows of 16384 features. Every release gives the reference's values."""
-    from fk_runtime import backend, launch
-
-    launch.launcher_layout()  # cached from the real release first: the launches below keep their launcher
-    monkeypatch.setattr(backend, "triton_release", lambda: release)
+    _plans_on_release(monkeypatch, release)
     for fn in (plans.forward_plan, plans.backward_plan):
         fn.cache_clear()
     try:
