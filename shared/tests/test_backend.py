@@ -93,6 +93,7 @@ def test_release_reads_major_and_minor():
     assert backend.release("3.9.0+git1a2b3c") == (3, 9)
     assert backend.release("main") is None
     assert backend.triton_release() == backend.release(triton.__version__)
+    assert backend.triton_at_least((3, 6)) and not backend.triton_at_least((99, 0))
 
 
 def test_every_supported_triton_has_the_cache_key_fk_hashes_ahead():

@@ -47,6 +47,9 @@ def _plans_on_release(monkeypatch, release):
         def triton_release(self):
             return release
 
+        def triton_at_least(self, wanted):
+            return release is not None and release >= wanted
+
     monkeypatch.setattr(plans, "backend", OnRelease())
 
 

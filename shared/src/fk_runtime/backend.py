@@ -84,12 +84,20 @@ def release(version: str) -> tuple[int, int] | None:
 
 
 @functools.cache
-def triton_release() -> tuple[int, int] | None:
-    """(major, minor) of the Triton this process imports: the per-version numbers of the ops'
-    plans (a compiler release moves registers and schedules) key on it."""
-    import triton
+def triton_release(version: str | None = None) -> tuple[int, int] | None:
+    """(major, minor) of the Triton this process imports (or of `version`): the launcher layout,
+    the Gluon gate and the per-version numbers of the ops' plans (a compiler release moves
+    registers and schedules) key on it."""
+    if version is None:
+        import triton
 
-    return release(triton.__version__)
+        version = triton.__version__
+    return release(version)
+
+
+def triton_at_least(wanted: tuple[int, int]) -> bool:
+    """Whether this process's Triton is release `wanted` or later (an unreadable version: no)."""
+    return (triton_release() or (0, 0)) >= wanted
 
 
 def interpreter_numpy_problem() -> str | None:

@@ -56,4 +56,4 @@ def supported(version: str | None = None) -> bool:
     """Whether this Triton (or `version`) has the Gluon API fk's kernels were built for."""
     if gluon is None or tma_load is None:
         return False
-    return (backend.triton_release() if version is None else backend.release(version)) in VERSIONS
+    return backend.triton_release(version) in VERSIONS

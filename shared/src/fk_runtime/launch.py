@@ -170,7 +170,7 @@ def _compiled_launcher(compiled) -> bool:
 def launcher_layout(version: str | None = None) -> str | None:
     """How this Triton's (or `version`'s) compiled kernels are launched directly: "per-signature"
     (3.5, 3.6), "generic" (3.7 on), or None where fk has not read the layout (Triton's dispatch)."""
-    v = backend.triton_release() if version is None else backend.release(version)
+    v = backend.triton_release(version)
     if v in PER_SIGNATURE_VERSIONS:
         return "per-signature"
     return "generic" if v in GENERIC_VERSIONS else None

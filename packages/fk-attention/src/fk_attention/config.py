@@ -53,7 +53,7 @@ LEFT_UNBOUNDED_BUILD_FROM = (3, 7)
 def window_build(mask) -> int:
     """The WINDOW constexpr for `mask` (`mask.Mask.window_build`) on this Triton."""
     build = mask.window_build
-    return 2 if build == 1 and (backend.triton_release() or (0, 0)) < LEFT_UNBOUNDED_BUILD_FROM else build
+    return 2 if build == 1 and not backend.triton_at_least(LEFT_UNBOUNDED_BUILD_FROM) else build
 
 
 # HIP (AMD): waves per execution unit by padded head dim, (max head dim, waves); one stage.

@@ -34,14 +34,9 @@ def _torch_rms(x, w):
 
 
 @functools.cache
-def _compiled(fn):
-    return torch.compile(fn)
-
-
 def _peers(rms: bool) -> dict:
-    peers = {"torch": _torch_rms if rms else _torch_ln}
-    if testing.on_gpu():  # inductor's CPU kernels compile for seconds per shape and time nothing here
-        peers["torch.compile"] = _compiled(_torch_rms if rms else _torch_ln)
+    torch_op = _torch_rms if rms else _torch_ln
+    peers = {"torch": torch_op, **bench.compiled_peer(torch_op)}
     try:
         if rms:
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
@@ -105,7 +100,7 @@ def host_cases() -> list[bench.HostCase]:
     rows, cols = HOST_SHAPE
     out = []
     for rms, name, fk in [(True, "rms_norm", rms_norm), (False, "layer_norm", layer_norm)]:
-        peers = {k: v for k, v in _peers(rms).items() if k != "torch.compile"}
+        peers = {k: v for k, v in _peers(rms).items() if k != bench.TORCH_COMPILE}
         out.append(bench.HostCase(
             op=name, shape=f"{rows}×{cols}", dtype=torch.bfloat16,
             make_inputs=functools.partial(_inputs, rows, cols, torch.bfloat16, rms),

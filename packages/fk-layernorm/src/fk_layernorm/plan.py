@@ -113,10 +113,6 @@ BACKWARD_SHORT_16BIT_ROW_TILE_BYTES_3_8 = 4096
 BACKWARD_SHORT_16BIT_WARPS_PER_SM_3_8 = 16
 
 
-def _triton_from(release: tuple[int, int]) -> bool:
-    return (backend.triton_release() or (0, 0)) >= release
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     path: Path
@@ -167,7 +163,7 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = Fa
         if is_rms and _is_16bit(dtype) and elements == FORWARD_RMS_16BIT_WIDE_ROW:
             elements *= 2
         if (not is_rms and not _is_16bit(dtype) and elements == FORWARD_LN_32BIT_WIDE_ROW
-                and _triton_from(FORWARD_LN_32BIT_WIDE_ROW_FROM)):
+                and backend.triton_at_least(FORWARD_LN_32BIT_WIDE_ROW_FROM)):
             elements *= 2
         warps = sizing.row_warps(elements)
         cap = None
@@ -176,7 +172,7 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = Fa
         return Plan(Path.FUSED, rows, block, warps, max_registers=cap)
     chunk_bytes = SPLIT_FORWARD_CHUNK_BYTES
     if (is_rms and _is_16bit(dtype) and n_cols > SPLIT_FORWARD_RMS_16BIT_LONG_ROW
-            and _triton_from(SPLIT_FORWARD_RMS_16BIT_LONG_FROM)):
+            and backend.triton_at_least(SPLIT_FORWARD_RMS_16BIT_LONG_FROM)):
         chunk_bytes = SPLIT_FORWARD_RMS_16BIT_LONG_CHUNK_BYTES
     chunk = chunk_bytes // sizing.element_size(dtype)
     chunks = _split_chunks(n_cols, chunk)

@@ -32,14 +32,8 @@ def _torch_causal(x):
 
 
 @functools.cache
-def _compiled():
-    return torch.compile(_torch_softmax)
-
-
 def _peers() -> dict:
-    peers = {"torch": _torch_softmax}
-    if testing.on_gpu():  # inductor's CPU kernels compile for seconds per shape and time nothing here
-        peers["torch.compile"] = _compiled()
+    peers = {"torch": _torch_softmax, **bench.compiled_peer(_torch_softmax)}
     try:
         from liger_kernel.ops.softmax import LigerSoftmaxFunction
 
@@ -98,7 +92,7 @@ def cases(full: bool) -> list[bench.Case]:
 def host_cases() -> list[bench.HostCase]:
     """A tiny input, where a call's cost is its host work, against torch.softmax and Liger."""
     rows, cols = HOST_SHAPE
-    peers = {k: v for k, v in _peers().items() if k != "torch.compile"}
+    peers = {k: v for k, v in _peers().items() if k != bench.TORCH_COMPILE}
     return [bench.HostCase(
         op="softmax", shape=f"{rows}×{cols}", dtype=torch.bfloat16,
         make_inputs=lambda: [testing.randn((rows, cols), torch.bfloat16, requires_grad=True)],

@@ -26,8 +26,8 @@ def _torch_matmul(x, w):
 
 
 @functools.cache
-def _compiled_sum():
-    return torch.compile(lambda x, w: (x * w).sum(-1))
+def _elementwise_sum(x, w):
+    return (x * w).sum(-1)
 
 
 def _reference(x, w):
@@ -61,9 +61,7 @@ def cases(full: bool) -> list[bench.Case]:
                 w = testing.randn((dim,), dtype, requires_grad=True)
                 return [x, w]
 
-            variants = {"fk": weighted_sum, "torch": _torch_matmul}
-            if testing.on_gpu():  # inductor's CPU kernels compile for seconds per shape and time nothing here
-                variants["torch.compile"] = _compiled_sum()
+            variants = {"fk": weighted_sum, "torch": _torch_matmul, **bench.compiled_peer(_elementwise_sum)}
             for direction, wrap, work in [
                 ("fwd", bench.forward, x_bytes + vec_bytes),
                 ("bwd", bench.backward, 2 * x_bytes + 2 * vec_bytes),

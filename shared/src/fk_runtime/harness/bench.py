@@ -35,6 +35,7 @@ import torch
 from .. import ahead, backend, sizing, timing
 
 FK = "fk"
+TORCH_COMPILE = "torch.compile"
 GBPS = "GB/s"
 TFLOPS = "TFLOP/s"
 # Input sets are rotated until their bytes are this many times the L2 cache, so a variant cannot
@@ -173,6 +174,12 @@ def measure_ceilings() -> Ceilings:
     b = torch.randn(n, n, device=dev, dtype=mm_dtype)
     mm_ms = time_ms([lambda: a @ b])
     return Ceilings(copy_gbps=2 * nbytes / copy_ms / 1e6, matmul_tflops=2 * n**3 / mm_ms / 1e9)
+
+
+def compiled_peer(fn: Callable) -> dict[str, Callable]:
+    """`{TORCH_COMPILE: torch.compile(fn)}` as a peer on a GPU; none on the interpreter, where
+    inductor's CPU kernels compile for seconds per shape and time nothing worth comparing."""
+    return {} if backend.is_interpreter() else {TORCH_COMPILE: torch.compile(fn)}
 
 
 def input_sets(case: Case) -> int:
