@@ -73,7 +73,8 @@ def test_layer_norm_fp32_wide_rows_take_twice_the_warps_from_triton_3_9(monkeypa
 def test_numbers_by_triton_release(monkeypatch, release):
     """The plan's per-release numbers (H100 measurements in TUNING.md) reach the plans of that
     release only: RMSNorm's 16-bit split forward of rows over 131072 features takes 32 KB chunks
-    from 3.9; on 3.8 LayerNorm's 16-bit fused backward takes 4 KB steps on short rows, and
+    from 3.9, and the 16-bit fused forward caps registers on the rows listed (LayerNorm's of 1024
+    features, not RMSNorm's, nor any 8192-feature or fp32 row); on 3.8 LayerNorm's 16-bit fused backward takes 4 KB steps on short rows, and
     RMSNorm's twice the warps on rows of 16384 features. Every release gives the reference's values."""
     _plans_on_release(monkeypatch, release)
     for fn in (plans.forward_plan, plans.backward_plan):
@@ -84,6 +85,11 @@ def test_numbers_by_triton_release(monkeypatch, release):
         if split.path is SPLIT:  # (the interpreter splits rows of at most 16 chunks)
             assert split.block_cols == (16384 if from_3_9 else 8192)
         assert plans.forward_plan(2, 140000, torch.bfloat16).block_cols != 16384  # LayerNorm keeps 16 KB
+        capped = plans.forward_plan(64, 1024, torch.bfloat16)
+        assert capped.path is FUSED and capped.max_registers == (64 if from_3_9 else None)
+        assert plans.forward_plan(64, 1024, torch.bfloat16, is_rms=True).max_registers is None
+        assert plans.forward_plan(64, 1024, torch.float32).max_registers is None
+        assert plans.forward_plan(8, 8192, torch.bfloat16).max_registers is None  # a cap raised its count
         short, short_fp32 = plans.backward_plan(64, 1024, torch.bfloat16), plans.backward_plan(64, 1024, torch.float32)
         assert short.block_rows == (2 if on_3_8 else 4) and short_fp32.block_rows == 2
         assert plans.backward_plan(64, 1024, torch.bfloat16, is_rms=True).block_rows == 4  # LayerNorm's only

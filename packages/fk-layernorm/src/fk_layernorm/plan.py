@@ -39,12 +39,6 @@ FORWARD_ROW_TILE_BYTES = 8192
 # ... except RMSNorm in 16 bits on rows padded to this many features (8193 to 16384), which takes
 # the warps of a row twice as long (32, not 16): +8-21% there on an H100 (TUNING.md).
 FORWARD_RMS_16BIT_WIDE_ROW = 16384
-# The fused forward of 16-bit rows keeps this many programs on a multiprocessor: at most
-# 65536 / (programs x threads) registers a thread, and FORWARD_MAX_REGISTERS. Triton 3.6 stays
-# within it on its own (64 on 8-16 warps, 32 on 32); 3.9 took 77-93 and 37, one program less per
-# multiprocessor: 1.14-1.32x slower on an H100 (TUNING.md).
-FORWARD_16BIT_PROGRAMS_PER_SM = 2
-FORWARD_MAX_REGISTERS = 64
 # Backward: rows held whole up to this many features; 16384 spilled at any warps (TUNING.md).
 BACKWARD_FUSED_MAX_ELEMENTS = 8192
 # RMSNorm in 16 bits holds fewer fp32 values per feature (no mean, no bias sum): rows of up to
@@ -98,6 +92,12 @@ SPLIT_BACKWARD_REREAD_W_32BIT = True
 #   16 (4096x16384: 1.31x 3.6's time -> 1.01x; 3.6 and 3.8 lose 1% and 23% on 32);
 FORWARD_LN_32BIT_WIDE_ROW = 16384
 FORWARD_LN_32BIT_WIDE_ROW_FROM = (3, 9)
+# - from 3.9, the 16-bit fused forward of these (RMSNorm, padded row) launches is capped at the
+#   registers 3.6 and 3.8 take on their own (maxnreg): 3.9 took 72-93 (37 at 32 warps), one program
+#   less per multiprocessor, 1.14-1.32x 3.6's time; a cap on other rows raises their count (ptxas
+#   spends what it may: LayerNorm's 4096 and 8192 rows 40 -> 47, 1.29x the time of 8192x8192 on 3.6);
+FORWARD_16BIT_REGISTER_CAPS = {(False, 512): 64, (False, 1024): 64, (False, 16384): 64, (True, 16384): 32}
+FORWARD_16BIT_REGISTER_CAPS_FROM = (3, 9)
 # - from 3.9, RMSNorm's 16-bit split forward on rows longer than this takes 32 KB chunks, not 16
 #   (256x262144: 1.07x -> 1.00x; 3.6 and 3.8 lose 1%); shorter split rows were not tried so;
 SPLIT_FORWARD_RMS_16BIT_LONG_ROW = 131072
@@ -167,8 +167,8 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = Fa
             elements *= 2
         warps = sizing.row_warps(elements)
         cap = None
-        if _is_16bit(dtype):
-            cap = min(FORWARD_MAX_REGISTERS, sizing.register_cap(FORWARD_16BIT_PROGRAMS_PER_SM, warps))
+        if _is_16bit(dtype) and backend.triton_at_least(FORWARD_16BIT_REGISTER_CAPS_FROM):
+            cap = FORWARD_16BIT_REGISTER_CAPS.get((is_rms, block))
         return Plan(Path.FUSED, rows, block, warps, max_registers=cap)
     chunk_bytes = SPLIT_FORWARD_CHUNK_BYTES
     if (is_rms and _is_16bit(dtype) and n_cols > SPLIT_FORWARD_RMS_16BIT_LONG_ROW
