@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from fk_runtime import gluon as fk_gluon
+from fk_runtime import alloc, gluon as fk_gluon
 from fk_runtime.harness import testing
 from fk_runtime.launch import PlanCache
 
@@ -231,10 +231,23 @@ def test_every_tiling_and_load_path(tiling, lengths, causal):
     testing.assert_close("out", out, ref_out, torch.float32)
     testing.assert_close("lse", lse, ref_lse, torch.float32)
     g_out, g_lse = testing.randn(out.shape), testing.randn(lse.shape)
-    grads = plan.backward(g_out, g_lse, q, k, v, out, lse, mask, scale, configs=bwd)
+    with alloc.poisoned_outputs():  # scratch rows dK/dV reads that dQ did not write would be NaN
+        grads = plan.backward(g_out, g_lse, q, k, v, out, lse, mask, scale, configs=bwd)
     ref_grads = torch.autograd.grad([ref_out, ref_lse], ref_inputs, [g_out.double(), g_lse.double()])
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         testing.assert_close(f"grad {name}", g, r, torch.float32)
+
+
+def test_dkdv_query_blocks_fit_the_scratch_padding():
+    """dK/dV (tl and Gluon) reads delta and lse2 unmasked up to its query block's end: the dQ kernel
+    pads their rows to STATS_ALIGN, so every dK/dV query block must divide it."""
+    from fk_attention import kernels
+
+    blocks = {fk_config.GLUON_Q_ROWS, fk_config.INTERPRETER_BLOCK}
+    for table in (fk_config.DEFAULTS_16BIT, fk_config.DEFAULTS_32BIT, fk_config.WINDOW_DEFAULTS_16BIT):
+        blocks.update(row[fk_config.Kind.DKDV].block_m for _, row in table if fk_config.Kind.DKDV in row)
+    blocks.update(c.block_m for _, row in fk_config.CANDIDATES for c in row[fk_config.Kind.DKDV])
+    assert all(int(kernels.STATS_ALIGN) % m == 0 for m in blocks), sorted(blocks)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

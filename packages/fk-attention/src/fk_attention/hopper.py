@@ -268,11 +268,11 @@ if gluon is not None:
             h = hk * group + step // per_head
             m0 = (first_block + step % per_head) * Q_ROWS
             rows = m0 + cols
-            row_ok = rows < n_q
             stats = b.to(gl.int64) * ssb + h.to(gl.int64) * ssh + rows
-            # past n_q: Q = dO = 0 (TMA zero fill) and these 0 make every term 0
-            lse2 = gl.load(lse2_ptr + stats, mask=row_ok, other=0.0)
-            delta = gl.load(delta_ptr + stats, mask=row_ok, other=0.0)
+            # past n_q: Q = dO = 0 (TMA zero fill) and the dQ kernel's padding (lse2 +inf, delta 0, to
+            # kernels.STATS_ALIGN rows) weighs them 0; unmasked, the loads stay vectorized (no spill)
+            lse2 = gl.load(lse2_ptr + stats)
+            delta = gl.load(delta_ptr + stats)
             mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
             q = reinterpret(q_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
             do = reinterpret(do_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)

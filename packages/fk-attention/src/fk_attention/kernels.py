@@ -492,48 +492,47 @@ def attn_bwd_dq_kernel(
                       qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn,
                       sdqd, WINDOW, SOFTCAP, ALIBI, DROPOUT, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
                       BLOCK_N)
-    elif VARLEN:
+    else:
         if block == 0:
             # Scratch rows past the sequence's end, to the next STATS_ALIGN: delta 0 and lse2 +inf,
-            # so that dK/dV reads them unmasked and gives them zero weight.
+            # so that dK/dV reads them unmasked (a mask on an unspecialized n_q costs it vectorized
+            # loads, and the Gluon kernel spills) and gives them zero weight.
             pad = n_q_b + tl.arange(0, STATS_ALIGN)
             pad_ok = pad < tl.cdiv(n_q_b, STATS_ALIGN) * STATS_ALIGN
             tl.store(delta_ptr + scratch + pad, tl.zeros((STATS_ALIGN,), tl.float32), mask=pad_ok)
             tl.store(lse2_ptr + scratch + pad, tl.full((STATS_ALIGN,), float("inf"), tl.float32), mask=pad_ok)
-        if block * BLOCK_M < n_q_b:
+        if VARLEN:
+            if block * BLOCK_M < n_q_b:
+                _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
+                          delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, block * BLOCK_M, n_q_b,
+                          n_k_b, shift, left, right, sm_scale, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd,
+                          son, sod, sdon, sdod, sdln, sdqn, sdqd, WINDOW, SOFTCAP, ALIBI, DROPOUT, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
+                          BLOCK_M, BLOCK_N)
+        else:
             _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
-                      delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, block * BLOCK_M, n_q_b,
-                      n_k_b, shift, left, right, sm_scale, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd,
-                      son, sod, sdon, sdod, sdln, sdqn, sdqd, WINDOW, SOFTCAP, ALIBI, DROPOUT, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
-                      BLOCK_M, BLOCK_N)
-    else:
-        _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
-                  delta_ptr + scratch, lse2_ptr + scratch, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left,
-                  right, sm_scale,
-                  qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
-                  WINDOW, SOFTCAP, ALIBI, DROPOUT, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+                      delta_ptr + scratch, lse2_ptr + scratch, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left,
+                      right, sm_scale,
+                      qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
+                      WINDOW, SOFTCAP, ALIBI, DROPOUT, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, offs_n, n_q, shift, left, right,
                 qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, sdon, sdod,
-                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, MASKED: tl.constexpr,
+                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
                 USE_DESC: tl.constexpr, PRECISION: tl.constexpr):
     """dV += P^T dO and dK += dS^T Q over the query blocks [lo, hi), computed transposed (keys as
     rows) so that the key block's accumulators never move. MASKED walks apply the window and check
-    rows: past n_q, q = dO = 0 contribute exactly 0; packed rows past n_q (descriptor tiles read the
-    next sequence's there) meet the scratch's padding, lse2 = +inf: zero weight, no row mask."""
+    rows. Rows past n_q meet the scratch's padding, lse2 = +inf: zero weight, no row mask (dense
+    ones read q = dO = 0 there; packed descriptor tiles read the next sequence's)."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load(q_src, b, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
-        # Dense lse2 and delta are always masked (the descriptor path walks the last partial block
-        # unmasked); packed ones are padded (a mask on the loaded length costs registers).
-        if VARLEN:
-            lse2 = tl.load(lse2_row + offs_m)
-        else:
-            lse2 = tl.load(lse2_row + offs_m, mask=offs_m < n_q, other=0.0)
+        # lse2 and delta unmasked: the dQ kernel padded their rows to STATS_ALIGN (a mask on the
+        # length costs registers and vectorized loads).
+        lse2 = tl.load(lse2_row + offs_m)
         tt = capped(tl.dot(k, tl.trans(q), input_precision=PRECISION), cap_scale, SOFTCAP)
         # Keys as rows: -shift puts ALiBi's |j - (i + shift)| on the transposed scores.
         zt = alibi_bias(tt, offs_n, offs_m, -shift, slope, ALIBI) * qk_scale - lse2[None, :]
@@ -551,10 +550,7 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, 
             dv = tl.dot((pt * kept).to(do.dtype), do, dv, input_precision=PRECISION)
         else:
             dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
-        if VARLEN:
-            delta = tl.load(delta_row + offs_m)
-        else:
-            delta = tl.load(delta_row + offs_m, mask=offs_m < n_q, other=0.0)
+        delta = tl.load(delta_row + offs_m)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if DROPOUT:
             dpt = dpt * kept
@@ -597,13 +593,13 @@ def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr
         if WINDOW:
             dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, lo, full_lo, offs_n, n_q,
                                  shift, left, right, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, sdon, sdod, WINDOW,
-                                 SOFTCAP, ALIBI, DROPOUT, VARLEN, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+                                 SOFTCAP, ALIBI, DROPOUT, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
         dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, full_lo, full_hi, offs_n, n_q,
                              shift, left, right, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, sdon, sdod, WINDOW,
-                             SOFTCAP, ALIBI, DROPOUT, VARLEN, False, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+                             SOFTCAP, ALIBI, DROPOUT, False, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
         dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, full_hi, hi, offs_n, n_q,
                              shift, left, right, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, sdon, sdod, WINDOW,
-                             SOFTCAP, ALIBI, DROPOUT, VARLEN, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+                             SOFTCAP, ALIBI, DROPOUT, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
     _store(dk_dst, dk * sm_scale, bk, hk, start_n, n_k, sdkn, sdkd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
     _store(dv_dst, dv, bk, hk, start_n, n_k, sdvn, sdvd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
