@@ -21,6 +21,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 version=$(python3 -c "import triton; print(triton.__version__)")
+# Triton 3.9 looks up its Blackwell ptxas on every compile: a staged copy without it (../shared/gpu-stack
+# drops it) points that at its sm_90 ptxas, all an H100 or H200 run uses.
+bin=$(python3 -c "import os, triton; print(os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin'))")
+if [ -z "${TRITON_PTXAS_BLACKWELL_PATH:-}" ] && [ -x "$bin/ptxas" ] && [ ! -e "$bin/ptxas-blackwell" ]; then
+  export TRITON_PTXAS_BLACKWELL_PATH="$bin/ptxas"
+fi
 python3 -c "import torch, numpy; print('triton $version, torch', torch.__version__, 'numpy', numpy.__version__,
 torch.cuda.get_device_name())"
 if [ "$test_s" -gt 0 ]; then
