@@ -74,8 +74,9 @@ def test_numbers_by_triton_release(monkeypatch, release):
     """The plan's per-release numbers (H100 measurements in TUNING.md) reach the plans of that
     release only: RMSNorm's 16-bit split forward of rows over 131072 features takes 32 KB chunks
     from 3.9, and the 16-bit fused forward caps registers on the rows listed (LayerNorm's of 1024
-    features, not RMSNorm's, nor any 8192-feature or fp32 row); on 3.8 LayerNorm's 16-bit fused backward takes 4 KB steps on short rows, and
-    RMSNorm's twice the warps on rows of 16384 features. Every release gives the reference's values."""
+    features, not RMSNorm's, nor any 8192-feature or fp32 row); on 3.8 LayerNorm's 16-bit fused
+    backward takes 4 KB steps on short rows, and RMSNorm's twice the warps on rows of 16384
+    features. Every release gives the reference's values."""
     _plans_on_release(monkeypatch, release)
     for fn in (plans.forward_plan, plans.backward_plan):
         fn.cache_clear()

@@ -501,19 +501,15 @@ def attn_bwd_dq_kernel(
             pad_ok = pad < tl.cdiv(n_q_b, STATS_ALIGN) * STATS_ALIGN
             tl.store(delta_ptr + scratch + pad, tl.zeros((STATS_ALIGN,), tl.float32), mask=pad_ok)
             tl.store(lse2_ptr + scratch + pad, tl.full((STATS_ALIGN,), float("inf"), tl.float32), mask=pad_ok)
-        if VARLEN:
-            if block * BLOCK_M < n_q_b:
-                _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
-                          delta_ptr + scratch, lse2_ptr + scratch, q_first, k_first, h, hk, block * BLOCK_M, n_q_b,
-                          n_k_b, shift, left, right, sm_scale, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd,
-                          son, sod, sdon, sdod, sdln, sdqn, sdqd, WINDOW, SOFTCAP, ALIBI, DROPOUT, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
-                          BLOCK_M, BLOCK_N)
-        else:
+        bq, bk = q_first, k_first  # where the sources start: a packed sequence's first rows, a dense batch
+        if not VARLEN:
+            bq, bk = b, b
+        if block * BLOCK_M < n_q_b:  # packed blocks past the sequence's end have no rows
             _dq_block(q_src, k_src, v_src, o_src, do_src, dq_dst, lse_ptr + stat_offset, dlse_row,
-                      delta_ptr + scratch, lse2_ptr + scratch, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left,
-                      right, sm_scale,
-                      qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod, sdon, sdod, sdln, sdqn, sdqd,
-                      WINDOW, SOFTCAP, ALIBI, DROPOUT, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+                      delta_ptr + scratch, lse2_ptr + scratch, bq, bk, h, hk, block * BLOCK_M, n_q_b,
+                      n_k_b, shift, left, right, sm_scale, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd,
+                      son, sod, sdon, sdod, sdln, sdqn, sdqd, WINDOW, SOFTCAP, ALIBI, DROPOUT, HAS_DLSE, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
+                      BLOCK_M, BLOCK_N)
 
 
 @triton.jit
