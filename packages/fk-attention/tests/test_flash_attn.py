@@ -75,6 +75,22 @@ def test_window_as_a_tensor_and_scale():
     assert fa.flash_attn_func(q, k, v, return_attn_probs=True)[2] is None  # no probabilities without dropout
 
 
+def test_deterministic_gradients_repeat_bit_for_bit():
+    """`deterministic=True` (FlashAttention's switch for a repeatable backward): the gradients of two
+    calls are equal bit for bit, and equal those of the default call (fk's backward always is)."""
+    q = testing.randn((2, 37, 4, 16), torch.float32, requires_grad=True)
+    k, v = (testing.randn((2, 45, 2, 16), torch.float32, requires_grad=True) for _ in range(2))
+    dout = testing.randn((2, 37, 4, 16), torch.float32)
+
+    def grads(deterministic):
+        out = fa.flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    first = grads(True)
+    for name, a, b, c in zip("qkv", first, grads(True), grads(False), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c), f"grad {name} differs between calls"
+
+
 def test_packed_forms_are_the_unpacked_calls():
     qkv = testing.randn((2, 7, 3, 2, 16), torch.float32)
     full = fa.flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)

@@ -75,8 +75,9 @@ def test_numbers_by_triton_release(monkeypatch, release):
     release only: RMSNorm's 16-bit split forward of rows over 131072 features takes 32 KB chunks
     from 3.9, and the 16-bit fused forward caps registers on the rows listed (LayerNorm's of 1024
     features, not RMSNorm's, nor any 8192-feature or fp32 row); on 3.8 LayerNorm's 16-bit fused
-    backward takes 4 KB steps on short rows, and RMSNorm's twice the warps on rows of 16384
-    features. Every release gives the reference's values."""
+    backward takes 4 KB steps on short rows, RMSNorm's twice the warps on rows of 16384 features,
+    and RMSNorm's fp32 fused forward caps registers on rows of 8192. Every release gives the
+    reference's values."""
     _plans_on_release(monkeypatch, release)
     for fn in (plans.forward_plan, plans.backward_plan):
         fn.cache_clear()
@@ -91,6 +92,9 @@ def test_numbers_by_triton_release(monkeypatch, release):
         assert plans.forward_plan(64, 1024, torch.bfloat16, is_rms=True).max_registers is None
         assert plans.forward_plan(64, 1024, torch.float32).max_registers is None
         assert plans.forward_plan(8, 8192, torch.bfloat16).max_registers is None  # a cap raised its count
+        rms_fp32 = plans.forward_plan(8, 8192, torch.float32, is_rms=True)
+        assert rms_fp32.path is FUSED and rms_fp32.max_registers == (56 if on_3_8 else None)
+        assert plans.forward_plan(8, 8192, torch.float32).max_registers is None  # RMSNorm's only
         short, short_fp32 = plans.backward_plan(64, 1024, torch.bfloat16), plans.backward_plan(64, 1024, torch.float32)
         assert short.block_rows == (2 if on_3_8 else 4) and short_fp32.block_rows == 2
         assert plans.backward_plan(64, 1024, torch.bfloat16, is_rms=True).block_rows == 4  # LayerNorm's only
@@ -101,6 +105,9 @@ def test_numbers_by_triton_release(monkeypatch, release):
         w, b = _params(1024, torch.bfloat16)
         testing.assert_matches_reference(layer_norm, ref_layer_norm, [x, w, b], dtype=torch.bfloat16,
                                          names=["x", "weight", "bias"])
+        x = testing.randn((3, 8192), torch.float32, requires_grad=True)
+        w, _ = _params(8192, torch.float32, bias=False)
+        testing.assert_matches_reference(rms_norm, ref_rms_norm, [x, w], dtype=torch.float32, names=["x", "weight"])
     finally:
         for fn in (plans.forward_plan, plans.backward_plan):
             fn.cache_clear()

@@ -107,8 +107,11 @@ SPLIT_FORWARD_RMS_16BIT_LONG_FROM = (3, 9)
 #   takes 4 KB steps and 16 warps per multiprocessor (32768x1024: 1.08x -> 1.04x; 3.6 loses 3%;
 #   RMSNorm's, at 1.02x, was not tried so), and RMSNorm's 16-bit rows padded to
 #   BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT features take twice their warps (4096x16384: 1.12x ->
-#   1.07x; 3.6 and 3.9 lose 7%).
+#   1.07x; 3.6 and 3.9 lose 7%); RMSNorm's fp32 fused forward on rows padded to 8192 features is
+#   capped at 3.6's 56 registers: 3.8's ptxas took 40 with 8 B spilled and a third program per
+#   multiprocessor (8192x8192 on an H200: 1.045x 3.6's time -> 1.01x; 3.6 and 3.9 not helped).
 TRITON_3_8 = (3, 8)
+FORWARD_32BIT_REGISTER_CAPS_3_8 = {(True, 8192): 56}
 BACKWARD_SHORT_16BIT_ROW_TILE_BYTES_3_8 = 4096
 BACKWARD_SHORT_16BIT_WARPS_PER_SM_3_8 = 16
 
@@ -169,6 +172,8 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = Fa
         cap = None
         if _is_16bit(dtype) and backend.triton_at_least(FORWARD_16BIT_REGISTER_CAPS_FROM):
             cap = FORWARD_16BIT_REGISTER_CAPS.get((is_rms, block))
+        elif not _is_16bit(dtype) and backend.triton_release() == TRITON_3_8:
+            cap = FORWARD_32BIT_REGISTER_CAPS_3_8.get((is_rms, block))
         return Plan(Path.FUSED, rows, block, warps, max_registers=cap)
     chunk_bytes = SPLIT_FORWARD_CHUNK_BYTES
     if (is_rms and _is_16bit(dtype) and n_cols > SPLIT_FORWARD_RMS_16BIT_LONG_ROW
