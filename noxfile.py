@@ -104,16 +104,25 @@ def torch_install_args(environ, gpu: bool, wheel_dirs, python_tag: str) -> list[
     return ["torch", "--index-url", TORCH_CPU_INDEX]
 
 
+# pip leaves byte-compiling to Python (the modules a session imports, once): compiling all of torch's
+# files as it installs took 30 of the 40 s of its install.
+NO_COMPILE = ["--no-compile"]
+# fk's build backend (its pyproject files' build requirements), installed before fk's packages: pip
+# then builds them in the session's environment, not in a fresh one per package (20 s a session).
+BUILD_BACKEND = ["setuptools>=77", "setuptools-scm>=10"]
+
+
 def install_torch(session: nox.Session) -> None:
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    session.install(*torch_install_args(os.environ, gpu_present(), pip_wheel_dirs(os.environ), tag))
+    session.install(*NO_COMPILE, *torch_install_args(os.environ, gpu_present(), pip_wheel_dirs(os.environ), tag))
 
 
 def install_packages(session: nox.Session, *paths: Path | str, extras: list[str] = ()) -> None:
     """fk-runtime and the given packages from this working tree (never from an index); a path may
     carry pip extras (`folder[extra]`), which come from the index."""
     install_torch(session)
-    session.install(str(RUNTIME), *map(str, paths), *extras)
+    session.install(*NO_COMPILE, *BUILD_BACKEND)
+    session.install(*NO_COMPILE, "--no-build-isolation", str(RUNTIME), *map(str, paths), *extras)
 
 
 def tested(name: str) -> str:
@@ -129,27 +138,28 @@ def pytest(session: nox.Session, *targets: Path | str) -> None:
 
 
 # The packaging tests build distributions without isolation: they need the build backend here.
-PACKAGING_DEPS = ["build>=1.2", "setuptools>=77", "setuptools-scm>=10"]
+PACKAGING_DEPS = ["build>=1.2", *BUILD_BACKEND]
 
 
-def all_tests(session: nox.Session, pins: list[str], targets: list) -> None:
-    install_packages(session, *map(tested, OPS), extras=TEST_DEPS + BENCH_DEPS + PACKAGING_DEPS)
+def all_tests(session: nox.Session, pins: list[str], targets: list, packages: list[str], extras: list[str]) -> None:
+    install_packages(session, *packages, extras=TEST_DEPS + BENCH_DEPS + extras)
     if pins:  # after the packages: pip then moves only what the pins name
-        session.install(*pins)
+        session.install(*NO_COMPILE, *pins)
     pytest(session, *targets)
 
 
 @nox.session(name="tests")
 def tests(session: nox.Session) -> None:
     """Every package's tests and the cross-package tests, in one environment (the newest Triton)."""
-    all_tests(session, [], [RUNTIME / "tests", *(p / "tests" for p in OPS.values()), ROOT / "tests"])
+    all_tests(session, [], [RUNTIME / "tests", *(p / "tests" for p in OPS.values()), ROOT / "tests"],
+              [tested(name) for name in OPS], PACKAGING_DEPS)
 
 
 @nox.session(name="tests-oldest")
 def tests_oldest(session: nox.Session) -> None:
     """The kernels' and launch path's tests (OLDEST_TARGETS) on the oldest supported Triton and a
-    numpy its interpreter runs under."""
-    all_tests(session, OLDEST, [*OLDEST_TARGETS, *OLDEST_SKIPS])
+    numpy its interpreter runs under (no optional integrations: no test of them runs here)."""
+    all_tests(session, OLDEST, [*OLDEST_TARGETS, *OLDEST_SKIPS], [str(path) for path in OPS.values()], [])
 
 
 @nox.session(name="test-runtime")

@@ -148,9 +148,7 @@ def _params(d, dtype, weight=True, bias=True):
     return w, b
 
 
-@pytest.mark.parametrize("mode", testing.compile_modes())
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape,dtype,mode", testing.mode_cases(SHAPES, DTYPES), ids=str)
 def test_layer_norm_matches_float64(shape, dtype, mode):
     x = testing.randn(shape, dtype, scale=2.0, shift=0.5, requires_grad=True)
     w, b = _params(shape[-1], dtype)
@@ -159,9 +157,7 @@ def test_layer_norm_matches_float64(shape, dtype, mode):
                                      names=["x", "weight", "bias"], baseline_fn=ref_layer_norm)
 
 
-@pytest.mark.parametrize("mode", testing.compile_modes())
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(3, 2)] + SHAPES[1:], ids=str)
+@pytest.mark.parametrize("shape,dtype,mode", testing.mode_cases([(3, 2)] + SHAPES[1:], DTYPES), ids=str)
 def test_rms_norm_matches_float64(shape, dtype, mode):
     x = testing.randn(shape, dtype, scale=2.0, requires_grad=True)
     w, _ = _params(shape[-1], dtype, bias=False)

@@ -62,9 +62,7 @@ def test_split_forward_keeps_its_occupancy(dtype):
     assert plans.plan(7, 4097, dtype).max_registers is None
 
 
-@pytest.mark.parametrize("mode", testing.compile_modes())
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape,dtype,mode", testing.mode_cases(SHAPES, DTYPES), ids=str)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_matches_float64_reference(shape, dtype, mode, log):
     x = testing.randn(shape, dtype, scale=3.0, requires_grad=True)

@@ -16,9 +16,7 @@ def reference(x, w):
     return x @ w
 
 
-@pytest.mark.parametrize("mode", testing.compile_modes())
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape,dtype,mode", testing.mode_cases(SHAPES, DTYPES), ids=str)
 def test_matches_float64_reference(shape, dtype, mode):
     x = testing.randn(shape, dtype, requires_grad=True)
     w = testing.randn(shape[-1:], dtype, requires_grad=True)

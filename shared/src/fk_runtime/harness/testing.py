@@ -289,6 +289,17 @@ def compile_modes() -> list[str]:
     return ["eager", "compile"]
 
 
+def mode_cases(shapes: Sequence, dtypes: Sequence) -> list[tuple]:
+    """(shape, dtype, mode) for a test over shapes and dtypes in every `compile_modes()` mode: eager
+    takes every pair; each other mode each shape once, the dtypes in turn, so that every shape and
+    every dtype is traced (tracing depends on neither's pairing; the kernels run eager on all)."""
+    modes = compile_modes()
+    cases = [(shape, dtype, modes[0]) for shape in shapes for dtype in dtypes]
+    for mode in modes[1:]:
+        cases += [(shape, dtypes[i % len(dtypes)], mode) for i, shape in enumerate(shapes)]
+    return cases
+
+
 def maybe_compile(fn: Callable, mode: str) -> Callable:
     if mode == "eager":
         return fn
