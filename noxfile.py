@@ -133,11 +133,8 @@ def tested(name: str) -> str:
 def pytest(session: nox.Session, *targets: Path | str) -> None:
     # importlib mode: test modules of different packages may share a file name.
     # worksteal: an idle worker takes queued tests from a busy one (a few tests run minutes each).
-    # One OpenMP thread a process: the workers already fill the cores, and the ranks some tests spawn
-    # beside them spun on the threads they did not get (7% of a CI machine's time on those tests).
     session.run("python", "-m", "pytest", "--import-mode=importlib", "--numprocesses=auto", "--dist=worksteal",
-                "--durations=15", f"--maxprocesses={PYTEST_WORKERS}", *map(str, targets), *session.posargs,
-                env={"OMP_NUM_THREADS": "1"})
+                "--durations=15", f"--maxprocesses={PYTEST_WORKERS}", *map(str, targets), *session.posargs)
 
 
 # The packaging tests build distributions without isolation: they need the build backend here.
