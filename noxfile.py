@@ -104,25 +104,28 @@ def torch_install_args(environ, gpu: bool, wheel_dirs, python_tag: str) -> list[
     return ["torch", "--index-url", TORCH_CPU_INDEX]
 
 
-# pip leaves byte-compiling to Python (the modules a session imports, once): compiling all of torch's
-# files as it installs took 30 of the 40 s of its install.
-NO_COMPILE = ["--no-compile"]
 # fk's build backend (its pyproject files' build requirements), installed before fk's packages: pip
 # then builds them in the session's environment, not in a fresh one per package (20 s a session).
 BUILD_BACKEND = ["setuptools>=77", "setuptools-scm>=10"]
 
 
+def pip_install(session: nox.Session, *args: str) -> None:
+    """`pip install`, leaving byte-compiling to Python (the modules a session imports, once): compiling
+    all of torch's files as it installs took 30 of the 40 s of its install."""
+    session.install("--no-compile", *args)
+
+
 def install_torch(session: nox.Session) -> None:
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    session.install(*NO_COMPILE, *torch_install_args(os.environ, gpu_present(), pip_wheel_dirs(os.environ), tag))
+    pip_install(session, *torch_install_args(os.environ, gpu_present(), pip_wheel_dirs(os.environ), tag))
 
 
 def install_packages(session: nox.Session, *paths: Path | str, extras: list[str] = ()) -> None:
     """fk-runtime and the given packages from this working tree (never from an index); a path may
     carry pip extras (`folder[extra]`), which come from the index."""
     install_torch(session)
-    session.install(*NO_COMPILE, *BUILD_BACKEND)
-    session.install(*NO_COMPILE, "--no-build-isolation", str(RUNTIME), *map(str, paths), *extras)
+    pip_install(session, *BUILD_BACKEND)
+    pip_install(session, "--no-build-isolation", str(RUNTIME), *map(str, paths), *extras)
 
 
 def tested(name: str) -> str:
@@ -144,7 +147,7 @@ PACKAGING_DEPS = ["build>=1.2", *BUILD_BACKEND]
 def all_tests(session: nox.Session, pins: list[str], targets: list, packages: list[str], extras: list[str]) -> None:
     install_packages(session, *packages, extras=TEST_DEPS + BENCH_DEPS + extras)
     if pins:  # after the packages: pip then moves only what the pins name
-        session.install(*NO_COMPILE, *pins)
+        pip_install(session, *pins)
     pytest(session, *targets)
 
 

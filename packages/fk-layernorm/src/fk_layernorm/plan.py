@@ -170,9 +170,10 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = Fa
             elements *= 2
         warps = sizing.row_warps(elements)
         cap = None
-        if _is_16bit(dtype) and backend.triton_at_least(FORWARD_16BIT_REGISTER_CAPS_FROM):
-            cap = FORWARD_16BIT_REGISTER_CAPS.get((is_rms, block))
-        elif not _is_16bit(dtype) and backend.triton_release() == TRITON_3_8:
+        if _is_16bit(dtype):
+            if backend.triton_at_least(FORWARD_16BIT_REGISTER_CAPS_FROM):
+                cap = FORWARD_16BIT_REGISTER_CAPS.get((is_rms, block))
+        elif backend.triton_release() == TRITON_3_8:
             cap = FORWARD_32BIT_REGISTER_CAPS_3_8.get((is_rms, block))
         return Plan(Path.FUSED, rows, block, warps, max_registers=cap)
     chunk_bytes = SPLIT_FORWARD_CHUNK_BYTES
