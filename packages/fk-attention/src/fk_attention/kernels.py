@@ -205,11 +205,15 @@ def _query_range(start_n, n_q, shift, left, right, WINDOW: tl.constexpr, BLOCK_M
                  BLOCK_N: tl.constexpr, ROWS_PAST_END: tl.constexpr):
     """`_key_range` seen from the key block at start_n: query blocks [lo, full_lo) and
     [full_hi, hi) need a mask (and row checks), [full_lo, full_hi) neither. ROWS_PAST_END: loads
-    read zeros past n_q by themselves (TMA), so the unmasked walk may take the last partial block."""
-    body_end = n_q if ROWS_PAST_END else (n_q // BLOCK_M) * BLOCK_M
+    read zeros past n_q by themselves (TMA), so the unmasked walk may take the last partial block.
+    Every bound is a multiple of BLOCK_M (the walks visit the same blocks): with n_q unspecialized,
+    an unaligned end cost the pipelined walks their 16-byte copies (TUNING.md, "Scratch rows")."""
+    n_q_up = tl.cdiv(n_q, BLOCK_M) * BLOCK_M
+    body_end = n_q_up if ROWS_PAST_END else (n_q // BLOCK_M) * BLOCK_M
     if WINDOW:
         lo = (tl.maximum(start_n - shift - right, 0) // BLOCK_M) * BLOCK_M
-        hi = tl.maximum(tl.minimum(n_q, start_n + BLOCK_N - shift + left) if WINDOW == 2 else n_q, lo)
+        edge = tl.cdiv(start_n + BLOCK_N - shift + left, BLOCK_M) * BLOCK_M
+        hi = tl.maximum(tl.minimum(n_q_up, edge) if WINDOW == 2 else n_q_up, lo)
         full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift - right, 0), BLOCK_M) * BLOCK_M
         full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
         full_hi = (tl.maximum(start_n - shift + left + 1, 0) // BLOCK_M) * BLOCK_M if WINDOW == 2 else body_end
@@ -218,7 +222,7 @@ def _query_range(start_n, n_q, shift, left, right, WINDOW: tl.constexpr, BLOCK_M
         lo = 0
         full_lo = 0
         full_hi = body_end
-        hi = n_q
+        hi = n_q_up
     return lo, full_lo, full_hi, hi
 
 

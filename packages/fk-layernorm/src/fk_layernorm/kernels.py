@@ -276,6 +276,12 @@ def _saved_stats(mean_ptr, rstd_ptr, row, IS_RMS: tl.constexpr):
 
 
 @triton.jit
+def _weight(w_ptr, cols, col_mask, HAS_W: tl.constexpr):
+    """The weight over a row's columns in fp32 (1.0 without one)."""
+    return tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) if HAS_W else 1.0
+
+
+@triton.jit
 def _normalized(x, mean, rstd, row_max, IS_RMS: tl.constexpr, STABLE: tl.constexpr):
     """Recompute x-hat from the saved statistics (x is never saved normalised)."""
     if STABLE:
@@ -313,6 +319,7 @@ def norm_bwd_fused_kernel(
     n_rows, n_cols, inv_n_cols, stride_xr, stride_xc, stride_dyr, stride_dyc, stride_dxr, rows_per_group,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, IS_RMS: tl.constexpr, STABLE: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, PREFETCH: tl.constexpr, RECOMPUTE: tl.constexpr,
+    REREAD_W: tl.constexpr,
 ):
     """Rows that fit: program g walks its group of rows once, writing dx and summing
     dy * x-hat and dy into dweight / dbias partials for its group (reduced later in a fixed order).
@@ -320,11 +327,11 @@ def norm_bwd_fused_kernel(
     then through the division by the row max when STABLE. PREFETCH loads the next step's rows
     before working on this step's, so that each program keeps two steps of loads in flight;
     RECOMPUTE (wide 16-bit rows) widens x and dy again after the row sums instead of holding them
-    in fp32."""
+    in fp32; REREAD_W reads the weight again where a step uses it (from L1) instead of holding it."""
     group = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) if HAS_W else 1.0
+    w = _weight(w_ptr, cols, col_mask, HAS_W and not REREAD_W)
     # Accumulators shaped like a step's tile, summed over its rows once at the end: a sum per
     # step would reduce across warps (through shared memory) twice a step on short rows.
     dw_acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
@@ -351,7 +358,7 @@ def norm_bwd_fused_kernel(
         dy = dy_raw.to(tl.float32)
         row_max = row_max_1d[:, None]
         xhat = tl.where(mask, _normalized(x, mean[:, None], rstd[:, None], row_max, IS_RMS, STABLE), 0.0)
-        wdy = dy * w
+        wdy = dy * (_weight(w_ptr, cols, col_mask, HAS_W) if REREAD_W else w)
         if RECOMPUTE:
             if HAS_W:
                 dw_acc += dy * xhat
@@ -366,7 +373,7 @@ def norm_bwd_fused_kernel(
             # live across the sums and spill); dweight / dbias took their sums before them.
             x = widen_held(x_raw)
             xhat = tl.where(mask, _normalized(x, mean[:, None], rstd[:, None], row_max, IS_RMS, STABLE), 0.0)
-            wdy = widen_held(dy_raw) * w
+            wdy = widen_held(dy_raw) * (_weight(w_ptr, cols, col_mask, HAS_W) if REREAD_W else w)
         dz = wdy - xhat * c1[:, None]
         if not IS_RMS:
             dz -= c2[:, None]

@@ -105,11 +105,13 @@ SPLIT_FORWARD_RMS_16BIT_LONG_CHUNK_BYTES = 32768
 SPLIT_FORWARD_RMS_16BIT_LONG_FROM = (3, 9)
 # - on 3.8 alone, LayerNorm's fused backward of 16-bit rows up to BACKWARD_SHORT_16BIT_MAX_ELEMENTS
 #   takes 4 KB steps and 16 warps per multiprocessor (32768x1024: 1.08x -> 1.04x; 3.6 loses 3%;
-#   RMSNorm's, at 1.02x, was not tried so), and RMSNorm's 16-bit rows padded to
-#   BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT features take twice their warps (4096x16384: 1.12x ->
-#   1.07x; 3.6 and 3.9 lose 7%); RMSNorm's fp32 fused forward on rows padded to 8192 features is
-#   capped at 3.6's 56 registers: 3.8's ptxas took 40 with 8 B spilled and a third program per
-#   multiprocessor (8192x8192 on an H200: 1.045x 3.6's time -> 1.01x; 3.6 and 3.9 not helped).
+#   RMSNorm's, at 1.02x, was not tried so); the 16-bit fused backward rows that recompute
+#   (RMSNorm's 8193-16384 features) read the weight again each step instead of holding it: 3.8's
+#   ptxas issued the last of a row's loads after the row's first math (4096x16384 on an H200: 1.18x
+#   3.6's time -> 1.00x; 3.9 2% slower with it, 3.6 unchanged); RMSNorm's fp32 fused forward on
+#   rows padded to 8192 features is capped at 3.6's 56 registers: 3.8's ptxas took 40 with 8 B
+#   spilled and a third program per multiprocessor (8192x8192 on an H200: 1.045x 3.6's time ->
+#   1.01x; 3.6 and 3.9 not helped).
 TRITON_3_8 = (3, 8)
 FORWARD_32BIT_REGISTER_CAPS_3_8 = {(True, 8192): 56}
 BACKWARD_SHORT_16BIT_ROW_TILE_BYTES_3_8 = 4096
@@ -134,7 +136,7 @@ class Plan:
     params_num_warps: int = sizing.MIN_WARPS
     prefetch: bool = False  # fused backward: next step's rows loaded ahead
     recompute: bool = False  # fused backward: 16-bit x, dy widened again after the row sums
-    reread_w: bool = False  # split backward: the weight chunk read again each row
+    reread_w: bool = False  # backward (split, fused recompute): the weight read again each row
     max_registers: int | None = None  # forward: a cap on each thread's registers (maxnreg)
 
 
@@ -208,13 +210,13 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = F
         warps_per_sm = BACKWARD_WARPS_PER_SM
         if short:
             warps_per_sm = BACKWARD_SHORT_16BIT_WARPS_PER_SM_3_8 if short_ln_3_8 else BACKWARD_SHORT_16BIT_WARPS_PER_SM
-        wide_rms_3_8 = on_3_8 and is_rms and narrow and block == BACKWARD_FUSED_MAX_ELEMENTS_RMS_16BIT
-        warps = sizing.row_warps(2 * block if wide_rms_3_8 else block)
+        warps = sizing.row_warps(block)
         rows = sizing.rows_per_program(n_rows, block, dtype, tile_bytes)
         groups, per_group = _groups(n_rows, n_cols, rows, max(1, warps_per_sm // warps))
         prefetch = narrow and block <= BACKWARD_PREFETCH_MAX_ELEMENTS
+        recompute = narrow and not prefetch
         return Plan(Path.FUSED, rows, block, warps, groups, per_group, prefetch=prefetch,
-                    recompute=narrow and not prefetch)
+                    recompute=recompute, reread_w=recompute and on_3_8)
     chunks = None if stable else _split_chunks(n_cols, SPLIT_BACKWARD_CHUNK_ELEMENTS)
     if chunks is not None:
         # Every program of the launch is a sibling of the others in its group: all must be
@@ -403,7 +405,7 @@ def _bind_backward(grad_y, x, w_dtype, b_dtype, is_rms: bool, stable: bool):
         fused = Launch(kernels.norm_bwd_fused_kernel, (p.groups,),
                        (n_rows, n_cols, 1.0 / n_cols, *strides, p.rows_per_group),
                        dict(BLOCK_R=p.block_rows, BLOCK_D=p.block_cols, PREFETCH=p.prefetch,
-                            RECOMPUTE=p.recompute, **flags,
+                            RECOMPUTE=p.recompute, REREAD_W=p.reread_w, **flags,
                             **sizing.launch_options(p.num_warps, BACKWARD_NUM_STAGES)), device)
 
         def launch(x2, w, dy2, dx2, stats, w_parts, b_parts):
