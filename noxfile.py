@@ -145,9 +145,8 @@ PACKAGING_DEPS = ["build>=1.2", *BUILD_BACKEND]
 
 
 def all_tests(session: nox.Session, pins: list[str], targets: list, packages: list[str], extras: list[str]) -> None:
-    install_packages(session, *packages, extras=TEST_DEPS + BENCH_DEPS + extras)
-    if pins:  # after the packages: pip then moves only what the pins name
-        pip_install(session, *pins)
+    # The pins in the packages' own install: pip resolves them at once (no newest Triton installed, then replaced).
+    install_packages(session, *packages, extras=TEST_DEPS + BENCH_DEPS + extras + pins)
     pytest(session, *targets)
 
 

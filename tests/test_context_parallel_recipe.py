@@ -105,6 +105,7 @@ def _check(one, distributed):
                                        msg=lambda m, step=step, name=name: f"step {step} {name}: {m}")
 
 
+@pytest.mark.heavy
 def test_matches_one_process(runs):
     _check(*runs)
 

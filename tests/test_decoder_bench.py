@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "e2e" / "decoder.py"
 
 
+@pytest.mark.heavy
 def test_decoder_benchmark_runs_small(tmp_path):
     out = tmp_path / "benchmarks"
     run = subprocess.run([sys.executable, str(SCRIPT), "--small", "--out", str(out)],

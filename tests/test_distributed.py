@@ -122,6 +122,7 @@ def _check(one, distributed, how):
                                  torch.float32)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("how", WRAPPERS)
 def test_matches_one_process(how, runs):
     _check(*runs, how)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from fk_runtime.harness import cli
 
 PACKAGES = Path(__file__).resolve().parent.parent / "packages"
@@ -17,6 +19,7 @@ def test_every_package_is_discovered():
     assert on_disk and on_disk <= set(cli.discover_ops())
 
 
+@pytest.mark.heavy
 def test_main_job_checks_and_benchmarks_every_op(tmp_path):
     out = tmp_path / "benchmarks"
     out.mkdir()

@@ -105,6 +105,7 @@ def test_single_query_decoding(dtype):
     check(lambda q, k, v: attention(q, k, v), make((2, 8, 2, 1, 45, 64), dtype), dtype, False)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mode", testing.compile_modes())
 def test_strided_bnhd_inputs(mode, causal):
@@ -458,6 +459,7 @@ def test_hopper_forward_gate():
         assert real.layout == layout and list(real.block_shape) == [1, 1, 64, 128]
 
 
+@pytest.mark.heavy
 def test_autotuned_launch_runs_every_candidate(monkeypatch, tmp_path):
     """The GPU's autotuned path (candidates through TMA where allowed, pruning, grids from the
     chosen blocks), its picks kept on disk for the next process. On the interpreter the tuner's

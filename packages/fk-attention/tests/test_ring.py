@@ -247,6 +247,7 @@ def _check(gathered, fk, exact, dtype):
         testing.assert_close(f"{name} vs fk attention", got, fk[name], dtype)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", CASES)
 def test_ring_matches_full_sequence(case, ring_runs):
     _check(*ring_runs[case], CASES[case][6])
@@ -258,6 +259,7 @@ def test_ring_matches_full_sequence_on_gpus(case, gpu_ring_runs):
     _check(*gpu_ring_runs[case], GPU_CASES[case][6])
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", MASKED_CASES)
 def test_ring_masks_match_full_sequence(case, ring_runs):
     """Windows (both layouts) and packed documents (uneven lengths 5, 40, 19 over 4 chunks of 16):
@@ -268,6 +270,7 @@ def test_ring_masks_match_full_sequence(case, ring_runs):
         testing.assert_close(f"{name} vs float64", got, exact[name], torch.float32)
 
 
+@pytest.mark.heavy
 def test_ring_skips_chunk_pairs_outside_the_window(ring_runs):
     """Zigzag over 2 ranks, N 64: rank 0 holds chunks 0 and 3 of 16 tokens, rank 1 chunks 1-2 as one
     run. Under a causal window of 8, rank 0 skips (0, 3) and (0, 1-2) as causal would, and (3, 0)

@@ -1,8 +1,8 @@
 """pytest hooks every fk test directory loads from its conftest.py.
 
 `from fk_runtime.harness.pytest_plugin import *` in a conftest sets the test device up before any test
-module imports an op (and so before any kernel is defined), reports backend and seed, and hands
-large cached GPU memory back after each test.
+module imports an op (and so before any kernel is defined), reports backend and seed, hands large
+cached GPU memory back after each test, and runs the tests marked `heavy` first.
 """
 
 from __future__ import annotations
@@ -34,6 +34,13 @@ def pytest_configure(config):
     # a warning per kernel step, tens of thousands a run, Triton's and harmless below numpy 2.4.
     config.addinivalue_line("filterwarnings",
                             "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+    config.addinivalue_line("markers", "heavy: tens of seconds on CI's 2 cores (ranks spawned, a main-job run, "
+                            "a compile): collected first")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Heavy tests first: pytest-xdist's workers then end on short tests, not one of them alone on a long one.
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
 def pytest_report_header(config):
