@@ -193,9 +193,14 @@ def test_rms_norm_of_one_feature(dtype):
     assert ((gw.double() - terms.sum(0)).abs() <= testing.TOLERANCE[dtype] * terms.abs().sum(0)).all()
 
 
-@pytest.mark.parametrize("cols", [40, 20000, LONG[-1]])
+# The longest rows (walked in a loop) take the mixed rows alone: they hold a negative row, a zero max
+# and an all-zero row among random ones (the interpreter's 70001-wide rows take 15-20 s a case).
+STABLE_ROWS = [(cols, sign) for cols in (40, 20000, LONG[-1]) for sign in ("positive", "negative", "mixed")
+               if cols != LONG[-1] or sign == "mixed" or testing.on_gpu()]
+
+
+@pytest.mark.parametrize("cols, sign", STABLE_ROWS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sign", ["positive", "negative", "mixed"])
 def test_stable_divides_by_row_max_magnitude_with_correct_gradient(cols, dtype, sign):
     """Rows divided by max |x|: a negative row keeps its sign (dividing by its max flipped it), a
     row whose max is 0 stays finite (it gave NaN), and the gradient through the max |x| (its sign

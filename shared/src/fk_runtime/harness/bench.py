@@ -42,8 +42,8 @@ TFLOPS = "TFLOP/s"
 # run out of cache; capped to bound memory.
 ROTATE_L2_FACTOR = 3
 MAX_INPUT_SETS = 4
-# On the interpreter nothing is worth timing precisely: one host-timed run after a warm-up (each
-# run is a second or more of Python; CI's whole main job is its budget).
+# On the interpreter nothing is worth timing precisely: one host-timed run, no warm-up (each run is
+# a second or more of Python; CI's whole main job is its budget).
 INTERPRETER_REPS = 1
 # Calls run before capture, so that compilation, autotuning and lazy allocations stay outside it.
 GRAPH_WARMUP_CALLS = 3
@@ -133,7 +133,6 @@ def time_ms(calls: Sequence[Callable[[], object]]) -> float:
     cycle = itertools.cycle(calls)
     step = lambda: next(cycle)()  # noqa: E731
     if backend.is_interpreter():
-        step()
         samples = []
         for _ in range(INTERPRETER_REPS):
             start = time.perf_counter()
