@@ -75,9 +75,9 @@ def test_numbers_by_triton_release(monkeypatch, release):
     release only: RMSNorm's 16-bit split forward of rows over 131072 features takes 32 KB chunks
     from 3.9, and the 16-bit fused forward caps registers on the rows listed (LayerNorm's of 1024
     features, not RMSNorm's, nor any 8192-feature or fp32 row); on 3.8 LayerNorm's 16-bit fused
-    backward takes 4 KB steps on short rows, RMSNorm's twice the warps on rows of 16384 features,
-    and RMSNorm's fp32 fused forward caps registers on rows of 8192; on 3.8 RMSNorm's 16-bit rows of
-    16384 features read the weight again each step. Every release gives the reference's values."""
+    backward takes 4 KB steps on short rows, RMSNorm's reads the weight again each step on rows of
+    16384 features, and RMSNorm's fp32 fused forward caps registers on rows of 8192. Every release
+    gives the reference's values."""
     _plans_on_release(monkeypatch, release)
     for fn in (plans.forward_plan, plans.backward_plan):
         fn.cache_clear()
