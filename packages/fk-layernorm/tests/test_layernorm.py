@@ -53,20 +53,35 @@ def _plans_on_release(monkeypatch, release):
     monkeypatch.setattr(plans, "backend", OnRelease())
 
 
-@pytest.mark.parametrize("release, factor", [((3, 8), 1), ((3, 9), 2), ((3, 10), 2), (None, 1)])
-def test_layer_norm_fp32_wide_rows_take_twice_the_warps_from_triton_3_9(monkeypatch, release, factor):
-    """LayerNorm's fp32 forward on rows padded to 16384 features: 32 warps from Triton 3.9 on, 16
-    before (and where the version cannot be read); RMSNorm's keeps 16."""
+@pytest.mark.parametrize("release", [(3, 6), (3, 8), (3, 9), (3, 10), None])
+def test_forward_drops_the_column_mask_on_rows_of_a_whole_block(monkeypatch, release):
+    """The fused forward takes rows exactly a power of two wide without a column mask (`even_cols`)
+    on every release, except fp32 rows of FORWARD_MASKED_32BIT_ROW features; with it gone no release
+    takes other warps or a register cap on the 16384-feature rows. Both builds give the reference's
+    values, forward and gradients."""
     _plans_on_release(monkeypatch, release)
     plans.forward_plan.cache_clear()
+    plans.BOUND.clear()
     try:
-        layer = plans.forward_plan(9, 12000, torch.float32)
-        rms = plans.forward_plan(9, 12000, torch.float32, is_rms=True)
-        assert layer.path is FUSED and layer.num_warps == factor * rms.num_warps
-        assert plans.forward_plan(9, 8000, torch.float32).num_warps == plans.forward_plan(
-            9, 8000, torch.float32, is_rms=True).num_warps
+        for dtype in DTYPES:
+            for is_rms in (False, True):
+                assert plans.forward_plan(9, 1024, dtype, is_rms).even_cols
+                assert not plans.forward_plan(9, 1000, dtype, is_rms).even_cols
+                wide = plans.forward_plan(9, 16384, dtype, is_rms)
+                assert wide.path is FUSED and wide.even_cols and wide.max_registers is None
+                assert plans.forward_plan(9, 8192, dtype, is_rms).even_cols == (dtype != torch.float32)
+        assert plans.forward_plan(9, 16384, torch.float32).num_warps == plans.forward_plan(
+            9, 16384, torch.float32, is_rms=True).num_warps
+        for cols in (256, 250):
+            for dtype in DTYPES:
+                x = testing.randn((2, 3, cols), dtype, requires_grad=True)
+                w, b = _params(cols, dtype)
+                testing.assert_matches_reference(layer_norm, ref_layer_norm, [x, w, b], dtype=dtype,
+                                                 names=["x", "weight", "bias"])
+                testing.assert_matches_reference(rms_norm, ref_rms_norm, [x, w], dtype=dtype, names=["x", "weight"])
     finally:
         plans.forward_plan.cache_clear()
+        plans.BOUND.clear()
 
 
 @pytest.mark.parametrize("release", [(3, 6), (3, 8), (3, 9), None])
@@ -75,9 +90,9 @@ def test_numbers_by_triton_release(monkeypatch, release):
     release only: RMSNorm's 16-bit split forward of rows over 131072 features takes 32 KB chunks
     from 3.9, and the 16-bit fused forward caps registers on the rows listed (LayerNorm's of 1024
     features, not RMSNorm's, nor any 8192-feature or fp32 row); on 3.8 LayerNorm's 16-bit fused
-    backward takes 4 KB steps on short rows, RMSNorm's reads the weight again each step on rows of
-    16384 features, and RMSNorm's fp32 fused forward caps registers on rows of 8192. Every release
-    gives the reference's values."""
+    backward takes 4 KB steps on short rows and reads the weight again each step there, as RMSNorm's
+    does on rows of 16384 features, and RMSNorm's fp32 fused forward caps registers on rows of 8192.
+    Every release gives the reference's values."""
     _plans_on_release(monkeypatch, release)
     for fn in (plans.forward_plan, plans.backward_plan):
         fn.cache_clear()
@@ -98,6 +113,8 @@ def test_numbers_by_triton_release(monkeypatch, release):
         assert plans.forward_plan(8, 8192, torch.float32).max_registers is None  # RMSNorm's only
         short, short_fp32 = plans.backward_plan(64, 1024, torch.bfloat16), plans.backward_plan(64, 1024, torch.float32)
         assert short.block_rows == (2 if on_3_8 else 4) and short_fp32.block_rows == 2
+        assert short.reread_w == on_3_8 and not short_fp32.reread_w
+        assert not plans.backward_plan(64, 1024, torch.bfloat16, is_rms=True).reread_w  # LayerNorm's only
         assert plans.backward_plan(64, 1024, torch.bfloat16, is_rms=True).block_rows == 4  # LayerNorm's only
         wide = plans.backward_plan(64, 16384, torch.bfloat16, is_rms=True)
         assert wide.path is FUSED and wide.recompute and wide.reread_w == on_3_8

@@ -64,14 +64,18 @@ def norm_fwd_fused_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, max_ptr,
     n_rows, n_cols, inv_n_cols, stride_xr, stride_xc, stride_yr, eps,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, IS_RMS: tl.constexpr, STABLE: tl.constexpr,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, SAVE_STATS: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, SAVE_STATS: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """Whole rows in registers (BLOCK_R of them): statistics, normalise, affine; one read and one
-    write of the row, plus per-row statistics when autograd needs them."""
+    write of the row, plus per-row statistics when autograd needs them. EVEN_D: the row is
+    BLOCK_D wide (its column mask is known true, and the compiler keeps no predicates for it)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     row_mask = rows < n_rows
-    col_mask = cols < n_cols
+    if EVEN_D:
+        col_mask = cols < BLOCK_D
+    else:
+        col_mask = cols < n_cols
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     x_ptrs = x_ptr + rows64 * stride_xr + cols[None, :].to(tl.int64) * stride_xc

@@ -39,6 +39,11 @@ FORWARD_ROW_TILE_BYTES = 8192
 # ... except RMSNorm in 16 bits on rows padded to this many features (8193 to 16384), which takes
 # the warps of a row twice as long (32, not 16): +8-21% there on an H100 (TUNING.md).
 FORWARD_RMS_16BIT_WIDE_ROW = 16384
+# The fused forward drops its column mask where a row is exactly its block wide (`Plan.even_cols`):
+# no predicate per load then, which 3.8's compiler packed into a bitfield before its first load
+# (4096x16384 fp32 on 3.8: 1.05x -> 1.00x 3.6's time; wide 16-bit rows 1-7% faster on 3.6-3.9).
+# fp32 rows of this width keep the mask: 1.2-2.2% faster so on 3.6 and 3.8 (TUNING.md).
+FORWARD_MASKED_32BIT_ROW = 8192
 # Backward: rows held whole up to this many features; 16384 spilled at any warps (TUNING.md).
 BACKWARD_FUSED_MAX_ELEMENTS = 8192
 # RMSNorm in 16 bits holds fewer fp32 values per feature (no mean, no bias sum): rows of up to
@@ -88,15 +93,12 @@ SPLIT_BACKWARD_REREAD_W_32BIT = True
 
 # Numbers that differ by Triton release, where a newer compiler's build of a kernel ran slower than
 # 3.6's on an H100 (each measured beside 3.6 in one run; TUNING.md, "Triton releases"):
-# - from 3.9, LayerNorm's fp32 fused forward on rows padded to 16384 features takes 32 warps, not
-#   16 (4096x16384: 1.31x 3.6's time -> 1.01x; 3.6 and 3.8 lose 1% and 23% on 32);
-FORWARD_LN_32BIT_WIDE_ROW = 16384
-FORWARD_LN_32BIT_WIDE_ROW_FROM = (3, 9)
 # - from 3.9, the 16-bit fused forward of these (RMSNorm, padded row) launches is capped at the
-#   registers 3.6 and 3.8 take on their own (maxnreg): 3.9 took 72-93 (37 at 32 warps), one program
-#   less per multiprocessor, 1.14-1.32x 3.6's time; a cap on other rows raises their count (ptxas
-#   spends what it may: LayerNorm's 4096 and 8192 rows 40 -> 47, 1.29x the time of 8192x8192 on 3.6);
-FORWARD_16BIT_REGISTER_CAPS = {(False, 512): 64, (False, 1024): 64, (False, 16384): 64, (True, 16384): 32}
+#   registers 3.6 and 3.8 take on their own (maxnreg): 3.9 took 72-77, one program less per
+#   multiprocessor, 1.14x 3.6's time (32768x1024 on an H100); a cap on other rows raises their count
+#   (ptxas spends what it may: LayerNorm's 4096 and 8192 rows 40 -> 47, 1.29x the time of 8192x8192
+#   on 3.6). The 16384-feature rows need none since they drop their column mask;
+FORWARD_16BIT_REGISTER_CAPS = {(False, 512): 64, (False, 1024): 64}
 FORWARD_16BIT_REGISTER_CAPS_FROM = (3, 9)
 # - from 3.9, RMSNorm's 16-bit split forward on rows longer than this takes 32 KB chunks, not 16
 #   (256x262144: 1.07x -> 1.00x; 3.6 and 3.8 lose 1%); shorter split rows were not tried so;
@@ -105,10 +107,11 @@ SPLIT_FORWARD_RMS_16BIT_LONG_CHUNK_BYTES = 32768
 SPLIT_FORWARD_RMS_16BIT_LONG_FROM = (3, 9)
 # - on 3.8 alone, LayerNorm's fused backward of 16-bit rows up to BACKWARD_SHORT_16BIT_MAX_ELEMENTS
 #   takes 4 KB steps and 16 warps per multiprocessor (32768x1024: 1.08x -> 1.04x; 3.6 loses 3%;
-#   RMSNorm's, at 1.02x, was not tried so); the 16-bit fused backward rows that recompute
-#   (RMSNorm's 8193-16384 features) read the weight again each step instead of holding it: 3.8's
-#   ptxas issued the last of a row's loads after the row's first math (4096x16384 on an H200: 1.18x
-#   3.6's time -> 1.00x; 3.9 2% slower with it, 3.6 unchanged); RMSNorm's fp32 fused forward on
+#   RMSNorm's, at 1.02x, was not tried so); these rows and the 16-bit fused backward rows that
+#   recompute (RMSNorm's 8193-16384 features) read the weight again each step instead of holding
+#   it: 3.8's ptxas issued the last of a row's loads after the row's first math (on an H200,
+#   4096x16384: 1.18x 3.6's time -> 1.00x, 3.9 2% slower with it, 3.6 unchanged; 32768x1024:
+#   1.07x -> 1.01x, 3.6 and 3.9 8% and 2% slower with it); RMSNorm's fp32 fused forward on
 #   rows padded to 8192 features is capped at 3.6's 56 registers: 3.8's ptxas took 40 with 8 B
 #   spilled and a third program per multiprocessor (8192x8192 on an H200: 1.045x 3.6's time ->
 #   1.01x; 3.6 and 3.9 not helped).
@@ -136,8 +139,9 @@ class Plan:
     params_num_warps: int = sizing.MIN_WARPS
     prefetch: bool = False  # fused backward: next step's rows loaded ahead
     recompute: bool = False  # fused backward: 16-bit x, dy widened again after the row sums
-    reread_w: bool = False  # backward (split, fused recompute): the weight read again each row
+    reread_w: bool = False  # backward: the weight read again each row (split; fused on some rows)
     max_registers: int | None = None  # forward: a cap on each thread's registers (maxnreg)
+    even_cols: bool = False  # fused forward: rows exactly block_cols wide, no column mask
 
 
 def _is_16bit(dtype: torch.dtype) -> bool:
@@ -167,17 +171,15 @@ def forward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, is_rms: bool = Fa
         elements = rows * block
         if is_rms and _is_16bit(dtype) and elements == FORWARD_RMS_16BIT_WIDE_ROW:
             elements *= 2
-        if (not is_rms and not _is_16bit(dtype) and elements == FORWARD_LN_32BIT_WIDE_ROW
-                and backend.triton_at_least(FORWARD_LN_32BIT_WIDE_ROW_FROM)):
-            elements *= 2
         warps = sizing.row_warps(elements)
+        even = n_cols == block and (_is_16bit(dtype) or block != FORWARD_MASKED_32BIT_ROW)
         cap = None
         if _is_16bit(dtype):
             if backend.triton_at_least(FORWARD_16BIT_REGISTER_CAPS_FROM):
                 cap = FORWARD_16BIT_REGISTER_CAPS.get((is_rms, block))
         elif backend.triton_release() == TRITON_3_8:
             cap = FORWARD_32BIT_REGISTER_CAPS_3_8.get((is_rms, block))
-        return Plan(Path.FUSED, rows, block, warps, max_registers=cap)
+        return Plan(Path.FUSED, rows, block, warps, max_registers=cap, even_cols=even)
     chunk_bytes = SPLIT_FORWARD_CHUNK_BYTES
     if (is_rms and _is_16bit(dtype) and n_cols > SPLIT_FORWARD_RMS_16BIT_LONG_ROW
             and backend.triton_at_least(SPLIT_FORWARD_RMS_16BIT_LONG_FROM)):
@@ -216,7 +218,7 @@ def backward_plan(n_rows: int, n_cols: int, dtype: torch.dtype, stable: bool = F
         prefetch = narrow and block <= BACKWARD_PREFETCH_MAX_ELEMENTS
         recompute = narrow and not prefetch
         return Plan(Path.FUSED, rows, block, warps, groups, per_group, prefetch=prefetch,
-                    recompute=recompute, reread_w=recompute and on_3_8)
+                    recompute=recompute, reread_w=on_3_8 and (recompute or short_ln_3_8))
     chunks = None if stable else _split_chunks(n_cols, SPLIT_BACKWARD_CHUNK_ELEMENTS)
     if chunks is not None:
         # Every program of the launch is a sibling of the others in its group: all must be
@@ -324,7 +326,8 @@ def _bind_forward(x, w, b, eps: float, is_rms: bool, stable: bool, save_stats: b
     if p.path is Path.FUSED:
         fused = Launch(kernels.norm_fwd_fused_kernel, (sizing.cdiv(n_rows, p.block_rows),),
                        (n_rows, n_cols, 1.0 / n_cols, *strides, eps),
-                       dict(BLOCK_R=p.block_rows, BLOCK_D=p.block_cols, **meta), device)
+                       dict(BLOCK_R=p.block_rows, BLOCK_D=p.block_cols, EVEN_D=p.even_cols, **meta),
+                       device)
 
         def launch(x2, w, b, y2, stats):
             fused(x2, w, b, y2, *stat_rows(stats))
