@@ -41,7 +41,7 @@ FORWARD_ROW_TILE_BYTES = 8192
 FORWARD_RMS_16BIT_WIDE_ROW = 16384
 # The fused forward drops its column mask where a row is exactly its block wide (`Plan.even_cols`):
 # no predicate per load then, which 3.8's compiler packed into a bitfield before its first load
-# (4096x16384 fp32 on 3.8: 1.05x -> 1.00x 3.6's time; wide 16-bit rows 1-7% faster on 3.6-3.9).
+# (4096x16384 fp32 on 3.8: 1.06x -> 1.00-1.02x 3.6's time; wide 16-bit rows 1-7% faster on 3.6-3.9).
 # fp32 rows of this width keep the mask: 1.2-2.2% faster so on 3.6 and 3.8 (TUNING.md).
 FORWARD_MASKED_32BIT_ROW = 8192
 # Backward: rows held whole up to this many features; 16384 spilled at any warps (TUNING.md).
