@@ -4,7 +4,8 @@ One process per Triton version (the GPU box stages the others: ../shared/gpu-sta
 the other on the same warm machine:
 
 - host time per eager call of every op on its tiny input (fk and torch's op, `fwd`, `fwd+bwd`,
-  `infer`), as the main job's host section measures it, and how many of fk's launches per call
+  `infer`), as the main job's host section measures it, in `--host-passes` passes over the cases
+  (each row the median of its passes), and how many of fk's launches per call
   still go through Triton's own dispatch (0 where every launch is direct);
 - fk's device time (CUDA-graph replays, `do_bench` medians) on every row of the chosen tables of
   the main job (default: attention, layernorm, rmsnorm, softmax), fk's variant alone, with
@@ -27,6 +28,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -41,6 +43,9 @@ PREFIX = "versions-"
 SECTION = "versions"
 # Device time a version may lose to the baseline before its row is flagged (issue: 0.97x).
 KEEP = 0.97
+# Passes over the host cases in one run, each row the median of its passes: samples spread over
+# the run, not one slow stretch of the box.
+HOST_PASSES = 2
 
 
 def _call(fn, inputs, mode: str):
@@ -86,16 +91,29 @@ def dispatched_per_call(cases, calls: int = 4) -> dict:
     return found
 
 
-def measure(out: Path, tables: tuple[str, ...], budget_s: float, host_rows: bool = True) -> Path:
+def _passes_merged(passes: list[list]) -> list:
+    """One host row per case and mode from several passes over them: the median of the passes'
+    times per call; the first pass's device time."""
+    merged = []
+    for rows in zip(*passes, strict=True):
+        us = [r.us for r in rows if r.us is not None]
+        merged.append(dataclasses.replace(rows[0], us=statistics.median(us) if us else None))
+    return merged
+
+
+def measure(out: Path, tables: tuple[str, ...], budget_s: float, host_rows: bool = True,
+            host_passes: int = HOST_PASSES) -> Path:
     from fk_runtime import backend
     from fk_runtime.harness import bench
 
     backend.use_interpreter_without_gpu()
     meta = bench.environment()
     meta["command"] = "python e2e/triton_versions.py " + shlex.join(sys.argv[1:])
+    _, meta["host_calls"], meta["host_repeats"] = bench.host_settings()
+    meta["host_passes"] = host_passes
     modules = [importlib.import_module(f"fk_{op}.bench") for op in OPS]
     host_cases = [c for m in modules if hasattr(m, "host_cases") for c in m.host_cases()] if host_rows else []
-    host = bench.run_host_cases(host_cases)
+    host = _passes_merged([bench.run_host_cases(host_cases, progress=not i) for i in range(host_passes)])
     dispatched = dispatched_per_call(host_cases)
     full = not backend.is_interpreter()
     cases = [dataclasses.replace(c, variants={bench.FK: c.variants[bench.FK]})
@@ -167,6 +185,10 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: s
     runs = {v: _median_run(r) for v, r in rounds.items()}
     # runs per version: a file of medians (meta "runs") stands for the runs it was made from
     counts = {v: sum(r["meta"].get("runs", 1) for r in rs) for v, rs in rounds.items()}
+    kinds = {v: (sum(bool(r["host"]) for r in rs), sum(bool(r["device"]) for r in rs)) for v, rs in rounds.items()}
+    # each kind of run once: the folders and budgets differ from run to run
+    commands = dict.fromkeys(re.sub(r" --budget-s \S+", "", re.sub(r"--out \S+", "--out DIR", r["meta"]["command"]))
+                             for rs in rounds.values() for r in rs)
     versions = sorted(runs, key=lambda v: tuple(int(p) for p in _release(v).split(".")))
     base = next((v for v in versions if _release(v) == baseline), None)
     if base is None:
@@ -177,17 +199,20 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: s
         "## Triton versions", "",
         f"{first['device']}, torch {first['torch']}; Triton {', '.join(versions)}, each in its own process on "
         f"{where} ({', '.join(runs[v]['meta']['date'] for v in versions)}); "
-        f"{', '.join(f'{counts[v]} run(s) of {v}' for v in versions)}, alternating versions where several: "
+        f"{', '.join(f'{counts[v]} run(s) of {v} ({kinds[v][0]} with host rows, {kinds[v][1]} with device rows)' for v in versions)}, alternating versions where several: "
         "each figure the median over a version's runs (host ratios: each run's fk ÷ torch, then the median). "
         f"`÷ {_release(base)}`: the "
         f"version's time over {_release(base)}'s (below 1: faster). Host: µs per eager call on a tiny input "
-        "(the host section's method), fk's and torch's op in the same process; host time moves between "
+        f"(the host section's method: the median of {first.get('host_repeats', '?')} interleaved samples of "
+        f"{first.get('host_calls', '?')} calls, in each of {first.get('host_passes', 1)} pass(es) over the cases, "
+        "their median), fk's and torch's op in the same process; host time moves between "
         "processes on this machine (torch's own op by up to 1.8x here), so a version's host figure is "
         f"compared as fk's time over torch's in its own run, divided by that of {_release(base)}. "
         "`dispatched`: fk's launches per call that went through Triton's own dispatch instead of the "
         "compiled launcher (0: every launch direct; – : not recorded by that run). Device: fk's CUDA-graph replay time of the main tables' rows, "
         f"fk alone, attention's default tiles (no autotuning, the same tiles on every version); rows at `÷ {_release(base)}` above {1 / KEEP:.3f} (below {KEEP}x the speed) are marked `!`.",
-        "", f"Command: `{first['command']}` once per version, then `python e2e/triton_versions.py --summarize`", "",
+        "", f"Commands: {' and '.join(f'`{c}`' for c in commands)} in each version's runs, then "
+        "`python e2e/triton_versions.py --summarize`", "",
         "### Host time per call", "",
     ]
     head = ["op", "call"] + [f"fk / torch {v} (µs)" for v in versions] + [f"÷ {_release(base)}, {v}" for v in others]
@@ -264,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default=BASELINE)
     parser.add_argument("--where", default="on the same machine", help="where the runs ran (the section's words)")
     parser.add_argument("--autotune", action="store_true", help="let attention autotune (off by default)")
+    parser.add_argument("--host-passes", type=int, default=HOST_PASSES, help="passes over the host cases")
     parser.add_argument("--no-host", action="store_true",
                         help="device rows only (a run beside others on a shared host: its host times would be theirs too)")
     args = parser.parse_args(argv)
@@ -271,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarize is not None:
         summarize(args.summarize, args.out, args.baseline, args.where)
     else:
-        measure(args.out, tuple(args.tables), args.budget_s, host_rows=not args.no_host)
+        measure(args.out, tuple(args.tables), args.budget_s, host_rows=not args.no_host, host_passes=args.host_passes)
     return 0
 
 

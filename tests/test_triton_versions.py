@@ -6,7 +6,8 @@ from pathlib import Path
 
 
 def _run(folder: Path, triton: str, fk_us: float, torch_us: float, ms: dict, dispatched=0.0) -> None:
-    meta = dict(device="GPU", torch="2.11", triton=triton, date="today", command="python e2e/triton_versions.py")
+    meta = dict(device="GPU", torch="2.11", triton=triton, date="today", command="python e2e/triton_versions.py",
+                host_calls=200, host_repeats=7, host_passes=2)
     host = [dict(op="rms_norm", shape="4×4096", dtype="bfloat16", variant=variant, mode="fwd", us=us,
                  device_us=None, error=None, dispatched=dispatched if variant == "fk" else None)
             for variant, us in (("fk", fk_us), ("torch", torch_us))]
@@ -42,7 +43,18 @@ def test_several_runs_of_a_version_are_taken_as_their_medians(tmp_path, e2e_scri
         (tmp_path / f"b{i}").mkdir()
         _run(tmp_path / f"b{i}", "3.8.0", 2 * fk_us, 3 * torch_us, {"B1 N128": 2 * ms})
     text = versions.summarize(sorted(p for p in tmp_path.iterdir() if p.is_dir()), tmp_path / "benchmarks")
-    assert "3 run(s) of 3.6.0, 3 run(s) of 3.8.0" in text
+    assert "3 run(s) of 3.6.0 (3 with host rows, 3 with device rows), 3 run(s) of 3.8.0" in text
     host_row = next(line for line in text.splitlines() if line.startswith("| rms_norm"))
     assert "| 40.0 / 20.0 | 80.0 / 60.0 | 0.67 |" in host_row  # median µs; each 3.8 run at 2/3 of its 3.6 pair
     assert "| 1.1000 | 2.2000 | 2.000 ! |" in text
+    assert "median of 7 interleaved samples of 200 calls, in each of 2 pass(es)" in text
+
+
+def test_host_passes_merge_into_one_row_per_case(e2e_script):
+    from fk_runtime.harness import bench
+
+    versions = e2e_script("triton_versions")
+    passes = [[bench.HostResult("op", "4", "bfloat16", "fk", "fwd", us, device_us=dev)]
+              for us, dev in ((10.0, 1.0), (14.0, 2.0), (12.0, 3.0))]
+    (row,) = versions._passes_merged(passes)
+    assert (row.us, row.device_us) == (12.0, 1.0)
