@@ -1,0 +1,99 @@
+"""fk's host work per eager call with the launch taken out, for comparing two trees on any CPU.
+
+Every op's host cases (the main job's host section: `fwd`, `fwd+bwd`, `infer`) run on Triton's
+interpreter with `Launch.__call__` replaced by a no-op, so a call is the Python and torch work fk
+does around its launches; the launch itself is one C call that two trees share. Attention runs at
+the GPU's host shape, so that it takes the path it takes there (the CPU's smaller shape takes
+split-KV decode). Per row: the median of `--samples` samples of `--calls` calls.
+
+    bash shared/from-source.sh python e2e/host_paths.py --out new.json          # this tree
+    (cd OLD && bash shared/from-source.sh python NEW/e2e/host_paths.py --out old.json)
+    python e2e/host_paths.py --compare old.json new.json [more pairs, alternated runs]
+
+`--compare A B [A B ...]` takes files in pairs (A: the baseline tree, B: the other) and prints each
+row's times and the ratio of the medians, B over A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+OPS = ("attention", "layernorm", "softmax", "weightedsum")
+WARMUP = 30
+
+
+def measure(calls: int, samples: int) -> dict[str, float]:
+    """{"op mode": µs per call} of fk's variant of every host case, launches stubbed (on the CPU,
+    also on a GPU machine: torch is imported after the GPUs are hidden)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from fk_runtime import launch
+
+    launch.Launch.__call__ = lambda self, *head: None
+    try:
+        from fk_runtime.harness import bench
+    except ImportError:  # trees before the harness moved into its own package
+        from fk_runtime import bench
+    found = {}
+    for op in OPS:
+        module = importlib.import_module(f"fk_{op}.bench")
+        if op == "attention":
+            module.SMALL_HOST_SHAPE = module.HOST_SHAPE
+        for case in module.host_cases():
+            inputs = case.make_inputs()
+            for mode in case.modes:
+                call = bench._host_call(case.variants["fk"], inputs, mode)
+                for _ in range(WARMUP):
+                    call()
+                times = []
+                for _ in range(samples):
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        call()
+                    times.append((time.perf_counter() - start) / calls * 1e6)
+                found[f"{case.op} {mode}"] = statistics.median(times)
+    return found
+
+
+def compare(paths: list[Path]) -> str:
+    if len(paths) % 2:
+        raise SystemExit("--compare takes files in pairs: baseline, other")
+    runs = [json.loads(p.read_text()) for p in paths]
+    base, other = runs[0::2], runs[1::2]
+    lines = ["| row | baseline µs | other µs | other ÷ baseline |", "| --- | --- | --- | --- |"]
+    for row in other[0]:
+        if not all(row in r for r in base + other):
+            continue
+        a, b = [r[row] for r in base], [r[row] for r in other]
+        lines.append(f"| {row} | {' '.join(f'{x:.1f}' for x in a)} | {' '.join(f'{x:.1f}' for x in b)} | "
+                     f"{statistics.median(b) / statistics.median(a):.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--samples", type=int, default=15)
+    parser.add_argument("--compare", type=Path, nargs="+")
+    args = parser.parse_args(argv)
+    if args.compare:
+        print(compare(args.compare))
+        return 0
+    found = measure(args.calls, args.samples)
+    text = json.dumps(found, indent=1)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

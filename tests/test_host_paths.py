@@ -1,0 +1,32 @@
+"""e2e/host_paths.py: fk's host work per eager call with the launch stubbed, for A/B of two trees."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "e2e" / "host_paths.py"
+
+
+def test_every_host_row_is_timed_without_launching(tmp_path):
+    """Its own process (the stubbed launch must not reach other tests): one time per op and mode."""
+    out = tmp_path / "paths.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--calls", "2", "--samples", "1", "--out", str(out)],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    times = json.loads(out.read_text())
+    for row in ("attention fwd", "attention fwd+bwd", "attention infer", "attention_with_kvcache infer",
+                "rms_norm fwd", "layer_norm fwd+bwd", "softmax infer", "weighted_sum fwd"):
+        assert times[row] > 0, row
+
+
+def test_compare_sets_each_tree_against_the_baseline_by_medians(tmp_path, e2e_script):
+    paths = e2e_script("host_paths")
+    files = []
+    for i, (old, new) in enumerate(((10.0, 12.0), (11.0, 30.0), (9.0, 11.0))):  # one slow run of the other tree
+        for name, us in (("old", old), ("new", new)):
+            files.append(tmp_path / f"{name}{i}.json")
+            files[-1].write_text(json.dumps({"softmax fwd": us, "only here": 1.0} if name == "new" else
+                                            {"softmax fwd": us}))
+    table = paths.compare(files)
+    assert "| softmax fwd | 10.0 11.0 9.0 | 12.0 30.0 11.0 | 1.200 |" in table and "only here" not in table
