@@ -11,6 +11,10 @@ ratio to the first variant.
         --rows "softmax fwd 1024x65536 bfloat16" "layernorm bwd 256x262144 float32" \
         --variant nocap "fk_softmax.plan:SPLIT_FORWARD_PROGRAMS_PER_SM={}"
 
+A value is a literal, or an expression in the patched module's own names, e.g. attention's d64
+forward tiles: `"fk_attention.config:DEFAULTS_16BIT=((64, {**DEFAULTS_16BIT[0][1], Kind.FORWARD:
+Config(64, 64, 4, 2)}),) + DEFAULTS_16BIT[1:]"`.
+
 A row is `op direction shape dtype` as the main tables name them (`x` for `×`), or `all:TABLE`
 for every row of a main table; the first variant is always `base` (the code as it is), and
 `env:FK_AUTOTUNE='1'` is a variant too (attention autotuned, as a bind reads it). `--peers` times
@@ -48,13 +52,20 @@ class _Environment:
 
 
 def _patches(spec: str) -> list[tuple[object, str, object]]:
-    """`module:NAME=literal;env:NAME='value'` -> [(module or the environment, NAME, value)]."""
+    """`module:NAME=value;env:NAME='value'` -> [(module or the environment, NAME, value)]: a value is
+    a literal, or for a module an expression in that module's names (`Config(64, 64, 4, 2)`)."""
     out = []
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         target, value = item.split("=", 1)
         module, name = target.split(":")
-        holder = _Environment() if module == "env" else importlib.import_module(module)
-        out.append((holder, name, ast.literal_eval(value)))
+        if module == "env":
+            out.append((_Environment(), name, ast.literal_eval(value)))
+            continue
+        holder = importlib.import_module(module)
+        try:
+            out.append((holder, name, ast.literal_eval(value)))
+        except (ValueError, SyntaxError):  # not a literal: built from the module's own names
+            out.append((holder, name, eval(value, vars(holder))))  # noqa: S307 (the caller's own command line)
     return out
 
 
