@@ -51,6 +51,7 @@ def test_several_runs_of_a_version_are_taken_as_their_medians(tmp_path, e2e_scri
 
 
 def test_host_passes_merge_into_one_row_per_case(e2e_script):
+    """Each row's time is the median of its passes'; its device time the first pass's."""
     from fk_runtime.harness import bench
 
     versions = e2e_script("triton_versions")
