@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 OPS = ("attention", "layernorm", "softmax", "weightedsum")
@@ -41,6 +40,7 @@ def measure(calls: int, samples: int) -> dict[str, float]:
         from fk_runtime.harness import bench
     except ImportError:  # trees before the harness moved into its own package
         from fk_runtime import bench
+    host_call = getattr(bench, "host_call", None) or bench._host_call  # (older trees' name)
     found = {}
     for op in OPS:
         module = importlib.import_module(f"fk_{op}.bench")
@@ -49,16 +49,8 @@ def measure(calls: int, samples: int) -> dict[str, float]:
         for case in module.host_cases():
             inputs = case.make_inputs()
             for mode in case.modes:
-                call = bench._host_call(case.variants["fk"], inputs, mode)
-                for _ in range(WARMUP):
-                    call()
-                times = []
-                for _ in range(samples):
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        call()
-                    times.append((time.perf_counter() - start) / calls * 1e6)
-                found[f"{case.op} {mode}"] = statistics.median(times)
+                call = {"fk": host_call(case.variants["fk"], inputs, mode)}
+                found[f"{case.op} {mode}"] = bench.interleaved_seconds(call, WARMUP, calls, samples)["fk"] * 1e6
     return found
 
 

@@ -496,7 +496,8 @@ class HostResult:
     error: str | None = None
 
 
-def _host_call(fn: Callable, inputs: Sequence, mode: str) -> Callable[[], object]:
+def host_call(fn: Callable, inputs: Sequence, mode: str) -> Callable[[], object]:
+    """One eager call of `fn(*inputs)` as the host section times it in `mode` (HostResult.mode)."""
     if mode == "fwd":
         return lambda: fn(*inputs)
     if mode == "infer":
@@ -588,7 +589,7 @@ def run_host_cases(cases: Sequence[HostCase], progress: bool = True) -> list[Hos
                 rows[name] = row
                 results.append(row)
                 try:
-                    calls[name] = _host_call(fn, inputs, mode)
+                    calls[name] = host_call(fn, inputs, mode)
                     calls[name]()  # a variant that refuses the input fails here, not mid-timing
                 except Exception as exc:  # a peer that refuses an input is a result, not a crash
                     calls.pop(name, None)
