@@ -414,6 +414,101 @@ def test_hopper_backward_leaves_unaligned_bases_to_tl(monkeypatch):
             testing.assert_close(name, got, want, torch.bfloat16)
 
 
+
+@pytest.fixture
+def fused_dq(monkeypatch):
+    """The 5-matmul backward switched on (`config.GLUON_FUSED_DQ`), bound calls dropped before and after."""
+    plan.BOUND.cache_clear()
+    monkeypatch.setattr(fk_config, "GLUON_FUSED_DQ", True)
+    yield
+    plan.BOUND.cache_clear()
+
+
+@ON_GLUON_HOPPER
+@pytest.mark.skipif(hopper.tma_reduce_add is None, reason="TMA reduce-adds: Triton >= 3.8")
+@pytest.mark.parametrize("grad_lse", [False, True], ids=["", "grad_lse"])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,mask", HOPPER_CASES, ids=str)
+def test_hopper_5_matmul_backward_matches_the_tl_kernels_and_float64(monkeypatch, fused_dq, shape, mask, dtype,
+                                                                     layout, grad_lse):
+    """dQ, dK, dV of the 5-matmul backward (dQ by TMA reduce-adds) against float64, within the tl
+    kernels' own error on the same inputs, a gradient reaching the lse too; its launch ran, and
+    not under torch's deterministic algorithms (the 7-matmul pair then, bit for bit on a rerun)."""
+    ran = _hopper_launches(monkeypatch, "bind_backward")
+    q, k, v = make(shape, dtype, layout=layout, requires_grad=False)
+    scale = 1 / math.sqrt(shape[-1])
+    out, lse = plan.forward(q, k, v, mask, scale)
+    grad_out = testing.randn(out.shape, dtype)
+    g_lse = testing.randn(lse.shape, torch.float32).masked_fill(~lse.isfinite(), 0.0) if grad_lse else None
+    grads = plan.backward(grad_out, g_lse, q, k, v, out, lse, mask, scale)
+    assert len(ran) == 1
+    configs = tuple(fk_config.default_config(kind, shape[-1], dtype, True) for kind in (fk_config.Kind.DQ, fk_config.Kind.DKDV))
+    tl_grads = plan.backward(grad_out, g_lse, q, k, v, out, lse, mask, scale, configs=configs)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = _masked_reference(q64, k64, v64, mask, scale)
+    outputs, cotangents = [ref], [grad_out.double()]
+    if grad_lse:
+        scores = q64 @ k64.repeat_interleave(shape[1] // shape[2], 1).transpose(-1, -2) * scale
+        keys = torch.arange(shape[4], device=q.device)
+        rows = torch.arange(shape[3], device=q.device)[:, None] + (shape[4] - shape[3] if mask.lower_right else 0)
+        if mask.right == 0:
+            scores = scores.masked_fill(keys > rows, -math.inf)
+        seen = lse.isfinite()
+        outputs.append(torch.logsumexp(scores.masked_fill(~seen[..., None], 0.0), -1).where(seen, 0.0))
+        cotangents.append(g_lse.double())
+    wants = torch.autograd.grad(outputs, (q64, k64, v64), cotangents)
+    for name, got, tl_got, want, given in zip(("dq", "dk", "dv"), grads, tl_grads, wants, (q, k, v), strict=True):
+        err = (got.double() - want).norm() / want.norm()
+        tl_err = (tl_got.double() - want).norm() / want.norm()
+        assert err <= 1.1 * tl_err + 1e-6, f"{name}: 5-matmul {err:.2e} against tl {tl_err:.2e}"
+        assert [st for st, n in zip(got.stride(), got.shape, strict=True) if n > 1] == \
+            [st for st, n in zip(given.stride(), given.shape, strict=True) if n > 1]
+    if grad_lse or layout == "bnhd":
+        return
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, again = (plan.backward(grad_out, None, q, k, v, out, lse, mask, scale) for _ in range(2))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(ran) == 1
+    for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_backward_prep_kernel_writes_the_row_terms_and_clears_the_dq_sum():
+    """The 5-matmul backward's prep (`kernels.attn_bwd_prep_kernel`, any Triton, the interpreter
+    too): delta = rowsum(dO * O) - dlse and the base-2 lse (+inf where no key was seen) against
+    float64, its padding rows (delta 0, lse2 +inf) to STATS_ALIGN, and every dQ-sum row cleared;
+    strided O and dO, a head dim below its padding, an odd row count over several blocks."""
+    from fk_attention import kernels
+
+    align = int(kernels.STATS_ALIGN)
+    assert fk_config.PREP_ROWS % align == 0  # its blocks cover the scratch padding
+    b, h, n, d, padded = 2, 3, 77 + fk_config.PREP_ROWS, 72, 128
+    out = testing.randn((b, n, h, d), torch.float16).transpose(1, 2)
+    grad_out = testing.randn((b, h, n, d + 8), torch.float16)[..., :d]
+    lse = testing.randn((b, h, n), torch.float32)
+    lse[0, 1, 5] = -math.inf
+    padded_n = -(-n // align) * align
+    for dlse in (None, testing.randn((b, h, n), torch.float32)):
+        scratch = torch.full((2, b, h, padded_n), math.nan, device=lse.device)
+        dq_sum = torch.full((b, h, n, padded), math.nan, device=lse.device)
+        kernels.attn_bwd_prep_kernel[(-(-n // fk_config.PREP_ROWS) * b * h,)](
+            out, grad_out, lse, lse if dlse is None else dlse, scratch[0], scratch[1], dq_sum, n, h,
+            *out.stride(), *grad_out.stride(), *lse.stride()[:2], *(lse if dlse is None else dlse).stride(),
+            *scratch.stride()[1:3], HAS_DLSE=dlse is not None, HEAD_DIM=d, HEAD_DIM_PADDED=padded,
+            BLOCK_M=fk_config.PREP_ROWS)
+        delta = (out.double() * grad_out.double()).sum(-1) - (0.0 if dlse is None else dlse.double())
+        lse2 = torch.where(lse == -math.inf, math.inf, lse.double() * math.log2(math.e))
+        testing.assert_close("delta", scratch[0, ..., :n], delta, torch.float32)
+        testing.assert_close("lse2", scratch[1, ..., :n].where(lse2.isfinite(), 0.0), lse2.where(lse2.isfinite(), 0.0),
+                             torch.float32)
+        assert torch.equal(scratch[1, ..., :n].isinf(), lse2.isinf())
+        assert torch.equal(scratch[0, ..., n:], torch.zeros_like(scratch[0, ..., n:]))
+        assert bool((scratch[1, ..., n:] == math.inf).all())
+        assert torch.equal(dq_sum, torch.zeros_like(dq_sum))
+
 @ON_GLUON_HOPPER
 def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch):
     """A base off the 16-byte grid, a window, a softcap, d64, a negative scale (the registered op

@@ -85,7 +85,15 @@ def main() -> None:
                                           fk_config.GLUON_KEYS)]
         dkdv = hopper.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N,
                                                          CAUSAL=causal, STAGES=fk_config.GLUON_BWD_STAGES, **common)
-        for name, compiled in (("forward", fwd), ("dK/dV", dkdv)):
+        kernels = [("forward", fwd), ("dK/dV", dkdv)]
+        if hopper.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8)
+            dq_sum = torch.empty(B, H, N, D)
+            dq = Descriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, fk_config.GLUON_Q_ROWS, D // 2],
+                            layout=hopper.shared_layout(fk_config.GLUON_Q_ROWS, D // 2, torch.float32)).real()
+            kernels.append(("5-matmul backward", hopper.attn_bwd_hopper_kernel.warmup(
+                *bwd, dq, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N, CAUSAL=causal,
+                STAGES=fk_config.GLUON_BWD_STAGES, **common)))
+        for name, compiled in kernels:
             print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")
 
 

@@ -8,6 +8,8 @@ Gluon is experimental and its names move between releases. Those fk's kernels me
 - 3.9 made a shared-memory descriptor's `_reinterpret` public as `reinterpret`: here a jitted
   `reinterpret(smem, dtype, shape, layout)`.
 - 3.7 replaced `gl.thread_barrier` by `gl.barrier` (not used by fk's kernels yet).
+- 3.8 added TMA reductions from shared memory (`tma.async_atomic_add`, ...): here `tma_reduce_add`,
+  None before 3.8.
 
 `supported()` says whether this Triton is one whose Gluon kernels fk compiled for sm_90a and ran:
 the Gluon paths are taken there only; elsewhere the `tl` kernels run.
@@ -34,8 +36,9 @@ if tma is not None:
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     store_wait = tma.store_wait
+    tma_reduce_add = getattr(tma, "async_atomic_add", None)
 else:
-    tma_load = tma_store = store_wait = None
+    tma_load = tma_store = store_wait = tma_reduce_add = None
 
 if gluon is not None:
     # Which name this Triton gives a shared-memory view of another dtype, shape or layout.

@@ -13,6 +13,10 @@ The backward's dK/dV kernel has the same shape: two consumer warpgroups of 64 ke
 K, V and dK, dV accumulators while a producer warp streams Q and dO blocks of every query head of
 the group. dQ (and the row terms delta and the base-2 lse that dK/dV reads) stays with the tl
 kernel (`kernels.attn_bwd_dq_kernel`), which runs first: 7 matmuls per block pair, deterministic.
+The 5-matmul backward (Triton >= 3.8, `config.GLUON_FUSED_DQ`) adds dQ = dS K to that kernel's
+consumers, FlashAttention-3's way: both warpgroups' dS in shared memory, each forms half the head
+dim over all the program's keys and adds it into an fp32 sum with a TMA reduce-add
+(`kernels.attn_bwd_prep_kernel` writes the row terms and clears the sum first; a cast ends it).
 
 Taken for what they were built and measured on (TUNING.md: Hopper forward, Hopper backward): an
 H100-class GPU (compute capability 9.x), the Triton versions in `fk_runtime.gluon.VERSIONS` (whose
@@ -28,17 +32,19 @@ from __future__ import annotations
 import torch
 
 from fk_runtime import gluon as fk_gluon
-from fk_runtime import sizing
+from fk_runtime import alloc, sizing
 from fk_runtime.gluon import (fence_async_shared, gl, gluon, mbarrier, reinterpret, store_wait, tma_load,
-                              tma_store, warpgroup_mma, warpgroup_mma_wait)
+                              tma_reduce_add, tma_store, warpgroup_mma, warpgroup_mma_wait)
 from fk_runtime.launch import Descriptor, Launch
 
+from . import config, kernels
 from .config import (GLUON_BLOCK_N, GLUON_BWD_STAGES, GLUON_CONSUMER_REGISTERS, GLUON_HEAD_DIMS, GLUON_KEYS,
-                     GLUON_PRODUCER_REGISTERS, GLUON_Q_ROWS, GLUON_ROWS, GLUON_STAGES)
+                     GLUON_PRODUCER_REGISTERS, GLUON_Q_ROWS, GLUON_ROWS, GLUON_STAGES, PREP_ROWS)
 from .layout import descriptor_strides, descriptors_may_serve, padded_head_dim
 from .mask import Mask
 
 DTYPES = (torch.float16, torch.bfloat16)
+GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32} if gl else {}
 LOG2E = 1.4426950408889634
 
 
@@ -55,6 +61,13 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scal
     """Whether the forward of these tensors runs here: the row max is taken on unscaled scores, so
     the scale must be positive."""
     return sm_scale > 0 and serves(q, k, v, mask)
+
+
+def fused_dq_built() -> bool:
+    """Whether the backward binds the 5-matmul kernel where dK/dV serves: switched on in config (read
+    at bind time, so that a variant may set it) and a Triton with TMA reduce-adds. A call takes it
+    only while torch's deterministic algorithms are off."""
+    return config.GLUON_FUSED_DQ and tma_reduce_add is not None
 
 
 if gluon is not None:
@@ -343,9 +356,152 @@ if gluon is not None:
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
-def shared_layout(rows: int, padded: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, padded], gl.float16 if dtype == torch.float16
-                                                else gl.bfloat16)
+
+if gluon is not None:
+
+    @gluon.jit
+    def _bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
+                      empty, ds_full, ds_free, lse2_ptr, delta_ptr, qk_scale, sm_scale, shift, b, hk, start_n, group,
+                      first_block, n_blocks, ssb, ssh, HALF: gl.constexpr, CAUSAL: gl.constexpr,
+                      Q_ROWS: gl.constexpr, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """`_dkdv_consumer`, plus dQ = dS K (FlashAttention-3's split): both warpgroups' dS^T meet in
+        shared memory (two buffers by step parity, `ds_full` / `ds_free`), and each forms its half of
+        the head dim over all 2 x KEYS keys, which one TMA reduce-add puts into the fp32 dQ sum."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, Q_ROWS, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_COLS, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        dtype: gl.constexpr = q_smem.dtype
+        tile_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], dtype)
+        kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_DIM], dtype)
+        dq_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, DQ_COLS], gl.float32)
+        k_tile = k_smem.index(HALF)
+        v_tile = v_smem.index(HALF)
+        k = reinterpret(k_tile, dtype, [KEYS, HEAD_DIM], kv_2d)
+        v = reinterpret(v_tile, dtype, [KEYS, HEAD_DIM], kv_2d)
+        # this warpgroup's half of the head dim of both key halves: dQ's B operands
+        k_lo = reinterpret(k_smem.index(0), dtype, [KEYS, HEAD_DIM], kv_2d).slice(HALF * DQ_COLS, DQ_COLS, dim=1)
+        k_hi = reinterpret(k_smem.index(1), dtype, [KEYS, HEAD_DIM], kv_2d).slice(HALF * DQ_COLS, DQ_COLS, dim=1)
+        dq_tile = dq_smem.index(HALF)
+        dq_out = reinterpret(dq_tile, gl.float32, [Q_ROWS, DQ_COLS], dq_2d)
+        keys = start_n + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([KEYS, Q_ROWS], gl.float32, s_layout)
+        dq_zero = gl.zeros([Q_ROWS, DQ_COLS], gl.float32, dq_layout)
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+        full_from = start_n + 2 * KEYS - shift
+        per_head = n_blocks - first_block
+        mbarrier.wait(kv_bar, 0)
+        for step in range(group * per_head):
+            stage = step % STAGES
+            parity = step % 2
+            h = hk * group + step // per_head
+            m0 = (first_block + step % per_head) * Q_ROWS
+            rows = m0 + cols
+            stats = b.to(gl.int64) * ssb + h.to(gl.int64) * ssh + rows
+            lse2 = gl.load(lse2_ptr + stats)  # padded by the prep kernel: no mask (see _dkdv_consumer)
+            delta = gl.load(delta_ptr + stats)
+            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            q = reinterpret(q_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
+            do = reinterpret(do_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
+            st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=[st])
+            zt = st * qk_scale - gl.expand_dims(lse2, 0)
+            if CAUSAL:
+                if m0 < full_from:
+                    zt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + shift, zt, -float("inf"))
+            pt = gl.exp2(zt)
+            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv = warpgroup_mma(pt_op, do, dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=[dpt])
+            ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            # the dQ matmuls of two steps back (both warpgroups') have read this parity's buffers
+            mbarrier.wait(ds_free.index(parity), ((step // 2) & 1) ^ 1, pred=step >= 2)
+            ds_t = ds_smem.index(2 * parity + HALF)
+            ds_t.store(ds16)
+            fence_async_shared()
+            mbarrier.arrive(ds_full.index(parity), count=1)
+            dk = warpgroup_mma(ds_t, q, dk, is_async=True)  # dS^T read from shared memory: no registers held
+            mbarrier.wait(ds_full.index(parity), (step // 2) & 1)
+            dq = warpgroup_mma(ds_smem.index(2 * parity).permute((1, 0)), k_lo, dq_zero, use_acc=False,
+                               is_async=True)
+            dq = warpgroup_mma(ds_smem.index(2 * parity + 1).permute((1, 0)), k_hi, dq, is_async=True)
+            dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op])
+            mbarrier.arrive(ds_free.index(parity), count=1)
+            mbarrier.arrive(empty.index(stage), count=1)
+            store_wait(0)  # this warpgroup's add of the step before has read its tile
+            dq_out.store(dq * sm_scale)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [b, h, m0, HALF * DQ_COLS], dq_tile)
+        k.store((dk * sm_scale).to(dtype))
+        v.store(dv.to(dtype))
+        fence_async_shared()
+        tma_store(dk_desc, [b, hk, start_n + HALF * KEYS, 0], k_tile)
+        tma_store(dv_desc, [b, hk, start_n + HALF * KEYS, 0], v_tile)
+        store_wait(0)
+
+    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift"])
+    def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr,
+                               qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, ssb, ssh,
+                               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                               CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
+        """The 5-matmul backward (Triton >= 3.8): `attn_bwd_dkdv_hopper_kernel` that also adds dQ
+        (times the scale) into the fp32 dQ sum through `dq_desc` (TMA reduce-adds: not
+        deterministic). Reads the row terms `kernels.attn_bwd_prep_kernel` wrote."""
+        Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
+        KEYS: gl.constexpr = k_desc.block_type.shape[2]
+        dtype: gl.constexpr = q_desc.dtype
+        n_key_blocks = gl.cdiv(n_k, 2 * KEYS)
+        pid = gl.program_id(0)
+        bhk = pid // n_key_blocks
+        start_n = (pid % n_key_blocks) * 2 * KEYS
+        b = bhk // n_heads_k
+        hk = bhk % n_heads_k
+        n_blocks = gl.cdiv(n_q, Q_ROWS)
+        first_block = 0
+        if CAUSAL:
+            first_block = gl.minimum(gl.maximum(start_n - shift, 0) // Q_ROWS, n_blocks)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, Q_ROWS], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, KEYS, Q_ROWS], ds_layout)  # [parity, half]
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_full.index(i), count=2)
+            mbarrier.init(ds_free.index(i), count=2)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        gl.warp_specialize([
+            (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                             ready, empty, ds_full, ds_free, lse2_ptr, delta_ptr, qk_scale, sm_scale, shift, b, hk,
+                             start_n, group, first_block, n_blocks, ssb, ssh, 0, CAUSAL, Q_ROWS, KEYS, HEAD_DIM,
+                             STAGES)),
+            (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
+                             ready, empty, ds_full, ds_free, lse2_ptr, delta_ptr, qk_scale, sm_scale, shift, b, hk,
+                             start_n, group, first_block, n_blocks, ssb, ssh, 1, CAUSAL, Q_ROWS, KEYS, HEAD_DIM,
+                             STAGES)),
+            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
+                              empty, b, hk, start_n, group, first_block, n_blocks, Q_ROWS, KEYS, STAGES)),
+        ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+
+
+def shared_layout(rows: int, cols: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], GL_DTYPES[dtype])
 
 
 def _descriptors(tensors, rows, padded: int, dtype: torch.dtype) -> list:
@@ -397,5 +553,47 @@ def bind_dkdv(q, k, v, grad_out, dk, dv, scratch_strides: tuple[int, int], mask:
         launch(*(Descriptor(t, shape, strides, block, layout=layout)
                  for t, (shape, strides, block, layout) in zip((q, k, v, grad_out, dk, dv), layouts, strict=True)),
                lse2, delta)
+
+    return run
+
+
+def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[int, int],
+                  scratch_strides: tuple[int, int], mask: Mask, sm_scale: float):
+    """launch(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, dk, dv) of the 5-matmul backward
+    (`fused_dq_built`, and `serves` as for `bind_dkdv`): the prep kernel's row terms and cleared fp32
+    dQ sum, the Gluon kernel, then dQ cast into `dq`. `dlse` None: no gradient reaches the lse (any
+    tensor may stand in per call); delta and lse2 as `bind_dkdv` takes them; the caller checks
+    `bases_aligned` per call."""
+    b, hq, n_q, d = q.shape
+    hk, n_k = k.shape[1], k.shape[2]
+    padded = padded_head_dim(d)
+    has_dlse = dlse is not None
+    prep = Launch(kernels.attn_bwd_prep_kernel, (sizing.cdiv(n_q, PREP_ROWS) * b * hq,),
+                  (n_q, hq, *out.stride(), *grad_out.stride(), *lse_strides,
+                   *(dlse.stride() if has_dlse else (0, 0, 0)), *scratch_strides),
+                  {"HAS_DLSE": has_dlse, "HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_M": PREP_ROWS,
+                   "num_warps": 4}, q.device)
+    tensors = (q, k, v, grad_out, dk, dv)
+    layouts = _descriptors(tensors, (GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS, GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS),
+                           padded, q.dtype)
+    dq_shape = [b, hq, n_q, padded]
+    # each consumer adds its half of the head dim
+    dq_layout = (dq_shape, [hq * n_q * padded, n_q * padded, padded, 1], [1, 1, GLUON_Q_ROWS, padded // 2],
+                 shared_layout(GLUON_Q_ROWS, padded // 2, torch.float32))
+    launch = Launch(attn_bwd_hopper_kernel, (sizing.cdiv(n_k, 2 * GLUON_KEYS) * b * hk,),
+                    (sm_scale * LOG2E, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q),
+                     *scratch_strides),
+                    {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": GLUON_BWD_STAGES,
+                     "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
+                     "num_warps": 4}, q.device)
+    fp32 = torch.empty(0, dtype=torch.float32, device=q.device)
+
+    def run(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, dk, dv):
+        dq_sum = alloc.new_empty(fp32, dq_shape)
+        prep(out, grad_out, lse, dlse, delta, lse2, dq_sum)
+        launch(*(Descriptor(t, shape, strides, block, layout=layout)
+                 for t, (shape, strides, block, layout) in zip((q, k, v, grad_out, dk, dv), layouts, strict=True)),
+               Descriptor(dq_sum, *dq_layout[:3], layout=dq_layout[3]), lse2, delta)
+        dq.copy_(dq_sum[..., :d])
 
     return run

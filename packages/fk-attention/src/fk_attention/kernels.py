@@ -662,6 +662,41 @@ def attn_bwd_dkdv_kernel(
                     BLOCK_N)
 
 
+@triton.jit(do_not_specialize=["n_q", "slb", "slh", "sdlb", "sdlh"])
+def attn_bwd_prep_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_sum_ptr, n_q, n_heads,
+                         sob, soh, son, sod, sdob, sdoh, sdon, sdod, slb, slh, sdlb, sdlh, sdln, ssb, ssh,
+                         HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
+    """Before the 5-matmul backward (`hopper.attn_bwd_hopper_kernel`), rows [start, start + BLOCK_M)
+    of one dense (batch, head): the row terms delta = rowsum(dO * O) (minus dlse) and the base-2 lse
+    in the scratch rows (past n_q, to their STATS_ALIGN padding: delta 0, lse2 +inf, as the dQ
+    kernel leaves them), and the rows of the fp32 dQ sum (B, H, N, HEAD_DIM_PADDED), contiguous,
+    cleared for the TMA adds."""
+    n_blocks = tl.cdiv(n_q, BLOCK_M)
+    pid = tl.program_id(0)
+    bh = pid // n_blocks
+    b = bh // n_heads
+    h = bh % n_heads
+    offs_m = (pid % n_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM_PADDED)
+    o = tile_load(o_ptr + tl.cast(b, tl.int64) * sob + tl.cast(h, tl.int64) * soh + offs_m[:, None] * son
+                  + cols[None, :] * sod, offs_m, n_q, cols, HEAD_DIM, HEAD_DIM_PADDED, True)
+    do = tile_load(do_ptr + tl.cast(b, tl.int64) * sdob + tl.cast(h, tl.int64) * sdoh + offs_m[:, None] * sdon
+                   + cols[None, :] * sdod, offs_m, n_q, cols, HEAD_DIM, HEAD_DIM_PADDED, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + tl.cast(b, tl.int64) * sdlb + tl.cast(h, tl.int64) * sdlh + offs_m * sdln,
+                         mask=offs_m < n_q, other=0.0)
+    lse2 = _row_lse2(lse_ptr + tl.cast(b, tl.int64) * slb + tl.cast(h, tl.int64) * slh, offs_m, n_q)
+    lse2 = tl.where(offs_m < n_q, lse2, float("inf"))
+    scratch = tl.cast(b, tl.int64) * ssb + tl.cast(h, tl.int64) * ssh + offs_m
+    in_scratch = offs_m < tl.cdiv(n_q, STATS_ALIGN) * STATS_ALIGN
+    tl.store(delta_ptr + scratch, delta, mask=in_scratch)
+    tl.store(lse2_ptr + scratch, lse2, mask=in_scratch)
+    dq_rows = dq_sum_ptr + (tl.cast(bh, tl.int64) * n_q + offs_m[:, None]) * HEAD_DIM_PADDED + cols[None, :]
+    tl.store(dq_rows, tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32), mask=offs_m[:, None] < n_q)
+
+
 # ---- packed sequences: the rows of a padded buffer past its last sequence -------------------------
 
 

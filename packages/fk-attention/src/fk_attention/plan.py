@@ -4,9 +4,9 @@ bound once (`BOUND`), and the autotuning that picks among config's candidates.
 Three tl kernels share it (`Kind`): the forward (a BLOCK_M block of queries walks the keys in steps
 of BLOCK_N), dQ (same walk, backward) and dK/dV (a BLOCK_N block of keys walks the queries of its
 GQA group in steps of BLOCK_M). On Hopper at padded head dim 128 the dense forward and the
-backward's dK/dV run the Gluon kernels of `hopper` instead, where they serve; the split-KV decode
-path is `decode`'s. Numbers live in `config`, input checks, TMA gates and layouts in `layout`, the
-mask in `mask`.
+backward's dK/dV (switched on: the whole backward, 5 matmuls) run the Gluon kernels of `hopper`
+instead, where they serve; the split-KV decode path is `decode`'s. Numbers live in `config`, input
+checks, TMA gates and layouts in `layout`, the mask in `mask`.
 
 - The interpreter runs one fixed small config (programs run one by one on the CPU; small blocks
   keep the tests quick and still take several loop steps on tiny shapes).
@@ -595,11 +595,15 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
     # Packed rows past the last sequence: gradient 0 (their outputs are 0 whatever their inputs).
     tails = (_tail_fill(device, b, totals[0], (shapes[0], 0.0)),
              _tail_fill(device, b, totals[1], (shapes[1], 0.0), (shapes[2], 0.0))) if varlen else None
-    # dK/dV in Gluon on Hopper where it serves (hopper.py); forced configs or TMA choices run tl.
-    gluon = None
+    # dK/dV in Gluon on Hopper where it serves (hopper.py), or there the 5-matmul backward where it is
+    # built; forced configs or TMA choices run tl.
+    gluon = fused = None
     if not varlen and not forced and alibi is None and not dropout and hopper.serves(q_, k_, v_, mask) \
             and descriptors_may_serve(device, (go_, dk, dv)):
         gluon = hopper.bind_dkdv(q_, k_, v_, go_, dk, dv, scratch_strides, mask, sm_scale)
+        if hopper.fused_dq_built():
+            fused = hopper.bind_backward(q_, k_, v_, out_, go_, dlse_ if has_dlse else None, dq, dk, dv,
+                                         lse_strides, scratch_strides, mask, sm_scale)
 
     def run(grad_out, grad_lse, q, k, v, out, lse, cu_q=None, cu_k=None, alibi=None, dropout_p=0.0, seed=None):
         if expanded:  # materialized as bound: before the packed view (whose own copy has other strides)
@@ -616,9 +620,13 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
         cu_k = lse if cu_k is None else cu_k
         alibi = lse if alibi is None else alibi
         drop = (lse if seed is None else seed, float(dropout_p))
+        aligned = gluon is not None and bases_aligned((q, k, v, grad_out, dk, dv))
+        if fused is not None and aligned and not torch.are_deterministic_algorithms_enabled():
+            fused(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, dk, dv)
+            return grads
         dq_kernel(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, cu_q, cu_k, alibi, *drop)
         # dK/dV reads the delta and base-2 lse the dQ kernel wrote (same stream, in order).
-        if gluon is not None and bases_aligned((q, k, v, grad_out, dk, dv)):
+        if aligned:
             gluon(q, k, v, grad_out, lse2, delta, dk, dv)
         else:
             dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k, alibi, *drop)
