@@ -432,6 +432,38 @@ def test_quiet_calls_skip_the_checks_once_a_key_passed(name, monkeypatch):
     assert len(seen) > now
 
 
+@pytest.mark.parametrize("name", QUIET)
+def test_recorded_calls_skip_the_checks_once_a_key_passed(name, monkeypatch):
+    """A key's second call that autograd records goes straight to the op's autograd.Function (no
+    checks, no argument parsing), with right outputs and gradients; the same inputs unrecorded are
+    another key, checked once."""
+    where = {"attention": ("fk_attention.ops", "check_attention_inputs", "fk_attention.plan"),
+             "layer_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
+             "rms_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
+             "softmax": ("fk_softmax.plan", "check_dim", "fk_softmax.plan"),
+             "weighted_sum": ("fk_weightedsum.plan", "check_inputs", "fk_weightedsum.plan")}[name]
+    module, check, plans = importlib.import_module(where[0]), where[1], importlib.import_module(where[2])
+    fn, ref, make = CASES[name]
+    monkeypatch.setattr(plans, "BOUND", launch.PlanCache())
+    seen = []
+    real = getattr(module, check)
+    monkeypatch.setattr(module, check, lambda *a, **k: seen.append(1) or real(*a, **k))
+    for dtype in DTYPES:
+        inputs = [t.detach().requires_grad_() for t in make(dtype, "strided_cols")]
+        before = len(seen)
+        testing.assert_matches_reference(fn, ref, inputs, dtype=dtype)  # (binding the backward may check too)
+        first = len(seen)
+        assert first > before
+        for _ in range(2):  # fresh inputs of the key: outputs and every gradient against float64
+            inputs = [t.detach().requires_grad_() for t in make(dtype, "strided_cols")]
+            assert fn(*inputs).grad_fn is not None
+            testing.assert_matches_reference(fn, ref, inputs, dtype=dtype)
+        assert len(seen) == first
+        with torch.no_grad():
+            assert fn(*inputs).grad_fn is None
+        assert len(seen) > first
+
+
 def test_quiet_keys_hold_argument_types():
     """A value the checks refuse never meets the plan of an accepted one it equals: 1.0 where an
     int is wanted, 1 where a bool is; a tensor argument is never part of a key."""

@@ -20,6 +20,20 @@ def test_every_host_row_is_timed_without_launching(tmp_path):
         assert times[row] > 0, row
 
 
+def test_count_gives_the_same_bytecodes_on_every_run(tmp_path):
+    """`--count`: Python bytecodes per call, the same in two runs, and more for a recorded call
+    (fwd+bwd) than for the same op's inference."""
+    counts = []
+    for i in range(2):
+        out = tmp_path / f"count{i}.json"
+        run = subprocess.run([sys.executable, str(SCRIPT), "--count", "--calls", "2", "--out", str(out)],
+                             capture_output=True, text=True, cwd=tmp_path)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        counts.append(json.loads(out.read_text()))
+    assert counts[0] == counts[1]
+    assert 0 < counts[0]["rms_norm infer"] < counts[0]["rms_norm fwd+bwd"]
+
+
 def test_compare_sets_each_tree_against_the_baseline_by_medians(tmp_path, e2e_script):
     paths = e2e_script("host_paths")
     files = []

@@ -27,7 +27,7 @@ PUBLIC = {
                "check_same_device", "check_same_dtype", "check_shape", "check_size", "check_tensor",
                "normalize_dim"),
     "gluon": ("TensorDescriptor", "VERSIONS", "fence_async_shared", "gl", "gluon", "mbarrier", "reinterpret",
-              "store_wait", "supported", "tma_load", "tma_store", "warpgroup_mma", "warpgroup_mma_wait"),
+              "store_wait", "supported", "tma_load", "tma_reduce_add", "tma_store", "warpgroup_mma", "warpgroup_mma_wait"),
     "launch": ("FP_FUSION", "Descriptor", "Launch", "PLAN_CACHE_SIZE", "PREWARM_ENV", "PlanCache", "bind_context",
                "hash_triton", "layout_key"),
     "ops": ("Op", "autocast", "define", "keep_quiet", "quiet_key", "quiet_run", "resolve_negated", "traced",

@@ -10,7 +10,8 @@ and `vjp` work), and returns the callable the op's public function uses:
   takes on the GPU;
 - a call that autograd does not record (inference, no_grad) can skip even that: an op keys it on
   `quiet_key` (its inputs' layouts and its other arguments with their types) and keeps, once the
-  checks passed, the call's bound plan under that key in its plan cache;
+  checks passed, the call's bound plan under that key in its plan cache; a call that autograd
+  records keeps, under its own key, the `autograd.Function` call its checks resolved to;
 - under `torch.compile` (or when a tracer hands in fake or functional tensors) Dynamo traces the
   same `autograd.Function`, whose forward and backward then call the registered ops: opaque in
   the graph, with the fakes for shapes, and the same kernels at run time.
@@ -94,34 +95,17 @@ def autocast(*tensors) -> tuple:
 _KEY_VALUES = frozenset((type(None), bool, int, float, str))
 
 
+_NO_KEY = (None, None)
+
+
 def quiet_run(cache, name: str, tensors: tuple, values: tuple) -> tuple:
     """A public function's first step: (key, run), the call's `quiet_key` and what `cache` (the
     op's PlanCache) keeps under it. A run: the call's whole answer is `run(*tensors)`. None: the
-    call takes the op's full path, and once it passed the checks `keep_quiet(cache, key, build)`."""
-    key = quiet_key(name, tensors, values)
-    return key, (None if key is None else cache.get(key))
-
-
-def keep_quiet(cache, key, build):
-    """The run a quiet call's key keeps, built once by `build()` after a call of that key passed the
-    checks; None where there is no key or `build` gave a falsy value (that key's calls then take
-    the full path every time)."""
-    if key is None:
-        return None
-    return cache.get_or_build(key, build) or None
-
-
-def quiet_key(name: str, tensors: tuple, values: tuple) -> tuple | None:
-    """The key of a plain eager call that autograd does not record, under which an op may keep
-    what the call resolves to (checks passed, arguments parsed, the bound plan): `name`, each
-    tensor's (shape, strides, dtype, device, requires_grad) (None stays None) and each value with
-    its type. None for any other call, which then takes the op's full path: traced or under
-    torch.func, forward-mode AD or autocast on, tensor subclasses, lazily negated views, meta,
-    sparse or nested tensors, an input that autograd would record, values other than None, bools, ints, floats,
-    strings and tuples or lists of them."""
+    call takes the op's full path, and once it passed the checks `keep_quiet(cache, key, build)`.
+    `cache` None: (key, None). (The key is computed here, not by calling `quiet_key`: one Python
+    call less on every call.)"""
     if _any_autocast() or _functorch_active() or torch.compiler.is_compiling() or _forward_ad_active():
-        return None
-    grad = torch.is_grad_enabled()
+        return _NO_KEY
     facts = []
     for t in tensors:
         if t is None:
@@ -129,14 +113,11 @@ def quiet_key(name: str, tensors: tuple, values: tuple) -> tuple | None:
             continue
         kind = type(t)
         if (kind is not torch.Tensor and kind is not torch.nn.Parameter) or t.is_neg() or t.is_meta:
-            return None
-        requires = t.requires_grad
-        if requires and grad:
-            return None
+            return _NO_KEY
         try:
-            facts.append((t.shape, t.stride(), t.dtype, t.device, requires))
+            facts.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
         except RuntimeError:  # sparse or nested: no strides or sizes (the op's checks refuse them)
-            return None
+            return _NO_KEY
     kinds = tuple(map(type, values))
     if not _KEY_VALUES.issuperset(kinds):
         typed = []
@@ -144,13 +125,42 @@ def quiet_key(name: str, tensors: tuple, values: tuple) -> tuple | None:
             if kind is tuple or kind is list:
                 inner = tuple(map(type, value))
                 if not _KEY_VALUES.issuperset(inner):
-                    return None
+                    return _NO_KEY
                 value = (tuple(value), inner)
             elif kind not in _KEY_VALUES:
-                return None
+                return _NO_KEY
             typed.append(value)
         values = tuple(typed)
-    return name, tuple(facts), values, kinds
+    key = name, tuple(facts), values, kinds, torch.is_grad_enabled()
+    return key, cache.get(key) if cache else None  # (an empty cache holds nothing either)
+
+
+def keep_quiet(cache, key, build, recorded=None):
+    """The run a call's key keeps, built once after a call of that key passed the checks: `build()`
+    for a call autograd does not record, `recorded()` for one it records (the op's autograd.Function
+    call with the arguments resolved; none given: nothing kept). None where there is no key or the
+    builder gave a falsy value (that key's calls then take the full path every time)."""
+    if key is not None and _recorded(key):
+        build = recorded
+    if key is None or build is None:
+        return None
+    return cache.get_or_build(key, build) or None
+
+
+def _recorded(key) -> bool:
+    """Whether autograd records the calls of `key`: grad mode on, an input that requires grad."""
+    return key[-1] and any(fact is not None and fact[-1] for fact in key[1])
+
+
+def quiet_key(name: str, tensors: tuple, values: tuple) -> tuple | None:
+    """The key of a plain eager call, under which an op may keep what the call resolves to (checks
+    passed, arguments parsed, the bound plan or the autograd.Function call): `name`, each tensor's
+    (shape, strides, dtype, device, requires_grad) (None stays None), each value with its type, and
+    last the grad mode (with the inputs' requires_grad: whether autograd records the call). None for any other call, which then takes the op's full
+    path: traced or under torch.func, forward-mode AD or autocast on, tensor subclasses, lazily
+    negated views, meta, sparse or nested tensors, values other than None, bools, ints, floats,
+    strings and tuples or lists of them."""
+    return quiet_run(None, name, tensors, values)[0]
 
 
 def _own(outputs, inputs):
@@ -215,12 +225,15 @@ def _slice_rule(apply):
 @dataclasses.dataclass(frozen=True)
 class Op:
     """What `define` hands back: `apply` is the differentiable call; `op` and `backward_op` are
-    the registered `torch.ops.fk.*` ops; `function` the autograd.Function."""
+    the registered `torch.ops.fk.*` ops; `function` the autograd.Function; `recorded` the eager
+    Function's apply itself, for a call that `quiet_key` found recorded (plain tensors, no transform,
+    tracer or forward-mode AD: what `apply` would look for again)."""
 
     apply: Callable
     op: object
     backward_op: object
     function: type
+    recorded: Callable
 
 
 def define(
@@ -377,4 +390,4 @@ def define(
         return c_apply(*inputs) if records else _own(forward(*inputs), inputs)
 
     apply.__name__ = name
-    return Op(apply, op, backward_op, function)
+    return Op(apply, op, backward_op, function, c_apply)

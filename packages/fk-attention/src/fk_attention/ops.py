@@ -7,7 +7,8 @@ pointers) -> forward kernel (saves O and the fp32 row log-sum-exp) -> backward: 
 writes the row term delta = rowsum(dO * O)), then dK/dV kernel (per KV head, summed over its
 query heads). Nothing N x N is ever stored. Calls that autograd does not record go straight to
 their key's bound plan once a call of that key passed the checks (`fk_runtime.ops.quiet_key`):
-no checks, no argument parsing, no autograd.Function.
+no checks, no argument parsing, no autograd.Function; calls it records (no slopes, no dropout) go
+straight to the autograd.Function (the backward bound ahead by the key's first call).
 
 The registered ops carry the mask as one list of floats (`mask.op_args`: window sides, -1 for
 unbounded; lower-right alignment; softcap, 0.0 for none). Attention dropout (`dropout_p` > 0) comes last,
@@ -239,13 +240,24 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
     mask = op_args(causal, window, softcap, align)
     return_lse = checks.check_flag("return_lse", return_lse)
     scale = softmax_scale(sm_scale, q.shape[-1])
-    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(q, k, v, scale, mask, return_lse))
-    if run:  # checked, and autograd records nothing: this key's calls go straight to the plan
+    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(q, k, v, scale, mask, return_lse),
+                            lambda: _recorded(q, k, v, scale, mask, return_lse))
+    if run:  # checked: this key's calls go straight to the plan, or to the autograd.Function
         return run(q, k, v)
     dropout = _dropout(dropout_p, generator, q)
     _backward_ahead(q, k, v, scale, mask, alibi_slopes, dropout)
     out, lse = ATTENTION.apply(q, k, v, scale, mask, alibi_slopes, *dropout)
     return (out, lse) if return_lse else out
+
+
+def _recorded(q, k, v, sm_scale: float, mask: list[float], return_lse: bool):
+    """run(q, k, v) of an `attention` call that autograd records (`fk_runtime.ops.quiet_key`: no
+    slopes, no dropout) whose checks passed: the autograd.Function; the first call binds the
+    backward ahead."""
+    _backward_ahead(q, k, v, sm_scale, mask, None, (0.0, None))
+    if return_lse:
+        return lambda q, k, v: ATTENTION.recorded(q, k, v, sm_scale, mask, None, 0.0, None)
+    return lambda q, k, v: ATTENTION.recorded(q, k, v, sm_scale, mask, None, 0.0, None)[0]
 
 
 def _quiet(q, k, v, sm_scale: float, mask: list[float], return_lse: bool):
@@ -488,11 +500,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
     Returns out like q, and with `return_lse=True` also lse (B, Hq, Nq) fp32 (natural log). Under
     `torch.autocast` q and the new rows are taken in its dtype (the caches' must match it)."""
     tensors = (q, k_cache, v_cache, cache_seqlens, k, v, block_table)
-    key = fk_ops.quiet_key("attention_with_kvcache", tensors, (causal, sm_scale, window, softcap, return_lse))
+    key, _ = fk_ops.quiet_run(None, "attention_with_kvcache", tensors, (causal, sm_scale, window, softcap, return_lse))
     if key is not None and k_cache is not None and v_cache is not None and alibi_slopes is None \
             and cache_leftpad is None:
         # torch's rule on writes into inference tensors (`_kvcache`) reads the mode and the caches
-        key = (key, torch.is_inference_mode_enabled(), k_cache.is_inference(), v_cache.is_inference())
+        name, facts, values, kinds, grad = key
+        key = name, facts, (*values, torch.is_inference_mode_enabled(), k_cache.is_inference(),
+                            v_cache.is_inference()), kinds, grad
         run = decode.BOUND.get(key)
         if run:
             return run(*tensors)

@@ -425,14 +425,18 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
             and not dropout and hopper.takes(q_, k_, v_, mask, sm_scale):
         gluon = hopper.bind(q_, k_, v_, out, lse_strides, mask, sm_scale)
 
+    convert = varlen or not (q_ok and k_ok and v_ok)  # dense inputs the kernel reads as given: none
+
     def run(q, k, v, cu_q=None, cu_k=None, alibi=None, dropout_p=0.0, seed=None):
         out, lse = new_outputs()
         if gluon is not None and bases_aligned((q, k, v, out)):
             gluon(q, k, v, out, lse)
             return out, lse
-        q, k, v = as_kernel(q), as_kernel(k), as_kernel(v)
-        kernel(q if q_ok else q.contiguous(), k if k_ok else k.contiguous(), v if v_ok else v.contiguous(),
-               as_kernel(out), lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k,
+        out_ = out
+        if convert:
+            q, k, v, out_ = as_kernel(q), as_kernel(k), as_kernel(v), as_kernel(out)
+            q, k, v = q if q_ok else q.contiguous(), k if k_ok else k.contiguous(), v if v_ok else v.contiguous()
+        kernel(q, k, v, out_, lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k,
                lse if alibi is None else alibi, lse if seed is None else seed, float(dropout_p))
         if tail is not None:
             tail(out, lse, cu_q)

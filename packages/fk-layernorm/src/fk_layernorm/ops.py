@@ -5,7 +5,7 @@ Path of a call: metadata checks -> `fk::norm` (eager: its autograd.Function stra
 The forward writes per-row statistics only when autograd will need them; the backward saves x
 itself (no copy), the parameters and those statistics. Calls that autograd does not record go
 straight to their key's bound forward once a call of that key passed the checks
-(`fk_runtime.ops.quiet_key`).
+(`fk_runtime.ops.quiet_key`); calls it records, to the autograd.Function.
 """
 
 from __future__ import annotations
@@ -113,8 +113,9 @@ def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, stable: bool = Fals
         return run(x, weight, bias)
     plan.check_inputs(x, weight, bias, eps)
     stable = checks.check_flag("stable", stable)
-    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(x, weight, bias, eps, False, stable))
-    if run:  # checked, and autograd records nothing: this key's calls go straight to the plan
+    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(x, weight, bias, eps, False, stable),
+                            lambda: _recorded(x, weight, bias, eps, False, stable))
+    if run:  # checked: this key's calls go straight to the plan, or to the autograd.Function
         return run(x, weight, bias)
     return _norm(x, weight, bias, eps, False, stable)
 
@@ -135,10 +136,19 @@ def rms_norm(x, weight=None, eps: float | None = 1e-6) -> torch.Tensor:
     if eps is None and isinstance(x, torch.Tensor):
         eps = default_rms_eps(x)
     plan.check_inputs(x, weight, None, eps)
-    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(x, weight, None, eps, True, False))
+    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(x, weight, None, eps, True, False),
+                            lambda: _recorded(x, weight, None, eps, True, False))
     if run:
         return run(x, weight, None)
     return _norm(x, weight, None, eps, True, False)
+
+
+def _recorded(x, weight, bias, eps, is_rms: bool, stable: bool):
+    """run(x, weight, bias) -> y of a call that autograd records (`fk_runtime.ops.quiet_key`) whose
+    checks passed: the autograd.Function, statistics saved; the first call binds the backward ahead."""
+    _backward_ahead(x, weight, bias, is_rms, stable)
+    eps = float(eps)
+    return lambda x, w, b: NORM.recorded(x, w, b, eps, is_rms, stable, True)[0]
 
 
 def _quiet(x, weight, bias, eps, is_rms: bool, stable: bool):

@@ -4,7 +4,7 @@ Path of a call: metadata checks -> `fk::softmax` (eager: its autograd.Function s
 `plan.forward`, a bound launch cached per shape, strides, dtype, device and flags) -> kernels.
 The backward saves only the output: softmax's gradient needs y, log-softmax's needs exp(y).
 Calls that autograd does not record go straight to their key's bound forward once a call of that
-key passed the checks (`fk_runtime.ops.quiet_key`).
+key passed the checks (`fk_runtime.ops.quiet_key`); calls it records, to the autograd.Function.
 """
 
 from __future__ import annotations
@@ -48,10 +48,16 @@ def _apply(x: torch.Tensor, dim, causal, log: bool) -> torch.Tensor:
     if x.dim() == 0:
         y = SOFTMAX.apply(x.reshape(1), 0, False, log).reshape(())
         return y if y.requires_grad else y.detach()  # a tensor of its own, as torch's (not a view)
-    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: plan.bound_forward(x, d, bool(causal), log))
-    if run:  # checked, and autograd records nothing: this key's calls go straight to the plan
+    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: plan.bound_forward(x, d, bool(causal), log),
+                            lambda: _recorded(d, bool(causal), log))
+    if run:  # checked: this key's calls go straight to the plan, or to the autograd.Function
         return run(x)
     return SOFTMAX.apply(x, d, bool(causal), log)
+
+
+def _recorded(dim: int, causal: bool, log: bool):
+    """run(x) of a call that autograd records (`fk_runtime.ops.quiet_key`), whose checks passed."""
+    return lambda x: SOFTMAX.recorded(x, dim, causal, log)
 
 
 def softmax(x: torch.Tensor, dim: int = -1, causal: bool = False) -> torch.Tensor:

@@ -5,7 +5,7 @@ Path of a call: metadata checks -> `fk::weighted_sum` (eager: its autograd.Funct
 backward saves x and weight (no copies) and reads x once for both gradients; it computes only the
 gradients autograd asks for (a frozen weight: x is not read at all). Calls that autograd does not
 record go straight to their key's bound forward once a call of that key passed the checks
-(`fk_runtime.ops.quiet_key`).
+(`fk_runtime.ops.quiet_key`); calls it records, to the autograd.Function.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def weighted_sum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     checks.check_tensor("weight", weight, min_dim=1, max_dim=1)
     x, weight = fk_ops.autocast(x, weight)
     plan.check_inputs(x, weight)
-    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(x, weight))
-    if run:  # checked, and autograd records nothing: this key's calls go straight to the plan
+    # checked: this key's calls go straight to the plan, or (recorded) to the autograd.Function
+    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(x, weight), lambda: WEIGHTED_SUM.recorded)
+    if run:
         return run(x, weight)
     return WEIGHTED_SUM.apply(x, weight)
 
