@@ -156,10 +156,10 @@ def quiet_key(name: str, tensors: tuple, values: tuple) -> tuple | None:
     """The key of a plain eager call, under which an op may keep what the call resolves to (checks
     passed, arguments parsed, the bound plan or the autograd.Function call): `name`, each tensor's
     (shape, strides, dtype, device, requires_grad) (None stays None), each value with its type, and
-    last the grad mode (with the inputs' requires_grad: whether autograd records the call). None for any other call, which then takes the op's full
-    path: traced or under torch.func, forward-mode AD or autocast on, tensor subclasses, lazily
-    negated views, meta, sparse or nested tensors, values other than None, bools, ints, floats,
-    strings and tuples or lists of them."""
+    last the grad mode (with the requires_grad flags: whether autograd records the call). None for
+    any other call, which then takes the op's full path: traced or under torch.func, forward-mode
+    AD or autocast on, tensor subclasses, lazily negated views, meta, sparse or nested tensors,
+    values other than None, bools, ints, floats, strings and tuples or lists of them."""
     return quiet_run(None, name, tensors, values)[0]
 
 

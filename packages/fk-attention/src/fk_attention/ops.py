@@ -500,7 +500,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
     Returns out like q, and with `return_lse=True` also lse (B, Hq, Nq) fp32 (natural log). Under
     `torch.autocast` q and the new rows are taken in its dtype (the caches' must match it)."""
     tensors = (q, k_cache, v_cache, cache_seqlens, k, v, block_table)
-    key, _ = fk_ops.quiet_run(None, "attention_with_kvcache", tensors, (causal, sm_scale, window, softcap, return_lse))
+    key, _ = fk_ops.quiet_run(None, "attention_with_kvcache", tensors,
+                              (causal, sm_scale, window, softcap, return_lse))
     if key is not None and k_cache is not None and v_cache is not None and alibi_slopes is None \
             and cache_leftpad is None:
         # torch's rule on writes into inference tensors (`_kvcache`) reads the mode and the caches
