@@ -402,16 +402,19 @@ def test_quiet_calls_follow_strides_and_dtypes(name):
                     assert out.grad_fn is None and not out.requires_grad and not out._is_view()
 
 
+# (module of the check an op's full path runs, its name, module of the op's plan cache)
+CHECKED = {"attention": ("fk_attention.ops", "check_attention_inputs", "fk_attention.plan"),
+           "layer_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
+           "rms_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
+           "softmax": ("fk_softmax.plan", "check_dim", "fk_softmax.plan"),
+           "weighted_sum": ("fk_weightedsum.plan", "check_inputs", "fk_weightedsum.plan")}
+
+
 @pytest.mark.parametrize("name", QUIET)
 def test_quiet_calls_skip_the_checks_once_a_key_passed(name, monkeypatch):
     """A key's second quiet call does not check again (what makes it cheap), while a call that
     autograd records, or one of another layout, still does."""
-    # (module of the check the full path runs, its name, module of the op's plan cache)
-    where = {"attention": ("fk_attention.ops", "check_attention_inputs", "fk_attention.plan"),
-             "layer_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
-             "rms_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
-             "softmax": ("fk_softmax.plan", "check_dim", "fk_softmax.plan"),
-             "weighted_sum": ("fk_weightedsum.plan", "check_inputs", "fk_weightedsum.plan")}[name]
+    where = CHECKED[name]
     module, check, plans = importlib.import_module(where[0]), where[1], importlib.import_module(where[2])
     fn, _, make = CASES[name]
     monkeypatch.setattr(plans, "BOUND", launch.PlanCache())
@@ -437,11 +440,7 @@ def test_recorded_calls_skip_the_checks_once_a_key_passed(name, monkeypatch):
     """A key's second call that autograd records goes straight to the op's autograd.Function (no
     checks, no argument parsing), with right outputs and gradients; the same inputs unrecorded are
     another key, checked once."""
-    where = {"attention": ("fk_attention.ops", "check_attention_inputs", "fk_attention.plan"),
-             "layer_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
-             "rms_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
-             "softmax": ("fk_softmax.plan", "check_dim", "fk_softmax.plan"),
-             "weighted_sum": ("fk_weightedsum.plan", "check_inputs", "fk_weightedsum.plan")}[name]
+    where = CHECKED[name]
     module, check, plans = importlib.import_module(where[0]), where[1], importlib.import_module(where[2])
     fn, ref, make = CASES[name]
     monkeypatch.setattr(plans, "BOUND", launch.PlanCache())
