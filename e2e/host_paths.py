@@ -6,7 +6,8 @@ does around its launches; the launch itself is one C call that two trees share. 
 the GPU's host shape, so that it takes the path it takes there (the CPU's smaller shape takes
 split-KV decode). Per row: the median of `--samples` samples of `--calls` calls, µs; with `--count`,
 the Python bytecodes a call executes instead (`sys.settrace` opcode events over `--calls` calls):
-the same number on every run and CPU, where times on a shared machine move up to 2x between runs.
+the same number on every run and CPU, where times on a shared machine move up to 2x between runs;
+`--ops` takes some ops only.
 
     bash shared/from-source.sh python e2e/host_paths.py --out new.json          # this tree
     (cd OLD && bash shared/from-source.sh python NEW/e2e/host_paths.py --out old.json)
@@ -38,9 +39,9 @@ def _bench():
     return bench
 
 
-def host_calls():
-    """("op mode", call) of fk's variant of every host case, launches stubbed (on the CPU, also on a
-    GPU machine: torch is imported after the GPUs are hidden), each called WARMUP times."""
+def host_calls(ops=OPS):
+    """("op mode", call) of fk's variant of every host case of `ops`, launches stubbed (on the CPU,
+    also on a GPU machine: torch is imported after the GPUs are hidden), each called WARMUP times."""
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from fk_runtime import launch
@@ -48,7 +49,7 @@ def host_calls():
     launch.Launch.__call__ = lambda self, *head: None
     bench = _bench()
     host_call = getattr(bench, "host_call", None) or bench._host_call  # (older trees' name)
-    for op in OPS:
+    for op in ops:
         module = importlib.import_module(f"fk_{op}.bench")
         if op == "attention":
             module.SMALL_HOST_SHAPE = module.HOST_SHAPE
@@ -61,13 +62,13 @@ def host_calls():
                 yield f"{case.op} {mode}", call
 
 
-def measure(calls: int, samples: int) -> dict[str, float]:
+def measure(calls: int, samples: int, ops=OPS) -> dict[str, float]:
     """{"op mode": µs per call}."""
     return {row: _bench().interleaved_seconds({"fk": call}, 0, calls, samples)["fk"] * 1e6
-            for row, call in host_calls()}
+            for row, call in host_calls(ops)}
 
 
-def count(calls: int) -> dict[str, float]:
+def count(calls: int, ops=OPS) -> dict[str, float]:
     """{"op mode": Python bytecodes executed per call} (the C work they start is not counted)."""
     executed = [0]
 
@@ -78,7 +79,7 @@ def count(calls: int) -> dict[str, float]:
         return trace
 
     found = {}
-    for row, call in host_calls():
+    for row, call in host_calls(ops):
         executed[0] = 0
         sys.settrace(trace)
         try:
@@ -112,11 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=15)
     parser.add_argument("--compare", type=Path, nargs="+")
     parser.add_argument("--count", action="store_true", help="Python bytecodes per call, not µs")
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=OPS)
     args = parser.parse_args(argv)
     if args.compare:
         print(compare(args.compare))
         return 0
-    found = count(args.calls) if args.count else measure(args.calls, args.samples)
+    found = count(args.calls, args.ops) if args.count else measure(args.calls, args.samples, args.ops)
     text = json.dumps(found, indent=1)
     if args.out:
         args.out.write_text(text)
