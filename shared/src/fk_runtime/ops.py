@@ -98,12 +98,13 @@ _KEY_VALUES = frozenset((type(None), bool, int, float, str))
 _NO_KEY = (None, None)
 
 
-def quiet_run(cache, name: str, tensors: tuple, values: tuple) -> tuple:
+def quiet_run(cache, name: str, tensors: tuple, values: tuple, more=None) -> tuple:
     """A public function's first step: (key, run), the call's `quiet_key` and what `cache` (the
     op's PlanCache) keeps under it. A run: the call's whole answer is `run(*tensors)`. None: the
     call takes the op's full path, and once it passed the checks `keep_quiet(cache, key, build)`.
-    `cache` None: (key, None). (The key is computed here, not by calling `quiet_key`: one Python
-    call less on every call.)"""
+    `cache` None: (key, None). `more`: a callable giving further values of the key, called only for a
+    plain eager call (facts a tracer may not read, such as inference mode). (The key is computed
+    here, not by calling `quiet_key`: one Python call less on every call.)"""
     if _any_autocast() or _functorch_active() or torch.compiler.is_compiling() or _forward_ad_active():
         return _NO_KEY
     facts = []
@@ -118,6 +119,8 @@ def quiet_run(cache, name: str, tensors: tuple, values: tuple) -> tuple:
             facts.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
         except RuntimeError:  # sparse or nested: no strides or sizes (the op's checks refuse them)
             return _NO_KEY
+    if more is not None:
+        values = (*values, *more())
     kinds = tuple(map(type, values))
     if not _KEY_VALUES.issuperset(kinds):
         typed = []

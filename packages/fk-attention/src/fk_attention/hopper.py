@@ -537,24 +537,37 @@ def bind_dkdv(q, k, v, grad_out, dk, dv, scratch_strides: tuple[int, int], mask:
     these (`serves` holds for q, k, v; grad_out, dk and dv take descriptors too), lse2 and delta the
     dQ kernel's scratch rows, (B, H, N) with strides (*scratch_strides, 1); the caller checks
     `bases_aligned` per call."""
+    launch, descriptors = _bwd_launch(attn_bwd_dkdv_hopper_kernel, (q, k, v, grad_out, dk, dv), scratch_strides,
+                                      mask, sm_scale)
+
+    def run(q, k, v, grad_out, lse2, delta, dk, dv):
+        launch(*descriptors(q, k, v, grad_out, dk, dv), lse2, delta)
+
+    return run
+
+
+def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, sm_scale: float):
+    """(launch, descriptors) of a backward kernel over keys (the dK/dV kernel, the 5-matmul one): its
+    grid, arguments and tiles, and descriptors(q, k, v, grad_out, dk, dv) giving their per-call TMA
+    descriptors."""
+    q, k = tensors[:2]
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
-    tensors = (q, k, v, grad_out, dk, dv)
-    layouts = _descriptors(tensors, (GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS, GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS), padded, q.dtype)
-    launch = Launch(attn_bwd_dkdv_hopper_kernel, (sizing.cdiv(n_k, 2 * GLUON_KEYS) * b * hk,),
+    layouts = _descriptors(tensors, (GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS, GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS),
+                           padded, q.dtype)
+    launch = Launch(kernel, (sizing.cdiv(n_k, 2 * GLUON_KEYS) * b * hk,),
                     (sm_scale * LOG2E, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q),
                      *scratch_strides),
                     {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": GLUON_BWD_STAGES,
                      "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "num_warps": 4}, q.device)
 
-    def run(q, k, v, grad_out, lse2, delta, dk, dv):
-        launch(*(Descriptor(t, shape, strides, block, layout=layout)
-                 for t, (shape, strides, block, layout) in zip((q, k, v, grad_out, dk, dv), layouts, strict=True)),
-               lse2, delta)
+    def descriptors(*tensors):
+        return (Descriptor(t, shape, strides, block, layout=layout)
+                for t, (shape, strides, block, layout) in zip(tensors, layouts, strict=True))
 
-    return run
+    return launch, descriptors
 
 
 def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[int, int],
@@ -565,7 +578,6 @@ def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[i
     tensor may stand in per call); delta and lse2 as `bind_dkdv` takes them; the caller checks
     `bases_aligned` per call."""
     b, hq, n_q, d = q.shape
-    hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
     has_dlse = dlse is not None
     prep = Launch(kernels.attn_bwd_prep_kernel, (sizing.cdiv(n_q, PREP_ROWS) * b * hq,),
@@ -573,27 +585,19 @@ def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[i
                    *(dlse.stride() if has_dlse else (0, 0, 0)), *scratch_strides),
                   {"HAS_DLSE": has_dlse, "HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_M": PREP_ROWS,
                    "num_warps": 4}, q.device)
-    tensors = (q, k, v, grad_out, dk, dv)
-    layouts = _descriptors(tensors, (GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS, GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS),
-                           padded, q.dtype)
+    launch, descriptors = _bwd_launch(attn_bwd_hopper_kernel, (q, k, v, grad_out, dk, dv), scratch_strides,
+                                      mask, sm_scale)
     dq_shape = [b, hq, n_q, padded]
     # each consumer adds its half of the head dim
     dq_layout = (dq_shape, [hq * n_q * padded, n_q * padded, padded, 1], [1, 1, GLUON_Q_ROWS, padded // 2],
                  shared_layout(GLUON_Q_ROWS, padded // 2, torch.float32))
-    launch = Launch(attn_bwd_hopper_kernel, (sizing.cdiv(n_k, 2 * GLUON_KEYS) * b * hk,),
-                    (sm_scale * LOG2E, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q),
-                     *scratch_strides),
-                    {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": GLUON_BWD_STAGES,
-                     "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
-                     "num_warps": 4}, q.device)
     fp32 = torch.empty(0, dtype=torch.float32, device=q.device)
 
     def run(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, dk, dv):
         dq_sum = alloc.new_empty(fp32, dq_shape)
         prep(out, grad_out, lse, dlse, delta, lse2, dq_sum)
-        launch(*(Descriptor(t, shape, strides, block, layout=layout)
-                 for t, (shape, strides, block, layout) in zip((q, k, v, grad_out, dk, dv), layouts, strict=True)),
-               Descriptor(dq_sum, *dq_layout[:3], layout=dq_layout[3]), lse2, delta)
+        launch(*descriptors(q, k, v, grad_out, dk, dv), Descriptor(dq_sum, *dq_layout[:3], layout=dq_layout[3]),
+               lse2, delta)
         dq.copy_(dq_sum[..., :d])
 
     return run

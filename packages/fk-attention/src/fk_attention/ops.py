@@ -500,19 +500,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
     Returns out like q, and with `return_lse=True` also lse (B, Hq, Nq) fp32 (natural log). Under
     `torch.autocast` q and the new rows are taken in its dtype (the caches' must match it)."""
     tensors = (q, k_cache, v_cache, cache_seqlens, k, v, block_table)
-    key, _ = fk_ops.quiet_run(None, "attention_with_kvcache", tensors,
-                              (causal, sm_scale, window, softcap, return_lse))
-    if key is not None and k_cache is not None and v_cache is not None and alibi_slopes is None \
-            and cache_leftpad is None:
+    key = None
+    if k_cache is not None and v_cache is not None and alibi_slopes is None and cache_leftpad is None:
         # torch's rule on writes into inference tensors (`_kvcache`) reads the mode and the caches
-        name, facts, values, kinds, grad = key
-        key = name, facts, (*values, torch.is_inference_mode_enabled(), k_cache.is_inference(),
-                            v_cache.is_inference()), kinds, grad
-        run = decode.BOUND.get(key)
+        key, run = fk_ops.quiet_run(decode.BOUND, "attention_with_kvcache", tensors,
+                                    (causal, sm_scale, window, softcap, return_lse),
+                                    lambda: (torch.is_inference_mode_enabled(), k_cache.is_inference(),
+                                             v_cache.is_inference()))
         if run:
             return run(*tensors)
-    else:
-        key = None
     q, k, v = fk_ops.autocast(q, k, v)
     # Plain eager calls skip the registered op's dispatch (tens of microseconds) and check the
     # inputs once per plan (their layouts key it); tracers and torch.func transforms take the op.
