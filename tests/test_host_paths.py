@@ -44,4 +44,19 @@ def test_compare_sets_each_tree_against_the_baseline_by_medians(tmp_path, e2e_sc
             files[-1].write_text(json.dumps({"softmax fwd": us, "only here": 1.0} if name == "new" else
                                             {"softmax fwd": us}))
     table = paths.compare(files)
-    assert "| softmax fwd | 10.0 11.0 9.0 | 12.0 30.0 11.0 | 1.200 |" in table and "only here" not in table
+    assert "| softmax fwd | 10.0 11.0 9.0 | 12.0 30.0 11.0 | 1.200 | – |" in table and "only here" not in table
+
+
+def test_compare_sets_fk_over_torch_of_each_run_against_the_baseline(tmp_path, e2e_script):
+    """`--gpu` runs carry torch's time beside fk's: each run's fk ÷ torch, medians, other over
+    baseline (a slow process slows both alike and cancels)."""
+    paths = e2e_script("host_paths")
+    files = []
+    for i, (old, new, slow) in enumerate(((10.0, 12.0, 1.0), (11.0, 24.0, 2.0), (9.0, 11.0, 1.0))):
+        for name, us, torch_us in (("old", old, 5.0), ("new", new, 5.0 * slow)):
+            files.append(tmp_path / f"{name}{i}.json")
+            files[-1].write_text(json.dumps({"softmax fwd": us, "softmax fwd torch": torch_us}))
+    table = paths.compare(files)
+    # old fk/torch 2.0 2.2 1.8 (median 2.0); new 2.4 2.4 2.2 (median 2.4)
+    assert "| softmax fwd | 10.0 11.0 9.0 | 12.0 24.0 11.0 | 1.200 | 1.200 |" in table
+    assert "softmax fwd torch |" not in table
