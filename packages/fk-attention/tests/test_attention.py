@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -370,13 +371,25 @@ def _masked_reference(q, k, v, mask: fk_mask.Mask, scale: float):
     return torch.softmax(scores.masked_fill(~seen, 0.0), -1) * seen @ v
 
 
+@pytest.fixture
+def fused_dq(monkeypatch):
+    """switch(on): the 5-matmul backward on or off (`config.GLUON_FUSED_DQ`; off: the 7-matmul pair,
+    tl dQ and Gluon dK/dV), bound calls dropped then and after the test."""
+    def switch(on: bool):
+        plan.BOUND.cache_clear()
+        monkeypatch.setattr(fk_config, "GLUON_FUSED_DQ", on)
+    yield switch
+    plan.BOUND.cache_clear()
+
+
 @ON_GLUON_HOPPER
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,mask", HOPPER_CASES, ids=str)
-def test_hopper_backward_matches_the_tl_kernels_and_float64(monkeypatch, shape, mask, dtype, layout):
+def test_hopper_backward_matches_the_tl_kernels_and_float64(monkeypatch, fused_dq, shape, mask, dtype, layout):
     """dQ, dK, dV with the Gluon dK/dV kernel against float64, within the tl kernels' own error on
     the same inputs (their forced configs run tl); its launch ran."""
+    fused_dq(False)
     ran = _hopper_launches(monkeypatch, "bind_dkdv")
     q, k, v = make(shape, dtype, layout=layout, requires_grad=False)
     scale = 1 / math.sqrt(shape[-1])
@@ -398,8 +411,9 @@ def test_hopper_backward_matches_the_tl_kernels_and_float64(monkeypatch, shape, 
 
 
 @ON_GLUON_HOPPER
-def test_hopper_backward_leaves_unaligned_bases_to_tl(monkeypatch):
+def test_hopper_backward_leaves_unaligned_bases_to_tl(monkeypatch, fused_dq):
     """A K whose base is off the 16-byte grid: the tl dK/dV kernel, right gradients; aligned, Gluon."""
+    fused_dq(False)
     ran = _hopper_launches(monkeypatch, "bind_dkdv")
     q, v, grad_out = (testing.randn((1, 2, 300, 128), torch.bfloat16) for _ in range(3))
     storage = testing.randn((2 * 300 * 128 + 1,), torch.bfloat16)
@@ -415,15 +429,6 @@ def test_hopper_backward_leaves_unaligned_bases_to_tl(monkeypatch):
 
 
 
-@pytest.fixture
-def fused_dq(monkeypatch):
-    """The 5-matmul backward switched on (`config.GLUON_FUSED_DQ`), bound calls dropped before and after."""
-    plan.BOUND.cache_clear()
-    monkeypatch.setattr(fk_config, "GLUON_FUSED_DQ", True)
-    yield
-    plan.BOUND.cache_clear()
-
-
 @ON_GLUON_HOPPER
 @pytest.mark.skipif(hopper.tma_reduce_add is None, reason="TMA reduce-adds: Triton >= 3.8")
 @pytest.mark.parametrize("grad_lse", [False, True], ids=["", "grad_lse"])
@@ -434,7 +439,9 @@ def test_hopper_5_matmul_backward_matches_the_tl_kernels_and_float64(monkeypatch
                                                                      layout, grad_lse):
     """dQ, dK, dV of the 5-matmul backward (dQ by TMA reduce-adds) against float64, within the tl
     kernels' own error on the same inputs, a gradient reaching the lse too; its launch ran, and
-    not under torch's deterministic algorithms (the 7-matmul pair then, bit for bit on a rerun)."""
+    not under torch's deterministic algorithms nor for a mask asking for determinism (the 7-matmul
+    pair then, bit for bit on reruns)."""
+    fused_dq(True)
     ran = _hopper_launches(monkeypatch, "bind_backward")
     q, k, v = make(shape, dtype, layout=layout, requires_grad=False)
     scale = 1 / math.sqrt(shape[-1])
@@ -471,9 +478,11 @@ def test_hopper_5_matmul_backward_matches_the_tl_kernels_and_float64(monkeypatch
         first, again = (plan.backward(grad_out, None, q, k, v, out, lse, mask, scale) for _ in range(2))
     finally:
         torch.use_deterministic_algorithms(False)
+    asked = dataclasses.replace(mask, deterministic=True)  # the call's own `deterministic=True`
+    third = plan.backward(grad_out, None, q, k, v, out, lse, asked, scale)
     assert len(ran) == 1
-    for name, a, b in zip(("dq", "dk", "dv"), first, again, strict=True):
-        assert torch.equal(a, b), name
+    for name, a, b, c in zip(("dq", "dk", "dv"), first, again, third, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c), name
 
 
 def test_backward_prep_kernel_writes_the_row_terms_and_clears_the_dq_sum():
@@ -678,6 +687,36 @@ def test_backward_is_deterministic():
     for _ in range(2):
         again = torch.autograd.grad(attention(q, k, v, causal=True), [q, k, v], g)
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_deterministic_reaches_the_backward_and_keys_the_call(monkeypatch):
+    """`deterministic=True` (attention's and flash_attn's) rides in the Mask the backward binds for,
+    and a call without it binds apart (the quiet key holds it): the 5-matmul backward, not
+    deterministic, is then never bound (`hopper.fused_dq_built`)."""
+    from fk_attention import flash_attn as fa
+
+    seen = []
+    real = plan.bind_backward
+
+    def spy(grad_out, grad_lse, q, k, v, out, lse, mask, *rest, **kw):
+        seen.append(mask.deterministic)
+        return real(grad_out, grad_lse, q, k, v, out, lse, mask, *rest, **kw)
+
+    monkeypatch.setattr(plan, "bind_backward", spy)
+    q, k, v = make((1, 2, 1, 11, 13, 16), torch.float32)
+    g = testing.randn(q.shape, torch.float32)
+    grads = [torch.autograd.grad(attention(q, k, v, causal=True, deterministic=d), (q, k, v), g)
+             for d in (False, True, False, True)]
+    assert seen == [False, True]  # each bound once, apart
+    for a, b in zip(grads[0], grads[1], strict=True):
+        assert torch.equal(a, b)  # (this head dim's backward is deterministic either way)
+    out = fa.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, deterministic=True)
+    torch.autograd.grad(out, (q, k, v), g.transpose(1, 2))
+    assert seen[-1] is True
+    assert not hopper.fused_dq_built(fk_mask.Mask(right=0, deterministic=True))
+    assert hopper.fused_dq_built(fk_mask.CAUSAL) == (hopper.tma_reduce_add is not None and fk_config.GLUON_FUSED_DQ)
+    with pytest.raises(TypeError, match="deterministic"):
+        attention(q, k, v, deterministic=1)
 
 
 def test_compiled_graph_runs_the_fk_ops():

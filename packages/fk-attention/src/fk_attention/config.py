@@ -294,10 +294,10 @@ GLUON_Q_ROWS = 64
 GLUON_BWD_STAGES = 2
 
 # The 5-matmul backward on the same tiles (Triton >= 3.8): dQ = dS K formed beside dK/dV and added
-# into an fp32 buffer by TMA reduce-adds (not deterministic). Off until measured on a GPU against the
-# 7-matmul pair above (TUNING.md: Hopper backward); never taken under
-# torch.use_deterministic_algorithms(True) (flash_attn's `deterministic=True` is to reach it too first).
-GLUON_FUSED_DQ = False
+# into an fp32 buffer by TMA reduce-adds (not deterministic): 0.86-0.99x the 7-matmul pair's time
+# (TUNING.md: Hopper backward). Never taken for a call asking for determinism (`deterministic=True`,
+# torch.use_deterministic_algorithms(True)).
+GLUON_FUSED_DQ = True
 # Rows per program of the tl kernel that writes its row terms and clears the dQ buffer.
 PREP_ROWS = 64
 

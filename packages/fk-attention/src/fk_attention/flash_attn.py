@@ -9,9 +9,10 @@ Signatures, defaults, layouts and return values are `flash_attn.flash_attn_inter
 1 / sqrt(headdim); rows that see no key give a zero output and a log-sum-exp of +inf; GQA/MQA by
 fewer key/value heads; any head dim up to 256 (fk masks the padding inside, as FlashAttention
 pads); `alibi_slopes` ((nheads,) or (batch, nheads) fp32) added as FlashAttention adds them,
--slope * |i + seqlen_k - seqlen_q - j| on the scaled scores. fk's backward is always
-deterministic (`deterministic` changes nothing), and it picks its own key slicing (`num_splits`
-changes nothing).
+-slope * |i + seqlen_k - seqlen_q - j| on the scaled scores. `deterministic=True` as
+FlashAttention's: the backward gives the same bits on every run (fk's default one does too but for
+the dense calls' 5-matmul backward on Hopper, Triton >= 3.8, head dims 65-128); fk picks its own key
+slicing (`num_splits` changes nothing).
 
 `cache_leftpad` as FlashAttention's (dense and paged caches). `dropout_p` > 0: attention dropout
 as FlashAttention applies it (whenever passed; its callers pass it in training only), fk's
@@ -92,9 +93,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             _dims(name, t, 4)
     window = None if window_size is UNBOUNDED else _window(window_size)
     # positionally, in `attention`'s order (causal, sm_scale, return_lse, window, softcap, align,
-    # alibi_slopes, dropout_p): keywords cost this layer a measurable share of a quiet call
+    # alibi_slopes, dropout_p, generator, deterministic): keywords cost this layer a measurable share
+    # of a quiet call
     result = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, softmax_scale,
-                       bool(return_attn_probs), window, softcap, ALIGN, alibi_slopes, dropout_p)
+                       bool(return_attn_probs), window, softcap, ALIGN, alibi_slopes, dropout_p, None,
+                       bool(deterministic))
     if not return_attn_probs:
         return result.transpose(1, 2)
     out, lse = result

@@ -63,11 +63,11 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scal
     return sm_scale > 0 and serves(q, k, v, mask)
 
 
-def fused_dq_built() -> bool:
+def fused_dq_built(mask: Mask) -> bool:
     """Whether the backward binds the 5-matmul kernel where dK/dV serves: switched on in config (read
-    at bind time, so that a variant may set it) and a Triton with TMA reduce-adds. A call takes it
-    only while torch's deterministic algorithms are off."""
-    return config.GLUON_FUSED_DQ and tma_reduce_add is not None
+    at bind time, so that a variant may set it), a Triton with TMA reduce-adds, no determinism asked
+    for by the call. A call takes it only while torch's deterministic algorithms are off."""
+    return config.GLUON_FUSED_DQ and tma_reduce_add is not None and not mask.deterministic
 
 
 if gluon is not None:

@@ -25,12 +25,15 @@ class Mask:
     """Which keys a query sees and how scores are capped. Query i sees key j when
     -left <= j - (i + shift) <= right (None: unbounded), shift = Nk - Nq with `lower_right`
     (FlashAttention's and torch's CausalVariant.LOWER_RIGHT alignment), else 0 (SDPA's top-left);
-    causal is right = 0. `softcap` c: scores s become c * tanh(s / c) before the softmax."""
+    causal is right = 0. `softcap` c: scores s become c * tanh(s / c) before the softmax.
+    `deterministic` is no mask but rides with it to the backward: True, no partial sums added in a
+    varying order there (the 5-matmul backward's dQ adds are)."""
 
     left: int | None = None
     right: int | None = None
     lower_right: bool = False
     softcap: float | None = None
+    deterministic: bool = False
 
     @property
     def windowed(self) -> bool:
@@ -61,17 +64,18 @@ CAUSAL_ALIGNMENTS = ("upper_left", "lower_right")
 
 
 # How the registered ops carry a mask: one list of floats, so that a new kind of mask changes no
-# op's schema. Its entries, in order (a side of -1: unbounded; 0 / 1; a cap of 0.0: none).
-OP_FIELDS = ("left", "right", "lower_right", "softcap")
+# op's schema. Its entries, in order (a side of -1: unbounded; 0 / 1; a cap of 0.0: none; 0 / 1,
+# which direct callers of the ops may leave out).
+OP_FIELDS = ("left", "right", "lower_right", "softcap", "deterministic")
 
 
 def from_op_args(values) -> Mask:
     """The Mask a registered op's `mask` argument (`op_args`) describes."""
-    if len(values) != len(OP_FIELDS):
+    if len(values) not in (len(OP_FIELDS) - 1, len(OP_FIELDS)):
         raise ValueError(f"mask must hold {len(OP_FIELDS)} values {OP_FIELDS}, got {list(values)!r}")
-    left, right, lower_right, softcap = values
+    left, right, lower_right, softcap, *deterministic = values
     return Mask(None if left < 0 else int(left), None if right < 0 else int(right), bool(lower_right),
-                float(softcap) if softcap > 0 else None)
+                float(softcap) if softcap > 0 else None, bool(deterministic and deterministic[0]))
 
 
 def lower_right(values) -> list[float]:
@@ -92,14 +96,15 @@ def _window_side(name: str, value) -> int:
     return -1 if value >= UNBOUNDED else int(value)
 
 
-def op_args(causal, window, softcap, align=None) -> list[float]:
+def op_args(causal, window, softcap, align=None, deterministic=False) -> list[float]:
     """The registered ops' `mask` argument (`OP_FIELDS`) from the public arguments.
 
     causal: a bool (True: "upper_left"), "upper_left", "lower_right", or torch's CausalVariant;
     window: None or (left, right), each None / -1 (unbounded) or an int >= 0, causal capping right
     at 0; softcap: None (or 0.0, as FlashAttention writes it) or a positive number; align: where
     windows and causal masks sit when Nq != Nk, "upper_left" (SDPA's) or "lower_right"
-    (FlashAttention's); None takes causal's ("lower_right" only when causal says so)."""
+    (FlashAttention's); None takes causal's ("lower_right" only when causal says so); deterministic:
+    a bool."""
     variant = getattr(causal, "name", None) if type(causal).__name__ == "CausalVariant" else None
     if variant is not None:
         causal = variant.lower()
@@ -126,4 +131,5 @@ def op_args(causal, window, softcap, align=None) -> list[float]:
     zero = isinstance(softcap, numbers.Real) and not isinstance(softcap, bool) and softcap == 0
     if softcap is not None and not zero:
         cap = layout.check_scale("softcap", softcap)
-    return [float(left), float(right), float(lower_right), cap]
+    return [float(left), float(right), float(lower_right), cap,
+            float(deterministic is not False and checks.check_flag("deterministic", deterministic))]

@@ -605,7 +605,7 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
     if not varlen and not forced and alibi is None and not dropout and hopper.serves(q_, k_, v_, mask) \
             and descriptors_may_serve(device, (go_, dk, dv)):
         gluon = hopper.bind_dkdv(q_, k_, v_, go_, dk, dv, scratch_strides, mask, sm_scale)
-        if hopper.fused_dq_built():
+        if hopper.fused_dq_built(mask):
             fused = hopper.bind_backward(q_, k_, v_, out_, go_, dlse_ if has_dlse else None, dq, dk, dv,
                                          lse_strides, scratch_strides, mask, sm_scale)
 
