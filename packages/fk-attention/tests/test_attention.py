@@ -324,6 +324,17 @@ HOPPER_CASES = [
 ]
 
 
+@pytest.fixture
+def switch(monkeypatch):
+    """switch(name, value): a `config` switch set for the test (`GLUON_FUSED_DQ` off: the 7-matmul
+    pair, tl dQ and Gluon dK/dV; `GLUON_FORWARD_MASKS`), bound calls dropped then and after it."""
+    def set_to(name: str, value):
+        plan.BOUND.cache_clear()
+        monkeypatch.setattr(fk_config, name, value)
+    yield set_to
+    plan.BOUND.cache_clear()
+
+
 @ON_GLUON_HOPPER
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -336,60 +347,97 @@ def test_hopper_forward_matches_the_tl_kernels_and_float64(monkeypatch, shape, m
     scale = 1 / math.sqrt(shape[-1])
     out, lse = plan.forward(q, k, v, mask, scale)
     assert len(ran) == 1
+    _assert_gluon_forward(q, k, v, mask, scale, out, lse)
+    assert out.stride() == q.stride() if layout == "bnhd" else out.is_contiguous()
+
+
+def _assert_gluon_forward(q, k, v, mask, scale, out, lse):
+    """The Gluon forward's output and log-sum-exp against float64, within the tl kernel's own error
+    on the same inputs (its forced config runs tl); rows that see no key exactly 0 and -inf."""
     tl_out, tl_lse = plan.forward(q, k, v, mask, scale, config=fk_config.default_config(
-        fk_config.Kind.FORWARD, shape[-1], dtype, True))
-    group = shape[1] // shape[2]
-    k64, v64 = (t.double().repeat_interleave(group, 1) for t in (k, v))
-    scores = q.double() @ k64.transpose(-1, -2) * scale
-    keys = torch.arange(shape[4], device=q.device)
-    rows = torch.arange(shape[3], device=q.device)[:, None] + (shape[4] - shape[3] if mask.lower_right else 0)
-    if mask.right == 0:
-        scores = scores.masked_fill(keys > rows, -math.inf)
-    seen = torch.isfinite(scores).any(-1, keepdim=True)
-    ref = torch.where(seen, torch.softmax(scores, -1).nan_to_num(), 0.0) @ v64
-    ref_lse = torch.logsumexp(scores, -1)
+        fk_config.Kind.FORWARD, q.shape[-1], q.dtype, True))
+    ref, ref_lse = _masked_reference(q, k, v, mask, scale, with_lse=True)
     for name, got, tl_got, want in (("out", out, tl_out, ref), ("lse", lse, tl_lse, ref_lse)):
         finite = torch.isfinite(want)
         assert torch.equal(torch.isfinite(got), finite) and torch.equal(got[~finite], want[~finite].to(got.dtype))
         err = (got.double() - want).where(finite, 0).norm() / want.where(finite, 0).norm()
         tl_err = (tl_got.double() - want).where(finite, 0).norm() / want.where(finite, 0).norm()
         assert err <= 1.1 * tl_err + 1e-6, f"{name}: Gluon {err:.2e} against tl {tl_err:.2e}"
-    assert out.stride() == q.stride() if layout == "bnhd" else out.is_contiguous()
 
 
-def _masked_reference(q, k, v, mask: fk_mask.Mask, scale: float):
-    """float64 attention with GQA and a causal mask of either alignment; rows that see no key give 0."""
+# Windows (two-sided, one side, either alignment, rows that see no key) and softcaps, GQA.
+HOPPER_MASK_CASES = [
+    ((1, 4, 2, 1000, 1000, 128), fk_mask.Mask(left=300, right=0)),
+    ((1, 4, 2, 777, 1300, 128), fk_mask.Mask(left=100, right=37, lower_right=True)),
+    ((1, 2, 1, 1300, 777, 96), fk_mask.Mask(right=200, lower_right=True)),
+    ((1, 2, 2, 500, 500, 128), fk_mask.Mask(left=64)),
+    ((2, 4, 2, 1000, 1000, 128), fk_mask.Mask(softcap=30.0)),
+    ((1, 4, 2, 1000, 1000, 128), fk_mask.Mask(left=255, right=0, softcap=5.0)),
+    ((1, 2, 2, 300, 700, 72), fk_mask.Mask(right=0, lower_right=True, softcap=20.0)),
+]
+
+
+@ON_GLUON_HOPPER
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,mask", HOPPER_MASK_CASES, ids=str)
+def test_hopper_forward_takes_windows_and_softcaps_where_switched_on(monkeypatch, switch, shape, mask, dtype):
+    """`config.GLUON_FORWARD_MASKS`: the Gluon forward's windows and softcaps against float64 and
+    the tl kernel (`_assert_gluon_forward`); its launch ran."""
+    switch("GLUON_FORWARD_MASKS", True)
+    ran = _hopper_launches(monkeypatch)
+    q, k, v = make(shape, dtype, requires_grad=False)
+    scale = 1 / math.sqrt(shape[-1])
+    out, lse = plan.forward(q, k, v, mask, scale)
+    assert len(ran) == 1
+    _assert_gluon_forward(q, k, v, mask, scale, out, lse)
+
+
+def test_forward_mask_args_match_the_tl_kernels_scales():
+    """The Gluon forward's mask builds and scales (`hopper.forward_mask_args`): every key, causal, a
+    window (an open side as `mask.UNBOUNDED`), a softcap with the tl kernels' `score_scales` (tanh
+    from exp2: its factor times 2 log2(e))."""
+    log2e = 1 / math.log(2)
+    for mask, seen in ((fk_mask.FULL, 0), (fk_mask.CAUSAL, 1), (fk_mask.Mask(right=0, lower_right=True), 1),
+                       (fk_mask.Mask(left=8, right=0), 2), (fk_mask.Mask(right=5), 2), (fk_mask.Mask(left=3), 2)):
+        builds, (qk, cap_scale, left, right) = hopper.forward_mask_args(mask, 0.125)
+        assert builds == {"SEEN": seen, "SOFTCAP": False} and cap_scale == 1.0, mask
+        assert qk == pytest.approx(0.125 * log2e)
+        assert (left, right) == mask.kernel_args()[2:]
+    builds, (qk, cap_scale, left, right) = hopper.forward_mask_args(fk_mask.Mask(left=8, right=0, softcap=30.0), 0.125)
+    assert builds == {"SEEN": 2, "SOFTCAP": True} and (left, right) == (8, 0)
+    assert qk == pytest.approx(30.0 * log2e) and cap_scale == pytest.approx(2 * log2e * 0.125 / 30.0)
+
+
+def _masked_reference(q, k, v, mask: fk_mask.Mask, scale: float, with_lse: bool = False):
+    """float64 attention with GQA and any mask (windows of either alignment, softcap); rows that see
+    no key give 0 (and a log-sum-exp of -inf)."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.double().repeat_interleave(group, 1) for t in (k, v))
     scores = q.double() @ k.transpose(-1, -2) * scale
+    if mask.softcap:
+        scores = mask.softcap * torch.tanh(scores / mask.softcap)
     n_q, n_k = q.shape[2], k.shape[2]
-    keys = torch.arange(n_k, device=q.device)
-    rows = torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q if mask.lower_right else 0)
-    if mask.right == 0:
-        scores = scores.masked_fill(keys > rows, -math.inf)
+    d = torch.arange(n_k, device=q.device) - (torch.arange(n_q, device=q.device)[:, None]
+                                              + (n_k - n_q if mask.lower_right else 0))
+    hidden = torch.zeros_like(d, dtype=torch.bool)
+    if mask.right is not None:
+        hidden |= d > mask.right
+    if mask.left is not None:
+        hidden |= d < -mask.left
+    scores = scores.masked_fill(hidden, -math.inf)
     seen = torch.isfinite(scores).any(-1, keepdim=True)
-    return torch.softmax(scores.masked_fill(~seen, 0.0), -1) * seen @ v
-
-
-@pytest.fixture
-def fused_dq(monkeypatch):
-    """switch(on): the 5-matmul backward on or off (`config.GLUON_FUSED_DQ`; off: the 7-matmul pair,
-    tl dQ and Gluon dK/dV), bound calls dropped then and after the test."""
-    def switch(on: bool):
-        plan.BOUND.cache_clear()
-        monkeypatch.setattr(fk_config, "GLUON_FUSED_DQ", on)
-    yield switch
-    plan.BOUND.cache_clear()
+    out = torch.softmax(scores.masked_fill(~seen, 0.0), -1) * seen @ v
+    return (out, torch.logsumexp(scores, -1)) if with_lse else out
 
 
 @ON_GLUON_HOPPER
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,mask", HOPPER_CASES, ids=str)
-def test_hopper_backward_matches_the_tl_kernels_and_float64(monkeypatch, fused_dq, shape, mask, dtype, layout):
+def test_hopper_backward_matches_the_tl_kernels_and_float64(monkeypatch, switch, shape, mask, dtype, layout):
     """dQ, dK, dV with the Gluon dK/dV kernel against float64, within the tl kernels' own error on
     the same inputs (their forced configs run tl); its launch ran."""
-    fused_dq(False)
+    switch("GLUON_FUSED_DQ", False)
     ran = _hopper_launches(monkeypatch, "bind_dkdv")
     q, k, v = make(shape, dtype, layout=layout, requires_grad=False)
     scale = 1 / math.sqrt(shape[-1])
@@ -411,9 +459,9 @@ def test_hopper_backward_matches_the_tl_kernels_and_float64(monkeypatch, fused_d
 
 
 @ON_GLUON_HOPPER
-def test_hopper_backward_leaves_unaligned_bases_to_tl(monkeypatch, fused_dq):
+def test_hopper_backward_leaves_unaligned_bases_to_tl(monkeypatch, switch):
     """A K whose base is off the 16-byte grid: the tl dK/dV kernel, right gradients; aligned, Gluon."""
-    fused_dq(False)
+    switch("GLUON_FUSED_DQ", False)
     ran = _hopper_launches(monkeypatch, "bind_dkdv")
     q, v, grad_out = (testing.randn((1, 2, 300, 128), torch.bfloat16) for _ in range(3))
     storage = testing.randn((2 * 300 * 128 + 1,), torch.bfloat16)
@@ -435,13 +483,13 @@ def test_hopper_backward_leaves_unaligned_bases_to_tl(monkeypatch, fused_dq):
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,mask", HOPPER_CASES, ids=str)
-def test_hopper_5_matmul_backward_matches_the_tl_kernels_and_float64(monkeypatch, fused_dq, shape, mask, dtype,
+def test_hopper_5_matmul_backward_matches_the_tl_kernels_and_float64(monkeypatch, switch, shape, mask, dtype,
                                                                      layout, grad_lse):
     """dQ, dK, dV of the 5-matmul backward (dQ by TMA reduce-adds) against float64, within the tl
     kernels' own error on the same inputs, a gradient reaching the lse too; its launch ran, and
     not under torch's deterministic algorithms nor for a mask asking for determinism (the 7-matmul
     pair then, bit for bit on reruns)."""
-    fused_dq(True)
+    switch("GLUON_FUSED_DQ", True)
     ran = _hopper_launches(monkeypatch, "bind_backward")
     q, k, v = make(shape, dtype, layout=layout, requires_grad=False)
     scale = 1 / math.sqrt(shape[-1])
@@ -519,9 +567,10 @@ def test_backward_prep_kernel_writes_the_row_terms_and_clears_the_dq_sum():
         assert torch.equal(dq_sum, torch.zeros_like(dq_sum))
 
 @ON_GLUON_HOPPER
-def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch):
-    """A base off the 16-byte grid, a window, a softcap, d64, a negative scale (the registered op
-    takes one): the tl kernels, right answers."""
+def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch, switch):
+    """A base off the 16-byte grid, a window, a softcap (`config.GLUON_FORWARD_MASKS` off), d64, a
+    negative scale (the registered op takes one): the tl kernels, right answers."""
+    switch("GLUON_FORWARD_MASKS", False)
     ran = _hopper_launches(monkeypatch)
     storage = testing.randn((1, 2, 300, 128 + 8), torch.bfloat16)
     q = storage[..., 8:]  # 16-byte base offset, strides a descriptor takes
@@ -543,12 +592,13 @@ def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch
     assert len(ran) == 1
 
 
-def test_hopper_forward_gate():
+def test_hopper_forward_gate(switch):
     """The Gluon path runs only on the Triton versions it was built for, never on the interpreter
     (where the tl kernels serve every test), and its descriptors carry their shared layout."""
     for version in ("3.6.0", "3.7.1", "3.8.0", "3.9.0"):
         assert fk_gluon.supported(version) == (hopper.gluon is not None), version
     assert not fk_gluon.supported("3.5.1") and not fk_gluon.supported("99.0.0")
+    switch("GLUON_FORWARD_MASKS", False)
     q = testing.randn((1, 2, 64, 128), torch.bfloat16)
     if not testing.on_gpu():
         assert not hopper.takes(q, q, q, fk_mask.CAUSAL, 0.1)

@@ -48,6 +48,7 @@ from fk_runtime.launch import Descriptor  # noqa: E402
 
 from fk_attention import hopper  # noqa: E402
 from fk_attention import config as fk_config  # noqa: E402
+from fk_attention.mask import CAUSAL, FULL, Mask  # noqa: E402
 
 B, H, N, D = 1, 2, 512, 128
 
@@ -76,11 +77,20 @@ def main() -> None:
     common = dict(HEAD_DIM=D, CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS,
                   PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
     print(f"triton {triton.__version__}, sm_90a, bf16, d{D}")
+    fwd_descriptors = [descriptor(q, r) for r in (fk_config.GLUON_ROWS, fk_config.GLUON_BLOCK_N, fk_config.GLUON_BLOCK_N,
+                                                  fk_config.GLUON_ROWS)]
+    for name, mask in (("window", Mask(left=100, right=37)), ("softcap", Mask(softcap=30.0)),
+                       ("window + softcap", Mask(left=255, right=0, softcap=5.0))):  # `config.GLUON_FORWARD_MASKS`
+        builds, args = hopper.forward_mask_args(mask, 0.1)
+        fwd = hopper.attn_fwd_hopper_kernel.warmup(*fwd_descriptors, rows, *args[:2], N, N, H, 1, 0, *args[2:], H * N, N,
+                                                   **builds, BLOCK_N=fk_config.GLUON_BLOCK_N, STAGES=fk_config.GLUON_STAGES,
+                                                   **common)
+        print(f"forward {name}: {usage(fwd)}")
     for causal in (False, True):
-        fwd = hopper.attn_fwd_hopper_kernel.warmup(
-            descriptor(q, fk_config.GLUON_ROWS), descriptor(q, fk_config.GLUON_BLOCK_N), descriptor(q, fk_config.GLUON_BLOCK_N),
-            descriptor(q, fk_config.GLUON_ROWS), rows, 0.1, N, N, H, 1, 0, H * N, N, CAUSAL=causal, BLOCK_N=fk_config.GLUON_BLOCK_N,
-            STAGES=fk_config.GLUON_STAGES, **common)
+        builds, args = hopper.forward_mask_args(CAUSAL if causal else FULL, 0.1)
+        fwd = hopper.attn_fwd_hopper_kernel.warmup(*fwd_descriptors, rows, *args[:2], N, N, H, 1, 0, *args[2:], H * N, N,
+                                                   **builds, BLOCK_N=fk_config.GLUON_BLOCK_N, STAGES=fk_config.GLUON_STAGES,
+                                                   **common)
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]
         dkdv = hopper.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N,

@@ -275,6 +275,9 @@ APPEND_ROWS = 16
 
 # Padded head dims taken: 128 beat the tl kernels by 7-33%; 64 and 256 lost to them (TUNING.md).
 GLUON_HEAD_DIMS = (128,)
+# Windows and softcaps in the Gluon forward too (offline sm_90a compiles only; off until measured on
+# a GPU against the tl kernel, TUNING.md: Hopper forward).
+GLUON_FORWARD_MASKS = False
 
 # Query rows per consumer warpgroup (two per program), keys per step, K/V ring stages, the
 # consumers' registers after the producer warp gives its own back (240: no spills at d128).

@@ -48,19 +48,37 @@ GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float
 LOG2E = 1.4426950408889634
 
 
-def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
-    """Whether dense attention of these tensors runs here, forward and dK/dV (bases are checked per
-    call)."""
-    return (q.dtype in DTYPES and padded_head_dim(q.shape[-1]) in GLUON_HEAD_DIMS
-            and mask.left is None and mask.right in (None, 0) and mask.softcap is None and fk_gluon.supported()
+def _on_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return (q.dtype in DTYPES and padded_head_dim(q.shape[-1]) in GLUON_HEAD_DIMS and fk_gluon.supported()
             and descriptors_may_serve(q.device, (q, k, v))
             and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
+def _full_or_causal(mask: Mask) -> bool:
+    return mask.left is None and mask.right in (None, 0) and mask.softcap is None
+
+
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
+    """Whether dense attention of these tensors runs here, forward and dK/dV (bases are checked per
+    call): full or causal masks."""
+    return _full_or_causal(mask) and _on_hopper(q, k, v)
+
+
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> bool:
     """Whether the forward of these tensors runs here: the row max is taken on unscaled scores, so
-    the scale must be positive."""
-    return sm_scale > 0 and serves(q, k, v, mask)
+    the scale must be positive; windows and softcaps too where `config.GLUON_FORWARD_MASKS`."""
+    return sm_scale > 0 and (config.GLUON_FORWARD_MASKS or _full_or_causal(mask)) and _on_hopper(q, k, v)
+
+
+def forward_mask_args(mask: Mask, sm_scale: float) -> tuple[dict, tuple]:
+    """The forward kernel's mask constexprs (SEEN: 0 every key, 1 causal, 2 another window; SOFTCAP)
+    and (qk_scale, cap_scale, left, right): the base-2 factor on the (capped) scores, what tanh's
+    exp2 multiplies the raw scores by, the window's sides (`Mask.kernel_args`)."""
+    cap, _, left, right = mask.kernel_args()
+    seen = 0 if not mask.windowed else 1 if mask.left is None and mask.right == 0 else 2
+    if mask.softcap:
+        return {"SEEN": seen, "SOFTCAP": True}, (cap * LOG2E, 2 * LOG2E * sm_scale / cap, left, right)
+    return {"SEEN": seen, "SOFTCAP": False}, (sm_scale * LOG2E, 1.0, left, right)
 
 
 def fused_dq_built(mask: Mask) -> bool:
@@ -73,34 +91,53 @@ def fused_dq_built(mask: Mask) -> bool:
 if gluon is not None:
 
     @gluon.jit
-    def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, b, hk, step, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, b, hk, step, key_block, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr):
         stage = step % STAGES
         bar = ready.index(stage)
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [b, hk, step * BLOCK_N, 0], bar, k_smem.index(stage))
-        tma_load(v_desc, [b, hk, step * BLOCK_N, 0], bar, v_smem.index(stage))
+        tma_load(k_desc, [b, hk, key_block * BLOCK_N, 0], bar, k_smem.index(stage))
+        tma_load(v_desc, [b, hk, key_block * BLOCK_N, 0], bar, v_smem.index(stage))
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, b, h, hk, start_m,
-                  n_steps, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Both consumers' Q tiles, then K/V blocks into the ring as its stages free up."""
+                  first, n_steps, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Both consumers' Q tiles, then K/V blocks first, first + 1, ... into the ring as its stages
+        free up."""
         for i in gl.static_range(2):
             mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
             tma_load(q_desc, [b, h, start_m + i * ROWS, 0], q_bars.index(i), q_smem.index(i))
         for step in range(n_steps):
             # the first lap finds every stage free
             mbarrier.wait(empty.index(step % STAGES), ((step // STAGES) & 1) ^ 1, pred=step >= STAGES)
-            _load_kv(k_desc, v_desc, k_smem, v_smem, ready, b, hk, step, BLOCK_N, STAGES)
+            _load_kv(k_desc, v_desc, k_smem, v_smem, ready, b, hk, step, first + step, BLOCK_N, STAGES)
 
     @gluon.jit
-    def _masked(s, rows, cols, step, n_k, shift, full_steps, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Scores with keys past n_k (and, causal, past a row's diagonal) at -inf; blocks every row
-        sees in full pass unmasked."""
-        if step >= full_steps:
-            keys = gl.expand_dims(cols + step * BLOCK_N, 0)
+    def _capped(s, cap_scale, SOFTCAP: gl.constexpr):
+        """Raw scores with a softcap: tanh(s * sm_scale / cap) from exp2 (cap_scale: 2 log2(e) sm_scale
+        / cap; qk_scale then holds cap * log2(e)), as `kernels.capped`; else s."""
+        if SOFTCAP:
+            s = 1.0 - 2.0 / (gl.exp2(s * cap_scale) + 1.0)
+        return s
+
+    @gluon.jit
+    def _masked(s, rows, cols, key_block, n_k, shift, left, right, full_lo, full_hi, SEEN: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+        """Scores of keys a row does not see at -inf: past n_k, and (SEEN 1, causal) past a row's
+        diagonal, or (SEEN 2, a window) with j - (i + shift) outside [-left, right], as
+        `kernels._visible`; key blocks [full_lo, full_hi) every row sees in full pass unmasked."""
+        if SEEN == 2:
+            edge = (key_block < full_lo) | (key_block >= full_hi)
+        else:
+            edge = key_block >= full_hi
+        if edge:
+            keys = gl.expand_dims(cols + key_block * BLOCK_N, 0)
             keep = keys < n_k
-            if CAUSAL:
+            if SEEN == 1:
                 keep = keep & (keys <= gl.expand_dims(rows, 1) + shift)
+            if SEEN == 2:
+                d = keys - gl.expand_dims(rows + shift, 1)
+                keep = keep & (d <= right) & (d >= -left)
             s = gl.where(keep, s, -float("inf"))
         return s
 
@@ -116,9 +153,10 @@ if gluon is not None:
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
-    def _consumer(o_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, lse_ptr, qk_scale, n_q, n_k, shift,
-                  full_steps, n_steps, b, h, start_m, slb, slh, HALF: gl.constexpr, CAUSAL: gl.constexpr,
-                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    def _consumer(o_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, lse_ptr, qk_scale, cap_scale, n_q, n_k,
+                  shift, left, right, first, full_lo, full_hi, n_steps, b, h, start_m, slb, slh, HALF: gl.constexpr,
+                  SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
         """One warpgroup's 64 rows: S_j = Q K_j^T issued, then P_{j-1} V_{j-1}; the softmax of S_j runs
         while the latter is on the tensor cores. Output through TMA from Q's own buffer."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -144,8 +182,9 @@ if gluon is not None:
             k_0 = reinterpret(k_smem.index(0), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
             s = warpgroup_mma(q, k_0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
-            p, m_i, l_i, alpha = _softmax(_masked(s, rows, cols, 0, n_k, shift, full_steps, CAUSAL, BLOCK_N),
-                                          m_i, l_i, qk_scale)
+            s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, first, n_k, shift, left, right, full_lo, full_hi,
+                        SEEN, BLOCK_N)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
             for step in range(1, n_steps):
                 stage = step % STAGES
                 prev = (step - 1) % STAGES
@@ -156,8 +195,9 @@ if gluon is not None:
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=[s])  # S_j is done; P V may still run
-                p, m_i, l_i, alpha = _softmax(
-                    _masked(s, rows, cols, step, n_k, shift, full_steps, CAUSAL, BLOCK_N), m_i, l_i, qk_scale)
+                s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, first + step, n_k, shift, left, right,
+                            full_lo, full_hi, SEEN, BLOCK_N)
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
                 mbarrier.arrive(empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -178,31 +218,39 @@ if gluon is not None:
         store_wait(0)
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "slb", "slh"])
-    def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, n_q, n_k, n_heads, group, shift,
-                               slb, slh, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                               STAGES: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
-                               PRODUCER_REGISTERS: gl.constexpr):
-        """128 query rows of one (batch, head) against every key they see (causal: the blocks that
-        see the most keys start first); out and the row log-sum-exp (natural log), as
-        `kernels.attn_fwd_kernel` gives them."""
+    def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads,
+                               group, shift, left, right, slb, slh, SEEN: gl.constexpr, SOFTCAP: gl.constexpr,
+                               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                               CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
+        """128 query rows of one (batch, head) against every key they see (SEEN 0 all, 1 causal: the
+        blocks that see the most keys start first, 2 a window of `left` and `right` keys, key blocks
+        outside it skipped, as `kernels._key_range` bounds them); out and the row log-sum-exp
+        (natural log), as `kernels.attn_fwd_kernel` gives them."""
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
         n_blocks = gl.cdiv(n_q, 2 * ROWS)
         pid = gl.program_id(0)
         bh = pid // n_blocks
         block = pid % n_blocks
-        if CAUSAL:
+        if SEEN == 1:
             block = n_blocks - 1 - block
         b = bh // n_heads
         h = bh % n_heads
         hk = h // group
         start_m = block * 2 * ROWS
+        first = 0  # key blocks [first, first + n_steps); masks outside [full_lo, full_hi)
+        full_lo = 0
         end = n_k
-        full_steps = n_k // BLOCK_N
-        if CAUSAL:
+        full_hi = n_k // BLOCK_N
+        if SEEN == 1:
             end = gl.minimum(n_k, gl.maximum(start_m + 2 * ROWS + shift, 0))
-            full_steps = gl.minimum(full_steps, gl.maximum(start_m + shift + 1, 0) // BLOCK_N)
-        n_steps = gl.cdiv(end, BLOCK_N)
+            full_hi = gl.minimum(full_hi, gl.maximum(start_m + shift + 1, 0) // BLOCK_N)
+        if SEEN == 2:
+            first = gl.maximum(start_m + shift - left, 0) // BLOCK_N
+            end = gl.maximum(gl.minimum(n_k, start_m + 2 * ROWS + shift + right), first * BLOCK_N)
+            full_lo = gl.cdiv(gl.maximum(start_m + 2 * ROWS - 1 + shift - left, 0), BLOCK_N)
+            full_hi = gl.minimum(full_hi, gl.maximum(start_m + shift + right + 1, 0) // BLOCK_N)
+        n_steps = gl.cdiv(end, BLOCK_N) - first
         q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -216,12 +264,14 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
         # (literal 0 / 1: a constexpr name in these tuples reaches the partition as a plain int)
         gl.warp_specialize([
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, lse_ptr, qk_scale, n_q, n_k, shift,
-                         full_steps, n_steps, b, h, start_m, slb, slh, 0, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, lse_ptr, qk_scale, n_q, n_k, shift,
-                         full_steps, n_steps, b, h, start_m, slb, slh, 1, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, lse_ptr, qk_scale, cap_scale, n_q, n_k,
+                         shift, left, right, first, full_lo, full_hi, n_steps, b, h, start_m, slb, slh, 0, SEEN,
+                         SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, lse_ptr, qk_scale, cap_scale, n_q, n_k,
+                         shift, left, right, first, full_lo, full_hi, n_steps, b, h, start_m, slb, slh, 1, SEEN,
+                         SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, b, h, hk, start_m,
-                         n_steps, ROWS, BLOCK_N, STAGES)),
+                         first, n_steps, ROWS, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -518,10 +568,11 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
     hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
     layouts = _descriptors((q, k, v, out), (GLUON_ROWS, GLUON_BLOCK_N, GLUON_BLOCK_N, GLUON_ROWS), padded, q.dtype)
+    builds, (qk_scale, cap_scale, left, right) = forward_mask_args(mask, sm_scale)
     launch = Launch(attn_fwd_hopper_kernel, (sizing.cdiv(n_q, 2 * GLUON_ROWS) * b * hq,),
-                    (sm_scale * LOG2E, n_q, n_k, hq, hq // hk, int(mask.lower_right) * (n_k - n_q),
+                    (qk_scale, cap_scale, n_q, n_k, hq, hq // hk, int(mask.lower_right) * (n_k - n_q), left, right,
                      *lse_strides),
-                    {"CAUSAL": mask.right == 0, "BLOCK_N": GLUON_BLOCK_N, "HEAD_DIM": padded, "STAGES": GLUON_STAGES,
+                    {**builds, "BLOCK_N": GLUON_BLOCK_N, "HEAD_DIM": padded, "STAGES": GLUON_STAGES,
                      "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "num_warps": 4}, q.device)
 
