@@ -15,7 +15,8 @@ of a row, so a peer's rate is fk's work over the peer's time and `fk / peer` the
   fixed seed), causal, against fk's dense kernel on the same documents (equal lengths: the same
   batch; random: padded to the longest) and SDPA on the whole packed sequence with the equivalent
   block-diagonal causal mask (its backends that take a mask).
-- attention-window: a causal sliding window at N = 16384 against fk's full causal.
+- attention-window: a causal sliding window, and a causal softcap (Gemma 2's), at N = 16384 against
+  fk's full causal.
 - attention-head-dims: head dims 64, 96, 128 at one shape (d96 runs padded to 128 in `tl`).
 
 attention-serving (`serving_cases`): a serving batch against a paged cache, device time of the mixed
@@ -66,6 +67,7 @@ PACKED_MIN, PACKED_MAX, PACKED_SEED = 64, 4096, 0
 PACKED_EQUAL = 2048
 # Sliding window: (B, H, N, D) causal, WINDOW keys to the left.
 WINDOW_SHAPE, WINDOW = (1, 16, 16384, 128), 1024
+SOFTCAP = 50.0  # Gemma 2's attention logit cap
 # Head dims at one causal shape: (B, H, N), head dims.
 HEAD_DIM_SHAPE, HEAD_DIM_SWEEP = (8, 16, 2048), [64, 96, 128]
 # SDPA backends that take an arbitrary mask (flash takes none).
@@ -267,19 +269,21 @@ def _varlen_cases(lengths, heads: int, head_dim: int, dtype, label: str, full: b
     return out
 
 
-def _window_cases(shape, window: int, dtype) -> list[bench.Case]:
+def _window_cases(shape, window: int | None, dtype, softcap: float | None = None) -> list[bench.Case]:
     b, h, n, d = shape
     # Query i sees min(i, window) + 1 keys.
-    visible = sum(min(i, window) + 1 for i in range(n))
+    visible = sum(min(i, n if window is None else window) + 1 for i in range(n))
     flops = 4.0 * b * h * d * visible
 
     def make_inputs():
         return [testing.randn((b, h, n, d), dtype, requires_grad=True) for _ in range(3)]
 
-    variants = {"fk": functools.partial(attention, causal=True, window=(window, 0)),
+    variants = {"fk": functools.partial(attention, causal=True, window=None if window is None else (window, 0),
+                                        softcap=softcap),
                 "fk full causal": functools.partial(attention, causal=True)}
-    return [bench.Case(op="attention-window", direction=direction, shape=f"B{b} H{h} N{n} d{d} causal "
-                       f"window {window}", dtype=dtype, unit=bench.TFLOPS, work=factor * flops,
+    label = "".join(f" {name} {x}" for name, x in (("window", window), ("softcap", softcap)) if x is not None)
+    return [bench.Case(op="attention-window", direction=direction, shape=f"B{b} H{h} N{n} d{d} causal{label}",
+                       dtype=dtype, unit=bench.TFLOPS, work=factor * flops,
                        make_inputs=make_inputs, variants={k: wrap(fn) for k, fn in variants.items()},
                        input_bytes=3 * b * h * n * d * dtype.itemsize)
             for direction, wrap, factor in [("fwd", bench.forward, 1.0),
@@ -312,7 +316,8 @@ def feature_cases(full: bool) -> list[bench.Case]:
     """Packed documents, a sliding window and head dims (module docstring); tiny on the interpreter."""
     if not full:
         return (_varlen_cases(SMALL_PACKED, SMALL_HEADS, SMALL_HEAD_DIM, torch.float32, "small", full)
-                + _window_cases(SMALL_WINDOW_SHAPE, SMALL_WINDOW, torch.float32) + decode_cases(full)
+                + _window_cases(SMALL_WINDOW_SHAPE, SMALL_WINDOW, torch.float32)
+                + _window_cases(SMALL_WINDOW_SHAPE, None, torch.float32, SOFTCAP) + decode_cases(full)
                 + serving_cases(full))
     dtype = torch.bfloat16
     out = []
@@ -323,7 +328,7 @@ def feature_cases(full: bool) -> list[bench.Case]:
         lengths = packed_lengths(TOKENS, PACKED_MIN, PACKED_MAX, PACKED_SEED)
         out += _varlen_cases(lengths, heads, d, dtype,
                              f"{len(lengths)} docs random {PACKED_MIN}-{PACKED_MAX}", full)
-    out += _window_cases(WINDOW_SHAPE, WINDOW, dtype)
+    out += _window_cases(WINDOW_SHAPE, WINDOW, dtype) + _window_cases(WINDOW_SHAPE, None, dtype, SOFTCAP)
     return out + _head_dim_cases(HEAD_DIM_SHAPE, HEAD_DIM_SWEEP, dtype) + decode_cases(full) + serving_cases(full)
 
 
