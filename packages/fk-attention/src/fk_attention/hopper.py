@@ -298,6 +298,61 @@ if gluon is not None:
             tma_load(do_desc, [b, h, m0, 0], bar, do_smem.index(stage))
 
     @gluon.jit
+    def _key_program(n_q, n_k, n_heads_k, shift, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KEYS: gl.constexpr):
+        """A backward program over keys: (batch, KV head, its first key, the query blocks, the first
+        of them that sees a key: row i sees key j when j <= i + shift under CAUSAL)."""
+        n_key_blocks = gl.cdiv(n_k, 2 * KEYS)
+        pid = gl.program_id(0)
+        bhk = pid // n_key_blocks
+        start_n = (pid % n_key_blocks) * 2 * KEYS
+        b = bhk // n_heads_k
+        hk = bhk % n_heads_k
+        n_blocks = gl.cdiv(n_q, Q_ROWS)
+        first_block = 0
+        if CAUSAL:
+            first_block = gl.minimum(gl.maximum(start_n - shift, 0) // Q_ROWS, n_blocks)
+        return b, hk, start_n, n_blocks, first_block
+
+    @gluon.jit
+    def _store_dkdv(dk_desc, dv_desc, k, v, k_tile, v_tile, dk, dv, b, hk, start_n, HALF: gl.constexpr,
+                    KEYS: gl.constexpr):
+        """dK and dV of a consumer's keys (from start_n + HALF * KEYS) out through K's and V's buffers."""
+        k.store(dk.to(k.dtype))
+        v.store(dv.to(v.dtype))
+        fence_async_shared()
+        tma_store(dk_desc, [b, hk, start_n + HALF * KEYS, 0], k_tile)
+        tma_store(dv_desc, [b, hk, start_n + HALF * KEYS, 0], v_tile)
+        store_wait(0)
+
+    @gluon.jit
+    def _bwd_step(k, v, q_smem, do_smem, ready, lse2_ptr, delta_ptr, stats, keys, rows, m0, full_from, shift,
+                  qk_scale, stage, step, s_zero, dv, op_layout: gl.constexpr, tile_2d: gl.constexpr,
+                  CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """One (Q, dO) block of a backward consumer over keys (transposed, keys as rows): S^T = K Q^T
+        and dP^T = V dO^T issued together, P^T from the saved base-2 log-sum-exp, dV += P^T dO issued;
+        (Q, dV, P^T as the operand that matmul reads, dS^T = P^T (dP^T - delta) in fp32)."""
+        dtype: gl.constexpr = q_smem.dtype
+        # past n_q: Q = dO = 0 (TMA zero fill) and the row terms' padding (lse2 +inf, delta 0, to
+        # kernels.STATS_ALIGN rows) weighs them 0; unmasked, the loads stay vectorized (no spill)
+        lse2 = gl.load(lse2_ptr + stats)
+        delta = gl.load(delta_ptr + stats)
+        mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+        q = reinterpret(q_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
+        do = reinterpret(do_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
+        st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=[st])
+        zt = st * qk_scale - gl.expand_dims(lse2, 0)
+        if CAUSAL:
+            if m0 < full_from:
+                zt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + shift, zt, -float("inf"))
+        pt = gl.exp2(zt)
+        pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        dv = warpgroup_mma(pt_op, do, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=[dpt])
+        return q, dv, pt_op, pt * (dpt - gl.expand_dims(delta, 0))
+
+    @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, lse2_ptr,
                        delta_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group, first_block, n_blocks,
                        ssb, ssh, HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
@@ -332,35 +387,14 @@ if gluon is not None:
             m0 = (first_block + step % per_head) * Q_ROWS
             rows = m0 + cols
             stats = b.to(gl.int64) * ssb + h.to(gl.int64) * ssh + rows
-            # past n_q: Q = dO = 0 (TMA zero fill) and the dQ kernel's padding (lse2 +inf, delta 0, to
-            # kernels.STATS_ALIGN rows) weighs them 0; unmasked, the loads stay vectorized (no spill)
-            lse2 = gl.load(lse2_ptr + stats)
-            delta = gl.load(delta_ptr + stats)
-            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-            q = reinterpret(q_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
-            do = reinterpret(do_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
-            st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            st = warpgroup_mma_wait(1, deps=[st])
-            zt = st * qk_scale - gl.expand_dims(lse2, 0)
-            if CAUSAL:
-                if m0 < full_from:
-                    zt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + shift, zt, -float("inf"))
-            pt = gl.exp2(zt)
-            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-            dv = warpgroup_mma(pt_op, do, dv, is_async=True)
-            dpt = warpgroup_mma_wait(1, deps=[dpt])
-            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, ready, lse2_ptr, delta_ptr, stats, keys, rows, m0,
+                                          full_from, shift, qk_scale, stage, step, s_zero, dv, op_layout, tile_2d,
+                                          CAUSAL, Q_ROWS, HEAD_DIM, STAGES)
             ds_op = gl.convert_layout(dst.to(dtype), op_layout)
             dk = warpgroup_mma(ds_op, q, dk, is_async=True)
             dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, ds_op])
             mbarrier.arrive(empty.index(stage), count=1)
-        k.store((dk * sm_scale).to(dtype))
-        v.store(dv.to(dtype))
-        fence_async_shared()
-        tma_store(dk_desc, [b, hk, start_n + HALF * KEYS, 0], k_tile)
-        tma_store(dv_desc, [b, hk, start_n + HALF * KEYS, 0], v_tile)
-        store_wait(0)
+        _store_dkdv(dk_desc, dv_desc, k, v, k_tile, v_tile, dk * sm_scale, dv, b, hk, start_n, HALF, KEYS)
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift"])
     def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr,
@@ -373,16 +407,7 @@ if gluon is not None:
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
-        n_key_blocks = gl.cdiv(n_k, 2 * KEYS)
-        pid = gl.program_id(0)
-        bhk = pid // n_key_blocks
-        start_n = (pid % n_key_blocks) * 2 * KEYS
-        b = bhk // n_heads_k
-        hk = bhk % n_heads_k
-        n_blocks = gl.cdiv(n_q, Q_ROWS)
-        first_block = 0
-        if CAUSAL:  # row i sees key j when j <= i + shift
-            first_block = gl.minimum(gl.maximum(start_n - shift, 0) // Q_ROWS, n_blocks)
+        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, KEYS)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -453,24 +478,11 @@ if gluon is not None:
             h = hk * group + step // per_head
             m0 = (first_block + step % per_head) * Q_ROWS
             rows = m0 + cols
-            stats = b.to(gl.int64) * ssb + h.to(gl.int64) * ssh + rows
-            lse2 = gl.load(lse2_ptr + stats)  # padded by the prep kernel: no mask (see _dkdv_consumer)
-            delta = gl.load(delta_ptr + stats)
-            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-            q = reinterpret(q_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
-            do = reinterpret(do_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
-            st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            st = warpgroup_mma_wait(1, deps=[st])
-            zt = st * qk_scale - gl.expand_dims(lse2, 0)
-            if CAUSAL:
-                if m0 < full_from:
-                    zt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + shift, zt, -float("inf"))
-            pt = gl.exp2(zt)
-            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-            dv = warpgroup_mma(pt_op, do, dv, is_async=True)
-            dpt = warpgroup_mma_wait(1, deps=[dpt])
-            ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+            stats = b.to(gl.int64) * ssb + h.to(gl.int64) * ssh + rows  # row terms padded by the prep kernel
+            q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, ready, lse2_ptr, delta_ptr, stats, keys, rows, m0,
+                                          full_from, shift, qk_scale, stage, step, s_zero, dv, op_layout, tile_2d,
+                                          CAUSAL, Q_ROWS, HEAD_DIM, STAGES)
+            ds16 = dst.to(dtype)
             # the dQ matmuls of two steps back (both warpgroups') have read this parity's buffers
             mbarrier.wait(ds_free.index(parity), ((step // 2) & 1) ^ 1, pred=step >= 2)
             ds_t = ds_smem.index(2 * parity + HALF)
@@ -489,12 +501,7 @@ if gluon is not None:
             dq_out.store(dq * sm_scale)
             fence_async_shared()
             tma_reduce_add(dq_desc, [b, h, m0, HALF * DQ_COLS], dq_tile)
-        k.store((dk * sm_scale).to(dtype))
-        v.store(dv.to(dtype))
-        fence_async_shared()
-        tma_store(dk_desc, [b, hk, start_n + HALF * KEYS, 0], k_tile)
-        tma_store(dv_desc, [b, hk, start_n + HALF * KEYS, 0], v_tile)
-        store_wait(0)
+        _store_dkdv(dk_desc, dv_desc, k, v, k_tile, v_tile, dk * sm_scale, dv, b, hk, start_n, HALF, KEYS)
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift"])
     def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr,
@@ -507,16 +514,7 @@ if gluon is not None:
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
-        n_key_blocks = gl.cdiv(n_k, 2 * KEYS)
-        pid = gl.program_id(0)
-        bhk = pid // n_key_blocks
-        start_n = (pid % n_key_blocks) * 2 * KEYS
-        b = bhk // n_heads_k
-        hk = bhk % n_heads_k
-        n_blocks = gl.cdiv(n_q, Q_ROWS)
-        first_block = 0
-        if CAUSAL:
-            first_block = gl.minimum(gl.maximum(start_n - shift, 0) // Q_ROWS, n_blocks)
+        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, KEYS)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, Q_ROWS], dtype)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
