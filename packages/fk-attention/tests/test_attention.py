@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from fk_runtime import alloc, gluon as fk_gluon
+from fk_runtime import alloc, backend, gluon as fk_gluon
 from fk_runtime.harness import testing
 from fk_runtime.launch import PlanCache
 
@@ -327,7 +327,8 @@ HOPPER_CASES = [
 @pytest.fixture
 def switch(monkeypatch):
     """switch(name, value): a `config` switch set for the test (`GLUON_FUSED_DQ` off: the 7-matmul
-    pair, tl dQ and Gluon dK/dV; `GLUON_FORWARD_MASKS`), bound calls dropped then and after it."""
+    pair, tl dQ and Gluon dK/dV; `GLUON_FORWARD_MASKS`: the releases it is on for), bound calls
+    dropped then and after it."""
     def set_to(name: str, value):
         plan.BOUND.cache_clear()
         monkeypatch.setattr(fk_config, name, value)
@@ -381,9 +382,9 @@ HOPPER_MASK_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,mask", HOPPER_MASK_CASES, ids=str)
 def test_hopper_forward_takes_windows_and_softcaps_where_switched_on(monkeypatch, switch, shape, mask, dtype):
-    """`config.GLUON_FORWARD_MASKS`: the Gluon forward's windows and softcaps against float64 and
-    the tl kernel (`_assert_gluon_forward`); its launch ran."""
-    switch("GLUON_FORWARD_MASKS", True)
+    """`config.GLUON_FORWARD_MASKS` (on for this release): the Gluon forward's windows and softcaps
+    against float64 and the tl kernel (`_assert_gluon_forward`); its launch ran."""
+    switch("GLUON_FORWARD_MASKS", (backend.triton_release(),))
     ran = _hopper_launches(monkeypatch)
     q, k, v = make(shape, dtype, requires_grad=False)
     scale = 1 / math.sqrt(shape[-1])
@@ -561,9 +562,9 @@ def test_backward_prep_kernel_writes_the_row_terms_and_clears_the_dq_sum():
 
 @ON_GLUON_HOPPER
 def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch, switch):
-    """A base off the 16-byte grid, a window, a softcap (`config.GLUON_FORWARD_MASKS` off), d64, a
-    negative scale (the registered op takes one): the tl kernels, right answers."""
-    switch("GLUON_FORWARD_MASKS", False)
+    """A base off the 16-byte grid, a window, a softcap (no release in `config.GLUON_FORWARD_MASKS`),
+    d64, a negative scale (the registered op takes one): the tl kernels, right answers."""
+    switch("GLUON_FORWARD_MASKS", ())
     ran = _hopper_launches(monkeypatch)
     storage = testing.randn((1, 2, 300, 128 + 8), torch.bfloat16)
     q = storage[..., 8:]  # 16-byte base offset, strides a descriptor takes
@@ -585,19 +586,26 @@ def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch
     assert len(ran) == 1
 
 
-def test_hopper_forward_gate(switch):
+def test_hopper_forward_gate(monkeypatch, switch):
     """The Gluon path runs only on the Triton versions it was built for, never on the interpreter
     (where the tl kernels serve every test), and its descriptors carry their shared layout."""
     for version in ("3.6.0", "3.7.1", "3.8.0", "3.9.0"):
         assert fk_gluon.supported(version) == (hopper.gluon is not None), version
     assert not fk_gluon.supported("3.5.1") and not fk_gluon.supported("99.0.0")
-    switch("GLUON_FORWARD_MASKS", False)
+    switch("GLUON_FORWARD_MASKS", ())
     q = testing.randn((1, 2, 64, 128), torch.bfloat16)
     if not testing.on_gpu():
         assert not hopper.takes(q, q, q, fk_mask.CAUSAL, 0.1)
     assert not hopper.takes(q.float(), q.float(), q.float(), fk_mask.CAUSAL, 0.1)
     assert not hopper.takes(q, q, q, fk_mask.Mask(left=8, right=0), 0.1)
     assert not hopper.takes(q, q, q, fk_mask.CAUSAL, -0.1)
+    # Windows and softcaps only on the releases listed (a Hopper GPU assumed, to reach the gate here).
+    monkeypatch.setattr(hopper, "_on_hopper", lambda *tensors: True)
+    for releases, taken in (((), False), ((backend.triton_release(),), True), (((0, 1),), False)):
+        switch("GLUON_FORWARD_MASKS", releases)
+        for mask in (fk_mask.Mask(left=8, right=0), fk_mask.Mask(softcap=5.0)):
+            assert hopper.takes(q, q, q, mask, 0.1) == taken, (releases, mask)
+        assert hopper.takes(q, q, q, fk_mask.CAUSAL, 0.1)
     if hopper.gluon is not None:
         from fk_runtime.launch import Descriptor
 

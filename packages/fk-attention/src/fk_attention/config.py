@@ -275,9 +275,10 @@ APPEND_ROWS = 16
 
 # Padded head dims taken: 128 beat the tl kernels by 7-33%; 64 and 256 lost to them (TUNING.md).
 GLUON_HEAD_DIMS = (128,)
-# Windows and softcaps in the Gluon forward too (offline sm_90a compiles only; off until measured on
-# a GPU against the tl kernel, TUNING.md: Hopper forward).
-GLUON_FORWARD_MASKS = False
+# Triton releases whose Gluon forward takes windows and softcaps too: measured on 3.6 only (window
+# 1024 0.90x, softcap 50 0.76x the tl kernel's time, TUNING.md: Hopper forward); 3.7-3.9 keep the tl
+# kernel for them until timed there.
+GLUON_FORWARD_MASKS = ((3, 6),)
 
 # Query rows per consumer warpgroup (two per program), keys per step, K/V ring stages, the
 # consumers' registers after the producer warp gives its own back (240: no spills at d128).

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from fk_runtime import gluon as fk_gluon
-from fk_runtime import alloc, sizing
+from fk_runtime import alloc, backend, sizing
 from fk_runtime.gluon import (fence_async_shared, gl, gluon, mbarrier, reinterpret, store_wait, tma_load,
                               tma_reduce_add, tma_store, warpgroup_mma, warpgroup_mma_wait)
 from fk_runtime.launch import Descriptor, Launch
@@ -66,8 +66,9 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> boo
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> bool:
     """Whether the forward of these tensors runs here: the row max is taken on unscaled scores, so
-    the scale must be positive; windows and softcaps too where `config.GLUON_FORWARD_MASKS`."""
-    return sm_scale > 0 and (config.GLUON_FORWARD_MASKS or _full_or_causal(mask)) and _on_hopper(q, k, v)
+    the scale must be positive; windows and softcaps too on the releases in `config.GLUON_FORWARD_MASKS`."""
+    return sm_scale > 0 and (_full_or_causal(mask) or backend.triton_release() in config.GLUON_FORWARD_MASKS) \
+        and _on_hopper(q, k, v)
 
 
 def forward_mask_args(mask: Mask, sm_scale: float) -> tuple[dict, tuple]:
