@@ -4,7 +4,9 @@
 #   bash e2e/gpu_check.sh OUT_DIR [TEST_SECONDS] [DEVICE_BUDGET_S] [TESTS...]
 # 1. the test suite on the GPU, FK_GPU_WORKERS workers (default 10: compiles run in parallel), SIGINT after
 #    TEST_SECONDS (default 330) so that pytest still prints its summary and slowest tests; every
-#    worker left is killed before anything is timed;
+#    worker left is killed before anything is timed; each finished test's id goes to
+#    OUT_DIR/finished-<triton>.txt, and FK_GPU_RESUME=1 leaves out the tests that file already names
+#    (a suite cut short by a call's time limit goes on in the next call);
 # 2. e2e/triton_versions.py (host time per call, launches through Triton's dispatch, fk's device
 #    time on the main tables' rows until DEVICE_BUDGET_S, default 120; 0 skips it).
 # The defaults fit one 600-second device call on an H100 (the suite took about 300 s with 10
@@ -31,6 +33,12 @@ python3 -c "import torch, numpy; print('triton $version, torch', torch.__version
 torch.cuda.get_device_name())"
 if [ "$test_s" -gt 0 ]; then
   start=$(date +%s)
+  export FK_TESTS_LOG="$out/finished-$version.txt"
+  if [ "${FK_GPU_RESUME:-0}" = 1 ] && [ -s "$FK_TESTS_LOG" ]; then
+    cp "$FK_TESTS_LOG" "$out/finished-$version.before"; export FK_TESTS_DONE="$out/finished-$version.before"
+    [ -f "$out/tests-$version.log" ] && mv "$out/tests-$version.log" "$out/tests-$version.$(date +%H%M%S).log"
+    echo "resuming: $(wc -l < "$FK_TESTS_DONE") tests finished before are left out"
+  fi
   timeout -s INT -k 20 "$test_s" bash shared/from-source.sh python3 -m pytest -v -n "${FK_GPU_WORKERS:-10}" -p no:cacheprovider \
     -p no:benchmark -rfE --durations=25 "${tests[@]}" > "$out/tests-$version.log" 2>&1 &
   group=$!  # timeout leads a process group of its own: pytest and its xdist workers

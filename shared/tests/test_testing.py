@@ -65,3 +65,33 @@ def test_baseline_widens_the_bound():
     assert c.ok and c.bound == pytest.approx(expected)
     worse = testing.compare("y", ref.float() * 1.09, ref, torch.float32, baseline=ref.float() * 1.04)
     assert not worse.ok
+
+
+def test_a_cut_short_suite_goes_on_where_it_stopped(monkeypatch, tmp_path):
+    """pytest_plugin: FK_TESTS_LOG gets each finished test once (a call ran, or a setup skipped or
+    failed; never from an xdist worker), and FK_TESTS_DONE leaves the tests such a log names out."""
+    from types import SimpleNamespace
+
+    from fk_runtime.harness import pytest_plugin
+
+    log = tmp_path / "finished.txt"
+    monkeypatch.setenv(pytest_plugin.LOG_ENV, str(log))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setattr(pytest_plugin, "_logged", set())
+
+    def report(nodeid, when, passed=True):
+        return SimpleNamespace(nodeid=nodeid, when=when, passed=passed)
+
+    for r in (report("a", "setup"), report("a", "call"), report("a", "teardown"), report("a", "call"),
+              report("b", "setup", passed=False), report("c", "setup"), report("c", "teardown")):
+        pytest_plugin.pytest_runtest_logreport(r)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    pytest_plugin.pytest_runtest_logreport(report("d", "call"))
+    assert log.read_text().splitlines() == ["a", "b"]
+
+    deselected = []
+    config = SimpleNamespace(hook=SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items)))
+    items = [SimpleNamespace(nodeid=n, get_closest_marker=lambda name: None) for n in "abcd"]
+    monkeypatch.setenv(pytest_plugin.DONE_ENV, str(log))
+    pytest_plugin.pytest_collection_modifyitems(config, items)
+    assert [i.nodeid for i in items] == ["c", "d"] and [i.nodeid for i in deselected] == ["a", "b"]
