@@ -79,18 +79,18 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90a, bf16, d{D}")
     fwd_descriptors = [descriptor(q, r) for r in (fk_config.GLUON_ROWS, fk_config.GLUON_BLOCK_N, fk_config.GLUON_BLOCK_N,
                                                   fk_config.GLUON_ROWS)]
+
+    def forward(mask):
+        builds, args = hopper.forward_mask_args(mask, 0.1)
+        return hopper.attn_fwd_hopper_kernel.warmup(*fwd_descriptors, rows, *args[:2], N, N, H, 1, 0, *args[2:], H * N, N,
+                                                    **builds, BLOCK_N=fk_config.GLUON_BLOCK_N,
+                                                    STAGES=fk_config.GLUON_STAGES, **common)
+
     for name, mask in (("window", Mask(left=100, right=37)), ("softcap", Mask(softcap=30.0)),
                        ("window + softcap", Mask(left=255, right=0, softcap=5.0))):  # `config.GLUON_FORWARD_MASKS`
-        builds, args = hopper.forward_mask_args(mask, 0.1)
-        fwd = hopper.attn_fwd_hopper_kernel.warmup(*fwd_descriptors, rows, *args[:2], N, N, H, 1, 0, *args[2:], H * N, N,
-                                                   **builds, BLOCK_N=fk_config.GLUON_BLOCK_N, STAGES=fk_config.GLUON_STAGES,
-                                                   **common)
-        print(f"forward {name}: {usage(fwd)}")
+        print(f"forward {name}: {usage(forward(mask))}")
     for causal in (False, True):
-        builds, args = hopper.forward_mask_args(CAUSAL if causal else FULL, 0.1)
-        fwd = hopper.attn_fwd_hopper_kernel.warmup(*fwd_descriptors, rows, *args[:2], N, N, H, 1, 0, *args[2:], H * N, N,
-                                                   **builds, BLOCK_N=fk_config.GLUON_BLOCK_N, STAGES=fk_config.GLUON_STAGES,
-                                                   **common)
+        fwd = forward(CAUSAL if causal else FULL)
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]
         dkdv = hopper.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N,

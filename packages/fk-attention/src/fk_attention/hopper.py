@@ -54,20 +54,16 @@ def _on_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
-def _full_or_causal(mask: Mask) -> bool:
-    return mask.left is None and mask.right in (None, 0) and mask.softcap is None
-
-
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
     """Whether dense attention of these tensors runs here, forward and dK/dV (bases are checked per
     call): full or causal masks."""
-    return _full_or_causal(mask) and _on_hopper(q, k, v)
+    return mask.full_or_causal and _on_hopper(q, k, v)
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> bool:
     """Whether the forward of these tensors runs here: the row max is taken on unscaled scores, so
     the scale must be positive; windows and softcaps too on the releases in `config.GLUON_FORWARD_MASKS`."""
-    return sm_scale > 0 and (_full_or_causal(mask) or backend.triton_release() in config.GLUON_FORWARD_MASKS) \
+    return sm_scale > 0 and (mask.full_or_causal or backend.triton_release() in config.GLUON_FORWARD_MASKS) \
         and _on_hopper(q, k, v)
 
 

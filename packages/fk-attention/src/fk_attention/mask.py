@@ -40,6 +40,11 @@ class Mask:
         return self.left is not None or self.right is not None
 
     @property
+    def full_or_causal(self) -> bool:
+        """Every key, or causal (of either alignment), no softcap."""
+        return self.left is None and self.right in (None, 0) and self.softcap is None
+
+    @property
     def window_build(self) -> int:
         """The kernels' WINDOW: 0 no window, 1 one whose left side is unbounded (causal's: no
         compares on that side), 2 one bounded on the left."""
