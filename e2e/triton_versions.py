@@ -195,6 +195,7 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: s
         raise SystemExit(f"no run of Triton {baseline} in {[str(f) for f in folders]}")
     others = [v for v in versions if v != base]
     first = runs[base]["meta"]
+    sampled = next((r["meta"] for r in rounds[base] if r["host"]), first)  # a host run's sampling settings
     lines = [
         "## Triton versions", "",
         f"{first['device']}, torch {first['torch']}; Triton {', '.join(versions)}, each in its own process on "
@@ -203,8 +204,8 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: s
         "each figure the median over a version's runs (host ratios: each run's fk ÷ torch, then the median). "
         f"`÷ {_release(base)}`: the "
         f"version's time over {_release(base)}'s (below 1: faster). Host: µs per eager call on a tiny input "
-        f"(the host section's method: the median of {first.get('host_repeats', '?')} interleaved samples of "
-        f"{first.get('host_calls', '?')} calls, in each of {first.get('host_passes', 1)} pass(es) over the cases, "
+        f"(the host section's method: the median of {sampled.get('host_repeats', '?')} interleaved samples of "
+        f"{sampled.get('host_calls', '?')} calls, in each of {sampled.get('host_passes', 1)} pass(es) over the cases, "
         "their median), fk's and torch's op in the same process; host time moves between "
         "processes on this machine (torch's own op by up to 1.8x here), so a version's host figure is "
         f"compared as fk's time over torch's in its own run, divided by that of {_release(base)}. "
