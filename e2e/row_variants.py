@@ -19,7 +19,9 @@ A row is `op direction shape dtype` as the main tables name them (`x` for `×`),
 for every row of a main table; the first variant is always `base` (the code as it is), and
 `env:FK_AUTOTUNE='1'` is a variant too (attention autotuned, as a bind reads it). `--peers` times
 each row's other variants (torch, ...) once a round beside `base`. Writes
-`<out>/row-variants-<triton>.json` and prints the table.
+`<out>/row-variants-<triton>.json` and prints the table, with what attention's autotuner picked
+for each row it tuned in this process (`tuned_picks`; picks read back from FK_CACHE_DIR are not
+listed: point it at an empty folder to see every one).
 """
 
 from __future__ import annotations
@@ -111,6 +113,17 @@ def _time(case, variant: str, bench, torch) -> float:
     return ms
 
 
+def _tuned_picks() -> dict:
+    """The attention autotuner's picks so far, {key: Config} (empty where fk_attention's plan is not loaded)."""
+    return dict(getattr(sys.modules.get("fk_attention.plan"), "WINNERS", {}))
+
+
+def _described(key, config) -> str:
+    kind = getattr(key[0][0], "value", key[0][0])
+    return (f"{kind} {config.block_m}x{config.block_n} w{config.num_warps} s{config.num_stages}"
+            + (" tma" if config.descriptors else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -145,11 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     variants = [(BASE, [])] + [(name, _patches(spec)) for name, spec in args.variant]
     peers = sorted({p for r in wanted for p in cases[r].variants if p != bench.FK}) if args.peers else []
     times: dict = {(v, r): [] for v in [v for v, _ in variants] + peers for r in wanted}
+    picks: dict = {}  # "variant row": what the autotuner picked while timing it (the configs to fix next)
     for round_ in range(args.rounds):
         for row in wanted:
             for vname, patches in variants if round_ % 2 == 0 else variants[::-1]:
+                before = _tuned_picks()
                 with _applied(patches):
                     ms = _time(cases[row], bench.FK, bench, torch)
+                new = [_described(k, c) for k, c in _tuned_picks().items() if k not in before]
+                if new:
+                    picks[f"{vname} {row}"] = new
                 times[(vname, row)].append(ms)
                 print(f"round {round_} {vname:12s} {row}: {ms:.4f} ms", flush=True)
             for peer in peers:
@@ -162,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             for r in wanted for v in names if times[(v, r)]]
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"row-variants-{triton.__version__}.json"
-    path.write_text(json.dumps(dict(meta=meta, variants={v: s for v, s in args.variant}, rows=rows), indent=1))
+    path.write_text(json.dumps(dict(meta=meta, variants={v: s for v, s in args.variant}, rows=rows,
+                                     tuned_picks=picks), indent=1))
     print(f"\n{meta['device']}, torch {meta['torch']}, Triton {triton.__version__}; medians of {args.rounds} rounds (ms)")
     print("| row | " + " | ".join(names) + " |")
     for r in wanted:
@@ -170,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{statistics.median(times[(v, r)]):.4f} ({statistics.median(times[(v, r)]) / base:.3f})"
                  if times[(v, r)] else "–" for v in names]
         print(f"| {r} | " + " | ".join(cells) + " |")
+    for name, new in picks.items():
+        print(f"tuned picks, {name}: {', '.join(new)}")
     print(f"wrote {path}")
     return 0
 

@@ -58,3 +58,29 @@ def test_a_value_may_be_built_from_the_patched_modules_names(e2e_script):
     assert table[0][1][config.Kind.FORWARD] == config.Config(64, 64, 4, 2)
     assert table[0][1][config.Kind.DQ] == config.DEFAULTS_16BIT[0][1][config.Kind.DQ]
     assert table[1:] == config.DEFAULTS_16BIT[1:]
+
+
+def test_the_autotuners_picks_are_kept_per_row(tmp_path, e2e_script, capsys, monkeypatch):
+    """What the attention tuner picks while a row is timed (keys new in `plan.WINNERS`) is written
+    beside the times, under the variant and row that tuned it: the configs a fixed default may take."""
+    from fk_attention import config
+    from fk_attention import plan as attention_plan
+
+    variants = e2e_script("row_variants")
+    monkeypatch.setattr(attention_plan, "WINNERS", {})
+    key = ((config.Kind.DQ, 128, 1, False, True, None, (1, 2, 3, 4), 0), True)
+    real = variants._time
+
+    def tuning(case, variant, bench, torch):  # a tune that happens while the "tuned" variant is timed
+        if os.environ.get("FK_ROW_VARIANTS_PROBE") == "1":
+            attention_plan.WINNERS.setdefault(key, config.Config(64, 32, 4, 3, True))
+        return real(case, variant, bench, torch)
+
+    monkeypatch.setattr(variants, "_time", tuning)
+    case = next(c for c in softmax_bench.cases(not backend.is_interpreter()) if c.direction == "fwd")
+    row = f"softmax fwd {case.shape.replace('×', 'x')} {str(case.dtype).removeprefix('torch.')}"
+    assert variants.main(["--out", str(tmp_path), "--rounds", "2", "--rows", row,
+                          "--variant", "tuned", "env:FK_ROW_VARIANTS_PROBE='1'"]) == 0
+    (path,) = tmp_path.glob("row-variants-*.json")
+    assert json.loads(path.read_text())["tuned_picks"] == {f"tuned {row}": ["dq 64x32 w4 s3 tma"]}
+    assert f"tuned picks, tuned {row}: dq 64x32 w4 s3 tma" in capsys.readouterr().out
