@@ -9,6 +9,12 @@ from fk_softmax import bench as softmax_bench
 from fk_softmax import plan as softmax_plan
 
 
+def _first_softmax_row() -> str:
+    """The table's first softmax forward row on this device (the GPU's full tables or the interpreter's small ones)."""
+    case = next(c for c in softmax_bench.cases(not backend.is_interpreter()) if c.direction == "fwd")
+    return f"softmax fwd {case.shape.replace('×', 'x')} {str(case.dtype).removeprefix('torch.')}"
+
+
 def test_variants_take_effect_and_are_undone(tmp_path, e2e_script, capsys, monkeypatch):
     """Each variant's numbers reach the plan (its rows bind again), a row's variants run back to
     back in an order reversed every other round, and the module and the environment are as they
@@ -24,9 +30,7 @@ def test_variants_take_effect_and_are_undone(tmp_path, e2e_script, capsys, monke
 
     monkeypatch.setattr(softmax_plan, "plan", spy)
     before = softmax_plan.FUSED_TILE_BYTES
-    # the table's first softmax row on this device (the GPU's full tables or the interpreter's small ones)
-    case = next(c for c in softmax_bench.cases(not backend.is_interpreter()) if c.direction == "fwd")
-    row = f"softmax fwd {case.shape.replace('×', 'x')} {str(case.dtype).removeprefix('torch.')}"
+    row = _first_softmax_row()
     assert variants.main(["--out", str(tmp_path), "--rounds", "2", "--rows", row,
                           "--variant", "small", "fk_softmax.plan:FUSED_TILE_BYTES=1024;env:FK_ROW_VARIANTS_PROBE='1'"]) == 0
     order = [v for i, v in enumerate(seen) if i == 0 or seen[i - 1] != v]
@@ -77,8 +81,7 @@ def test_the_autotuners_picks_are_kept_per_row(tmp_path, e2e_script, capsys, mon
         return real(case, variant, bench, torch)
 
     monkeypatch.setattr(variants, "_time", tuning)
-    case = next(c for c in softmax_bench.cases(not backend.is_interpreter()) if c.direction == "fwd")
-    row = f"softmax fwd {case.shape.replace('×', 'x')} {str(case.dtype).removeprefix('torch.')}"
+    row = _first_softmax_row()
     assert variants.main(["--out", str(tmp_path), "--rounds", "2", "--rows", row,
                           "--variant", "tuned", "env:FK_ROW_VARIANTS_PROBE='1'"]) == 0
     (path,) = tmp_path.glob("row-variants-*.json")
