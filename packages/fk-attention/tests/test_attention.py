@@ -246,7 +246,7 @@ def test_dkdv_query_blocks_fit_the_scratch_padding():
     from fk_attention import kernels
 
     blocks = {fk_config.GLUON_Q_ROWS, fk_config.INTERPRETER_BLOCK}
-    for table in (fk_config.DEFAULTS_16BIT, fk_config.DEFAULTS_32BIT, fk_config.WINDOW_DEFAULTS_16BIT):
+    for table in (fk_config.DEFAULTS_16BIT, fk_config.DEFAULTS_32BIT, fk_config.MASKED_DEFAULTS_16BIT):
         blocks.update(row[fk_config.Kind.DKDV].block_m for _, row in table if fk_config.Kind.DKDV in row)
     blocks.update(c.block_m for _, row in fk_config.CANDIDATES for c in row[fk_config.Kind.DKDV])
     assert all(int(kernels.STATS_ALIGN) % m == 0 for m in blocks), sorted(blocks)

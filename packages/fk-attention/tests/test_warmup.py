@@ -36,17 +36,28 @@ def test_autotuning_only_when_asked(monkeypatch):
     assert plan.should_autotune(*big)
 
 
-def test_windows_take_their_measured_tiles(monkeypatch):
+def test_masked_walks_take_their_measured_tiles(monkeypatch):
+    """Short windows, packed sequences and softcaps take the masked tiles at d128 (16-bit); dQ, wide
+    windows, fp32 and d64 keep the dense ones."""
     monkeypatch.setattr(fk_config.backend, "is_interpreter", lambda: False)
     fk_config.default_config.cache_clear()
+    fwd, dkdv, dq = fk_config.Kind.FORWARD, fk_config.Kind.DKDV, fk_config.Kind.DQ
     try:
-        dense = fk_config.default_config(fk_config.Kind.FORWARD, 128, torch.bfloat16, True)
-        window = fk_config.default_config(fk_config.Kind.FORWARD, 128, torch.bfloat16, True, 1025)
-        wide = fk_config.default_config(fk_config.Kind.FORWARD, 128, torch.bfloat16, True, 1 << 20)
+        dense = fk_config.default_config(fwd, 128, torch.bfloat16, True)
+        window = fk_config.default_config(fwd, 128, torch.bfloat16, True, 1025)
+        wide = fk_config.default_config(fwd, 128, torch.bfloat16, True, 1 << 20)
         assert (window.block_m, window.block_n, window.num_stages) == (64, 64, 3)
         assert wide == dense != window
-        assert fk_config.default_config(fk_config.Kind.DQ, 128, torch.bfloat16, True, 1025) == \
-            fk_config.default_config(fk_config.Kind.DQ, 128, torch.bfloat16, True)
+        assert fk_config.default_config(dq, 128, torch.bfloat16, True, 1025) == \
+            fk_config.default_config(dq, 128, torch.bfloat16, True)
+        for flags in ({"varlen": True}, {"softcap": True}):
+            assert fk_config.default_config(fwd, 128, torch.float16, True, **flags) == window
+            got = fk_config.default_config(dkdv, 128, torch.bfloat16, True, **flags)
+            assert (got.block_m, got.block_n, got.num_stages) == (64, 64, 2), flags
+            assert fk_config.default_config(dq, 128, torch.bfloat16, True, **flags) == \
+                fk_config.default_config(dq, 128, torch.bfloat16, True)
+            for other in ((fwd, 64, torch.bfloat16), (fwd, 128, torch.float32)):
+                assert fk_config.default_config(*other, True, **flags) == fk_config.default_config(*other, True)
     finally:
         fk_config.default_config.cache_clear()
 

@@ -106,13 +106,14 @@ DEFAULTS_16BIT = (
            Kind.DKDV: Config(32, 64, 4, 2)}),
 )
 
-# Two-sided windows of at most WINDOW_MAX_SPAN keys (their walks are as long as the window, not the
-# sequence), 16-bit, by padded head dim (exact): smaller forward and dK/dV tiles at 128; other
-# kinds and head dims take the dense defaults (WINDOW_MAX_SPAN: a prior). Window 1024 at N 16384
-# (TUNING.md: windows tuned apart): forward 64 x 64 325 µs against 375-393 for 128 x 128, dK/dV
-# 64 x 64 644-661 against 734-746 for 64 x 128.
+# Masked walks, 16-bit, by padded head dim (exact): two-sided windows of at most WINDOW_MAX_SPAN keys
+# (their walks are as long as the window, not the sequence), packed sequences and softcapped scores
+# take smaller forward and dK/dV tiles at 128; other kinds and head dims take the dense defaults
+# (WINDOW_MAX_SPAN: a prior). Window 1024 at N 16384 (TUNING.md: masked walks tuned apart): forward
+# 64 x 64 325 µs against 375-393 for 128 x 128, dK/dV 64 x 64 644-661 against 734-746 for 64 x 128;
+# packed d128 forward 0.93x, dK/dV 0.93x and softcap 50 dK/dV 0.92x the dense tiles' time (3.8).
 WINDOW_MAX_SPAN = 2048
-WINDOW_DEFAULTS_16BIT = (
+MASKED_DEFAULTS_16BIT = (
     (128, {Kind.FORWARD: Config(64, 64, 4, 3), Kind.DKDV: Config(64, 64, 4, 2)}),
 )
 
@@ -160,17 +161,19 @@ def _row(table, head_dim: int):
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def default_config(kind: Kind, head_dim: int, dtype: torch.dtype, descriptors: bool,
-                   span: int | None = None) -> Config:
+                   span: int | None = None, varlen: bool = False, softcap: bool = False) -> Config:
     """The fixed launch for `kind`: tiny blocks on the interpreter, the head dim's default on a
-    GPU (fp32: its own tiles, sized to registers; a two-sided window of `span` keys: its own
-    where measured); through descriptors when `descriptors` says so."""
+    GPU (fp32: its own tiles, sized to registers; a two-sided window of `span` keys, packed
+    sequences or softcapped scores: the masked walks' own where measured); through descriptors
+    when `descriptors` says so."""
     if backend.is_interpreter():
         return Config(INTERPRETER_BLOCK, INTERPRETER_BLOCK, sizing.MIN_WARPS, 1, descriptors)
     table = DEFAULTS_32BIT if dtype.itemsize > 2 else DEFAULTS_16BIT
     config = _row(table, head_dim)[kind]
-    if dtype.itemsize <= 2 and span is not None and span <= WINDOW_MAX_SPAN:
+    masked = varlen or softcap or (span is not None and span <= WINDOW_MAX_SPAN)
+    if dtype.itemsize <= 2 and masked:
         padded = layout.padded_head_dim(head_dim)
-        config = next((row[kind] for dim, row in WINDOW_DEFAULTS_16BIT if dim == padded and kind in row), config)
+        config = next((row[kind] for dim, row in MASKED_DEFAULTS_16BIT if dim == padded and kind in row), config)
     config = dataclasses.replace(config, descriptors=descriptors)
     if backend.is_hip():
         config = dataclasses.replace(config, num_stages=HIP_NUM_STAGES)
