@@ -52,8 +52,11 @@ def test_benchmarks_md_is_rebuilt_from_sections(tmp_path):
     out.mkdir()
     (out / "a.md").write_text("## a\n")
     (out / "b.md").write_text("## b\n")
+    (out / "c.md").write_text("## c\n![c.png](c.png)\n![d.png](benchmarks/d.png)\n")
     text = cli.rebuild_benchmarks_md(out).read_text()
     assert text.index("## a") < text.index("## b")
+    # Plots are linked from BENCHMARKS.md, beside the folder, whichever folder a section was written in.
+    assert "![c.png](benchmarks/c.png)" in text and "![d.png](benchmarks/d.png)" in text
 
 
 def test_host_cases_time_only_their_modes():

@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import json
 import pkgutil
+import re
 import shlex
 import sys
 import tempfile
@@ -152,6 +153,8 @@ def rebuild_benchmarks_md(out: Path) -> Path:
     order = lambda p: (p.stem not in LEADING_SECTIONS,  # noqa: E731
                        LEADING_SECTIONS.index(p.stem) if p.stem in LEADING_SECTIONS else 0, p.stem)
     sections = [p.read_text() for p in sorted(out.glob("*.md"), key=order) if p != target]
+    # A section written into another folder (`--out DIR`, then copied here) links its plots bare.
+    sections = [re.sub(r"!\[([^\]]*)\]\(([^/)]+\.png)\)", rf"![\1]({plot_dir(out)}\2)", s) for s in sections]
     header = (
         "# Benchmarks\n\nThe latest run of each op, written by the main job, `python -m fk_runtime` "
         "(`nox -s bench`; on a GPU box without network `bash shared/from-source.sh python -m "
