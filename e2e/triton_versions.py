@@ -176,6 +176,21 @@ def _median_run(runs: list[dict]) -> dict:
                 device=[dict(r, ms=median(r["ms"])) for r in device.values()])
 
 
+def _spread(runs: list[dict]) -> tuple[float, str] | None:
+    """How far one version's own runs move: the worst fk host row's largest fk ÷ torch over its
+    smallest across the runs (None below two host runs), with that row's name. A ratio between
+    versions within this of 1 is within what a rerun of the same code gives."""
+    ratios: dict = {}
+    for run in runs:
+        peers = {(r["op"], r["shape"], r["mode"]): r["us"] for r in run["host"] if r["variant"] != "fk"}
+        for r in run["host"]:
+            peer = peers.get((r["op"], r["shape"], r["mode"]))
+            if r["variant"] == "fk" and r["us"] and peer:
+                ratios.setdefault(f"{r['op']} {r['mode']}", []).append(r["us"] / peer)
+    spreads = [(max(v) / min(v), k) for k, v in ratios.items() if len(v) > 1]
+    return max(spreads) if spreads else None
+
+
 def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: str = "on the same machine") -> str:
     rounds: dict[str, list] = {}
     for folder in folders:
@@ -247,8 +262,13 @@ def summarize(folders: list[Path], out: Path, baseline: str = BASELINE, where: s
             row.append(_fmt(ratio, 2))
         row += [_fmt((host[v].get(key) or {}).get("dispatched"), 1) for v in versions]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Worst host ratio (fk ÷ torch, against the baseline's): " + ", ".join(f"{v} {worst_host[v]:.2f}x" for v in others), "",
-              "### Device time (ms)", ""]
+    lines += ["", "Worst host ratio (fk ÷ torch, against the baseline's): " + ", ".join(f"{v} {worst_host[v]:.2f}x" for v in others)]
+    spreads = {v: _spread(rounds[v]) for v in versions}
+    if any(spreads.values()):
+        lines += ["", "Same-version spread (the worst row's largest fk ÷ torch over its smallest, across one version's "
+                  "runs: what a rerun of the same code moves): "
+                  + ", ".join(f"{v} {w[0]:.2f}x ({w[1]})" for v, w in spreads.items() if w)]
+    lines += ["", "### Device time (ms)", ""]
     head = ["table", "row", "dir", "dtype", f"fk {base}"] + [c for v in others for c in (f"fk {v}", f"÷ {_release(base)}")]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     device = {v: index(runs[v]["device"], lambda r: (r["op"], r["shape"], r["direction"], r["dtype"]))

@@ -48,6 +48,8 @@ def test_several_runs_of_a_version_are_taken_as_their_medians(tmp_path, e2e_scri
     assert "| 40.0 / 20.0 | 80.0 / 60.0 | 0.67 |" in host_row  # median µs; each 3.8 run at 2/3 of its 3.6 pair
     assert "| 1.1000 | 2.2000 | 2.000 ! |" in text
     assert "median of 7 interleaved samples of 200 calls, in each of 2 pass(es)" in text
+    # 3.6's own runs: fk ÷ torch 1.5 to 2.5; 3.8's 1/1.5 of those
+    assert "Same-version spread" in text and "3.6.0 1.67x (rms_norm fwd), 3.8.0 1.67x (rms_norm fwd)" in text
 
 
 def test_host_passes_merge_into_one_row_per_case(e2e_script):
