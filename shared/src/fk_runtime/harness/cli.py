@@ -68,8 +68,9 @@ def run_checks(op: str, bench_module, full: bool) -> bool:
     return ok
 
 
-def section(op: str, results, ceilings, meta: dict, plot_names: list[str],
-            plot_dir: str = f"{DEFAULT_OUT}/") -> str:
+def section(op: str, results, ceilings, meta: dict, plot_names: list[str]) -> str:
+    """An op's (or table's) section: plots linked beside the section's file (BENCHMARKS.md's copy
+    links them in the folder: `rebuild_benchmarks_md`)."""
     from . import bench
 
     lines = [
@@ -91,7 +92,7 @@ def section(op: str, results, ceilings, meta: dict, plot_names: list[str],
     ]
     for name in dict.fromkeys(r.op for r in results):  # an op package may bench several ops
         lines += [f"### {name}", "", bench.markdown_table(results, name), ""]
-    lines += [f"![{name}]({plot_dir}{name})" for name in plot_names] + [""]
+    lines += [f"![{name}]({name})" for name in plot_names] + [""]
     return "\n".join(lines)
 
 
@@ -153,7 +154,7 @@ def rebuild_benchmarks_md(out: Path) -> Path:
     order = lambda p: (p.stem not in LEADING_SECTIONS,  # noqa: E731
                        LEADING_SECTIONS.index(p.stem) if p.stem in LEADING_SECTIONS else 0, p.stem)
     sections = [p.read_text() for p in sorted(out.glob("*.md"), key=order) if p != target]
-    # A section written into another folder (`--out DIR`, then copied here) links its plots bare.
+    # Sections link their plots beside them; BENCHMARKS.md, beside the folder, links them in it.
     sections = [re.sub(r"!\[([^\]]*)\]\(([^/)]+\.png)\)", rf"![\1]({plot_dir(out)}\2)", s) for s in sections]
     header = (
         "# Benchmarks\n\nThe latest run of each op, written by the main job, `python -m fk_runtime` "
@@ -185,7 +186,7 @@ def run_sweeps(modules: dict, out: Path, meta: dict, full: bool, tables: list[st
         if tables is None:
             bench.write_json(results, ceilings, meta, out / f"{op}.json")
             (out / f"{op}.md").write_text(
-                section(op, results, ceilings, meta, [p.name for p in plots.values() if p], plot_dir(out)))
+                section(op, results, ceilings, meta, [p.name for p in plots.values() if p]))
             for name in (n for n in names if n != op):  # stale sections of a `--tables` run
                 for suffix in (".md", ".json"):
                     (out / f"{name}{suffix}").unlink(missing_ok=True)
@@ -196,7 +197,7 @@ def run_sweeps(modules: dict, out: Path, meta: dict, full: bool, tables: list[st
                 mine = [r for r in results if r.op == name]
                 bench.write_json(mine, ceilings, meta, out / f"{name}.json")
                 (out / f"{name}.md").write_text(
-                    section(name, mine, ceilings, meta, [plots[name].name] if plots[name] else [], plot_dir(out)))
+                    section(name, mine, ceilings, meta, [plots[name].name] if plots[name] else []))
             print(f"\n{name}\n" + bench.markdown_table(results, name))
 
 
@@ -223,7 +224,7 @@ def _take_tables_out_of_op_section(out: Path, op: str, names: set[str]) -> None:
         tables = list(dict.fromkeys(r.op for r in rows))
         plots = [f"{t}.png" for t in tables if (out / f"{t}.png").exists()]
         bench.write_json(rows, ceilings, meta, out / f"{name}.json")
-        (out / f"{name}.md").write_text(section(name, rows, ceilings, meta, plots, plot_dir(out)))
+        (out / f"{name}.md").write_text(section(name, rows, ceilings, meta, plots))
 
     if op in names:  # the op's own section becomes its main table's: the others stand alone
         path.unlink()
