@@ -206,10 +206,11 @@ def test_token_stride_past_32bit_tile_offsets():
     check(attention, [q.requires_grad_(), k.requires_grad_(), v.requires_grad_()], dtype, causal=False)
 
 
-# Forced launches: uneven block shapes (more queries than keys per step and the reverse), both
-# load paths (TMA descriptors run on the interpreter too), GQA, odd lengths both ways.
+# Forced launches: uneven block shapes (more queries than keys per step and the reverse; keys twice
+# the queries: the causal forward's half-width last step), both load paths (TMA descriptors run on
+# the interpreter too), GQA, odd lengths both ways.
 # (Fewer on the GPU, where every tiling is a compile and the main test covers the tuned ones.)
-TILINGS = [(16, 16, False), (32, 16, True), (16, 64, True)] + (
+TILINGS = [(16, 16, False), (32, 16, True), (16, 64, True), (16, 32, True)] + (
     [] if testing.on_gpu() else [(16, 32, False), (64, 16, True)])
 
 

@@ -108,7 +108,7 @@ def test_masks_match_float64_reference(shape, dtype, mask):
     )
 
 
-TILINGS = [(16, 16, False), (32, 16, True), (16, 64, True), (64, 16, False)]
+TILINGS = [(16, 16, False), (32, 16, True), (16, 64, True), (64, 16, False), (16, 32, True)]
 
 
 @pytest.mark.parametrize("tiling", TILINGS if not testing.on_gpu() else TILINGS[:2], ids=str)

@@ -50,6 +50,17 @@ KEY_ARGS = ["n_q_key", "n_k_key", "bh_key", "dtype_key", "WINDOW", "SOFTCAP", "V
 LEFT_UNBOUNDED_BUILD_FROM = (3, 7)
 
 
+# The dense forward walks a window's last key block (causal's diagonal) in a half-width step where
+# its query block sees at most half of it: with BLOCK_N = 2 BLOCK_M (d64's 64 x 128) every other
+# query block otherwise computes a whole block of which half is masked (TUNING.md: prefill tiles).
+FORWARD_HALF_TAIL = True
+
+
+def forward_meta() -> dict:
+    """The forward kernel's constexprs that no other kernel takes."""
+    return {"HALF_TAIL": FORWARD_HALF_TAIL}
+
+
 def window_build(mask) -> int:
     """The WINDOW constexpr for `mask` (`mask.Mask.window_build`) on this Triton."""
     build = mask.window_build

@@ -53,15 +53,22 @@ def _source(t, b, h, stride_b, stride_h, first, stride_n, USE_DESC: tl.constexpr
 
 @triton.jit
 def _load(src, b, h, start, n_rows, stride_n, stride_d, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-          HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, CHECK_ROWS: tl.constexpr):
+          HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, CHECK_ROWS: tl.constexpr,
+          HALF: tl.constexpr = False):
     """Rows [start, start + BLOCK) of head (b, h) as a BLOCK x HEAD_DIM_PADDED tile, zeros outside
     the matrix. Pointer loads mask only what may be out of range (CHECK_ROWS, head-dim padding),
     so full tiles stay unmasked vector loads. Packed descriptors (USE_DESC = 2, b = the sequence's
-    first row) read the next sequence's rows past n_rows."""
-    if USE_DESC == 2:
-        tile = src.load([0, h, b + start, 0]).reshape(BLOCK, HEAD_DIM_PADDED)
-    elif USE_DESC:
-        tile = src.load([b, h, start, 0]).reshape(BLOCK, HEAD_DIM_PADDED)
+    first row) read the next sequence's rows past n_rows. HALF: the descriptors' tiles are 2 BLOCK
+    rows; the first half is kept."""
+    if USE_DESC:
+        if USE_DESC == 2:
+            tile = src.load([0, h, b + start, 0])
+        else:
+            tile = src.load([b, h, start, 0])
+        if HALF:
+            tile, _ = tl.split(tile.reshape(2, BLOCK, HEAD_DIM_PADDED).permute(1, 2, 0))
+        else:
+            tile = tile.reshape(BLOCK, HEAD_DIM_PADDED)
     else:
         rows = tl.arange(0, BLOCK)
         cols = tl.arange(0, HEAD_DIM_PADDED)
@@ -264,11 +271,12 @@ def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift
                qk_scale, cap_scale, slope, seed, dropout_p, bh, skn, skd, svn, svd,
                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """Online softmax over the key blocks [lo, hi): running max m, running sum l, O accumulator."""
+               PRECISION: tl.constexpr, HALF: tl.constexpr = False):
+    """Online softmax over the key blocks [lo, hi): running max m, running sum l, O accumulator.
+    HALF: BLOCK_N is half the descriptors' key tile (`_load`)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _load(k_src, b, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
+        k = _load(k_src, b, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED, HALF)
         s = capped(tl.dot(q, tl.trans(k), input_precision=PRECISION), cap_scale, SOFTCAP)
         s = alibi_bias(s, offs_m, start_n + tl.arange(0, BLOCK_N), shift, slope, ALIBI)
         p, alpha, m_new = softmax_step(s, m_i, offs_m, start_n, n_k, shift, left, right, qk_scale, WINDOW,
@@ -276,7 +284,7 @@ def _fwd_steps(acc, l_i, m_i, q, k_src, v_src, b, hk, lo, hi, offs_m, n_k, shift
         l_i = l_i * alpha + tl.sum(p, 1)  # the un-dropped sum: the lse is the softmax's, as in FA
         if DROPOUT:
             p = p * dropout_scale(seed, dropout_p, bh, offs_m[:, None], (start_n + tl.arange(0, BLOCK_N))[None, :])
-        v = _load(v_src, b, hk, start_n, n_k, svn, svd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
+        v = _load(v_src, b, hk, start_n, n_k, svn, svd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED, HALF)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
@@ -288,10 +296,12 @@ def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, bq, bk, h, hk, start_m, n_q,
                qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod,
                WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
                HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_TAIL: tl.constexpr):
     """Rows [start_m, start_m + BLOCK_M) of one (sequence, head): the output and the row
     log-sum-exp. A row that sees no key gets 0 and -inf (the log-sum-exp of nothing). bq, bk:
-    the batch index (dense) or the sequences' first rows (packed) for descriptor loads."""
+    the batch index (dense) or the sequences' first rows (packed) for descriptor loads.
+    HALF_TAIL: a window's last key block, when at most half of it is seen, in a half-width step
+    (where BLOCK_N is 2 BLOCK_M)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = _load(q_src, bq, h, start_m, n_q, sqn, sqd, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -305,9 +315,18 @@ def _fwd_block(q_src, k_src, v_src, o_dst, lse_row, bq, bk, h, hk, start_m, n_q,
     acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, full_lo, full_hi, offs_m, n_k, shift, left,
                                right, qk_scale, cap_scale, slope, seed, dropout_p, bh, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, DROPOUT, False,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
-    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, full_hi, hi, offs_m, n_k, shift, left,
+    tail_hi = hi
+    if HALF_TAIL and WINDOW and BLOCK_N == 2 * BLOCK_M:
+        # Every other query block ends half-way into its last key block: that half is walked alone.
+        rem = (hi - full_hi) % BLOCK_N
+        tail_hi = tl.where((rem > 0) & (rem <= BLOCK_N // 2), hi - rem, hi)
+    acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, full_hi, tail_hi, offs_m, n_k, shift, left,
                                right, qk_scale, cap_scale, slope, seed, dropout_p, bh, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI, DROPOUT, True,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+    if HALF_TAIL and WINDOW and BLOCK_N == 2 * BLOCK_M:
+        acc, l_i, m_i = _fwd_steps(acc, l_i, m_i, q, k_src, v_src, bk, hk, tail_hi, hi, offs_m, n_k, shift, left,
+                                   right, qk_scale, cap_scale, slope, seed, dropout_p, bh, skn, skd, svn, svd, WINDOW, SOFTCAP, ALIBI,
+                                   DROPOUT, True, BLOCK_N // 2, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, True)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (1.0 / l_safe)[:, None]
     _store(o_dst, out, bq, h, start_m, n_q, son, sod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
@@ -323,12 +342,13 @@ def attn_fwd_kernel(
     n_q_key, n_k_key, bh_key, dtype_key,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, HALF_TAIL: tl.constexpr = False,
 ):
     """One block of queries against every key it sees: O = softmax(Q K^T * scale) V, and the row
     log-sum-exp. With a window (causal included) the blocks that see the most keys start first
     (shorter ones fill the tail). VARLEN: b is a packed sequence, n_q / n_k the longest lengths
-    the grid was sized for; a longer sequence's extra blocks are walked by its programs in turn.
+    the grid was sized for; a longer sequence's extra blocks are walked by its programs in turn
+    (without HALF_TAIL: its half step in that loop cost the packed d64 forward 1.25x the time).
     n_*_key, bh_key, dtype_key: autotuning keys only."""
     n_blocks = tl.cdiv(n_q, BLOCK_M)
     pid = tl.program_id(0)
@@ -354,11 +374,11 @@ def attn_fwd_kernel(
         for start_m in range(block * BLOCK_M, n_q_b, n_blocks * BLOCK_M):
             _fwd_block(q_src, k_src, v_src, o_dst, lse_row, q_first, k_first, h, hk, start_m, n_q_b, n_k_b, shift,
                        left, right, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW,
-                       SOFTCAP, ALIBI, DROPOUT, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+                       SOFTCAP, ALIBI, DROPOUT, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N, False)
     else:
         _fwd_block(q_src, k_src, v_src, o_dst, lse_row, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right,
                    qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW, SOFTCAP, ALIBI, DROPOUT,
-                   HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N)
+                   HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N, HALF_TAIL)
 
 
 @triton.jit

@@ -44,7 +44,7 @@ from fk_runtime.launch import FP_FUSION, Descriptor, Launch, PlanCache, bind_con
 from . import hopper, kernels
 from .config import (AUTOTUNE_DTYPES, AUTOTUNE_ENV, AUTOTUNE_MIN_SCORES, AUTOTUNE_WARMUP_MS, CACHE_SIZE,
                      KEY_ARGS, KEY_MAX_HEADS, KEY_MAX_LENGTH, KEY_MIN_LENGTH, TAIL_COLS, TAIL_ROWS, Config, Kind,
-                     candidates, default_config, hip_waves_per_eu, launch_options, window_build)
+                     candidates, default_config, forward_meta, hip_waves_per_eu, launch_options, window_build)
 from .layout import (FP8_DTYPES, Packing, alibi_strides, bases_aligned, check_alibi, check_backward, check_bounds,
                      check_inputs,
                      descriptor_strides, descriptors_may_serve, fit, fp8_supported, heads_inside_tokens,
@@ -414,7 +414,7 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
             *lse_strides, *alibi_strides(alibi), *tuning_keys(n_q, n_k, b * hq, dtype, mask))
     tiles = _inputs_only(FORWARD_TILES, (3,) if varlen else ())
     kernel = Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, tiles, (q_, k_, v_, out), tail,
-                     _meta(mask, varlen, d, dtype, alibi is not None, dropout), dtype,
+                     {**_meta(mask, varlen, d, dtype, alibi is not None, dropout), **forward_meta()}, dtype,
                      should_autotune(dtype, b * hq, n_q, n_k), descriptors,
                      config, device, mask.span)
     # Packed rows past the last sequence: output 0, log-sum-exp -inf (as a row that sees no key).
