@@ -568,10 +568,18 @@ def test_wide_key_blocks_read_the_right_rows(capacity, d, page, monkeypatch):
     assert attend and all((meta["BLOCK_N"] == fk_config.WIDE_BLOCK_N) == wide for meta in attend)
 
 
+def test_preloaded_pages_take_the_smallest_bucket_that_holds_them():
+    buckets = fk_config.SLICE_PAGE_BUCKETS
+    assert list(buckets) == sorted(buckets) and buckets[-1] == fk_config.SLICE_PAGES
+    for spanned in range(1, fk_config.SLICE_PAGES + 1):
+        pages = decode.preloaded_pages(spanned)
+        assert pages in buckets and pages >= spanned and not any(spanned <= b < pages for b in buckets)
+
+
 def test_slices_preload_the_pages_they_span(monkeypatch):
-    """A slice preloads as few page indices as it spans (`preloaded_pages`), one more where it
-    starts inside a page: slices of 3 key blocks over pages of 4 start inside one and span two
-    (one page by their length alone); shuffled pages, ragged lengths, GQA, against float64."""
+    """A slice preloads the page indices it spans (`preloaded_pages`), one more where it starts
+    inside a page: slices of 3 key blocks over pages of 4 start inside one and span two (one page
+    by their length alone); shuffled pages, ragged lengths, GQA, against float64."""
     monkeypatch.setattr(decode, "row_pages", lambda grid, device_index: False)  # preloaded on any grid
     metas = []
     real = decode.Launch
@@ -590,7 +598,10 @@ def test_slices_preload_the_pages_they_span(monkeypatch):
     ref_out, _ = cached_reference(q, logical(k_cache), logical(v_cache), lengths, True, None, None, d ** -0.5)
     check("out", out, ref_out, dtype)
     attend = [m for m in metas if "ROW_PAGES" in m]
-    assert attend and all(m["SLICE_PAGES"] == 2 and m["BLOCK_N"] == block and not m["ROW_PAGES"] for m in attend)
+    assert attend and all(m["SLICE_PAGES"] == decode.preloaded_pages(2) and m["BLOCK_N"] == block
+                          and not m["ROW_PAGES"] for m in attend)
+    monkeypatch.setattr(decode, "SLICE_PAGE_BUCKETS", (1, 2, 4))
+    assert decode.preloaded_pages(1) == 1 and decode.preloaded_pages(2) == 2 and decode.preloaded_pages(3) == 4
 
 
 def test_kvcache_plans_serve_only_their_layouts():
@@ -660,3 +671,20 @@ def test_kvcache_repeated_calls_bump_the_caches_versions():
         before = k_cache._version, v_cache._version
         attention_with_kvcache(q, k_cache, v_cache, lengths, k, v, causal=True)
         assert k_cache._version > before[0] and v_cache._version > before[1]
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
+def test_first_and_later_kvcache_calls_share_one_plan(return_lse):
+    """An eager call binds the plan that the same call's later (quiet) runs take, lse stored only
+    where it is returned: one compiled decode kernel per shape, not one for the first call and
+    another for the rest."""
+    b, hq, hk, cap, d = 2, 4, 2, 40, 16
+    q = testing.randn((b, hq, 1, d), torch.float32)
+    k_cache, v_cache = (testing.randn((b, hk, cap, d), torch.float32) for _ in range(2))
+    seqlens = torch.tensor([cap, 17], dtype=torch.int32, device=q.device)
+    first, second = (attention_with_kvcache(q, k_cache, v_cache, seqlens, causal=True, return_lse=return_lse)
+                     for _ in range(2))
+    plans = [key for key in decode.BOUND if key[0] == "kvcache"]
+    assert len(plans) == 1 and plans[0][-1] is return_lse
+    for a, b_ in zip(first if return_lse else [first], second if return_lse else [second], strict=True):
+        assert torch.equal(a, b_)

@@ -8,8 +8,13 @@ from fk_attention import warm as warmup_module
 
 
 def test_warmup_makes_each_call_and_checks_its_arguments():
+    steps = warmup_module._decode_variants(2, 1, 16, torch.float32, 16, 1, 160, testing.device().index or 0)
     assert warmup(2, 1, head_dim=16, dtypes=torch.float32, causal=True, varlen=True, kvcache=True,
-                  page_size=16, rows=80) == 4
+                  page_size=16, rows=80) == 4 + len(steps)
+    with pytest.raises(ValueError, match="max_batch"):
+        warmup(2, head_dim=16, kvcache=True, max_batch=0)
+    with pytest.raises(ValueError, match="cache_rows"):
+        warmup(2, head_dim=16, kvcache=True, cache_rows=0)
     assert warmup(2, head_dim=16, dtypes=(torch.float16,), window=(8, 0), backward=False, rows=80) == 1
     with pytest.raises(ValueError, match="rows"):
         warmup(2, head_dim=16, rows=64)
@@ -146,3 +151,28 @@ def test_backward_bound_ahead_leaves_the_call_as_it_was(monkeypatch):
     for got, ref in zip(run(True), expected, strict=True):
         torch.testing.assert_close(got, ref)
     assert len(ops.AHEAD) == 1
+
+
+@pytest.mark.parametrize("page_size,head_dim", [(0, 128), (0, 64), (64, 128), (256, 128), (16, 64)], ids=str)
+def test_decode_warmup_reaches_every_variant_of_its_range(monkeypatch, page_size, head_dim):
+    """On an H100-like device (132 SMs, 227 KiB of shared memory a program), a decode step of every
+    batch of 1..64 sequences on a dense cache of 32K rows, or on tables up to 32K keys of a paged
+    one, picks a compiled variant that one of warmup's steps picked, on a cache no larger."""
+    from fk_attention import decode
+
+    monkeypatch.setattr(decode.backend, "is_interpreter", lambda: False)
+    monkeypatch.setattr(decode.backend, "multiprocessor_count", lambda index=0: 132)
+    monkeypatch.setattr(decode.backend, "shared_memory_per_program", lambda index=0: 232448)
+    dtype, rows = torch.bfloat16, 32768
+
+    def variant(b, n):
+        split = decode.split_plan(b, 8, 4, n, head_dim, dtype, page_size, 0)
+        return split.variant(head_dim, 0), page_size or (n * head_dim) % 16 == 0
+
+    steps = warmup_module._decode_variants(32, 8, head_dim, dtype, page_size, 64, rows, 0)
+    warmed = {variant(b, n) for b, n in steps}
+    assert len(warmed) == len(steps) and all(n <= rows for _, n in steps)
+    lengths = range(page_size, rows + 1, page_size) if page_size else [rows]
+    assert {variant(b, n) for b in range(1, 65) for n in lengths} == warmed
+    # what README.md says a server reaches (H32:8 d128 bf16, batches up to 64, 32K keys)
+    assert len(steps) == {(0, 128): 8, (0, 64): 10, (64, 128): 16, (256, 128): 22, (16, 64): 13}[page_size, head_dim]

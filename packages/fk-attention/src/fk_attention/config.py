@@ -274,6 +274,10 @@ INTERPRETER_SLICED_PROGRAMS = 8
 # program's pipeline, a second program per multiprocessor hides it.
 SLICE_PAGES = 128
 ROW_PAGES_FILL = 2
+# How many page indices a slice preloads: the smallest of these that holds the pages it spans. Each
+# is a compiled variant that a server's batch and lengths reach (powers of two, 8 of them, stalled
+# a paged decode loop on compiles: BENCHMARKS.md, first calls); picking among more costs short rows.
+SLICE_PAGE_BUCKETS = (8, SLICE_PAGES)
 
 # K/V through TMA from this padded head dim, on grids below SHALLOW_PIPELINE_GRID programs per
 # SM: there it beat or matched pointers at d128; at d64 it lost up to 16% on paged caches, on

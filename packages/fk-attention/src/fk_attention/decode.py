@@ -24,7 +24,7 @@ from .config import (APPEND_ROWS, CACHE_SIZE, DECODE_DESCRIPTOR_MIN_HEAD_DIM, DE
                      DECODE_MAX_QUERIES, DECODE_MIN_BLOCK_M, DECODE_TILES_16BIT, DECODE_TILES_32BIT,
                      INTERPRETER_BLOCK, INTERPRETER_SLICED_PROGRAMS, INTERPRETER_SLICE_KEYS, MAX_SLICES,
                      MERGE_VALUES_PER_THREAD, MIN_SLICE_KEYS, ROW_PAGES_FILL, SHALLOW_PIPELINE_GRID,
-                     SHARED_RESERVE, SLICED_PROGRAMS_D128, SLICE_PAGES, WIDE_BLOCK_N, WIDE_PROGRAMS,
+                     SHARED_RESERVE, SLICED_PROGRAMS_D128, SLICE_PAGE_BUCKETS, SLICE_PAGES, WIDE_BLOCK_N, WIDE_PROGRAMS,
                      WIDE_STAGES, WIDE_WARPS, Config)
 from .layout import (alibi_strides, bases_aligned, check_alibi, check_heads, check_inputs, descriptor_strides,
                      descriptors_may_serve, fit, heads_inside_tokens, is_hopper_or_newer, new_output, padded_head_dim,
@@ -76,10 +76,10 @@ def row_pages(grid: int, device_index: int) -> bool:
 
 
 def preloaded_pages(spanned: int) -> int:
-    """Page indices a slice spanning `spanned` pages preloads: the power of two that holds them, at
-    most SLICE_PAGES (picking a block's page is a reduction over them: 128 where 8 do cost the
-    short rows 3-6%, TUNING.md: decode, preloaded pages)."""
-    return min(SLICE_PAGES, sizing.next_power_of_2(spanned))
+    """Page indices a slice spanning `spanned` pages (at most SLICE_PAGES) preloads: the smallest of
+    SLICE_PAGE_BUCKETS that holds them (picking a block's page is a reduction over them: 128 where
+    8 do cost the short rows 3-6%, TUNING.md: decode, preloaded pages)."""
+    return min(SLICE_PAGES, next((n for n in SLICE_PAGE_BUCKETS if n >= spanned), SLICE_PAGES))
 
 
 def merge_warps(slices: int, head_dim: int) -> int:
@@ -120,6 +120,60 @@ def key_slices(programs: int, n_k: int, head_dim: int, device_index: int, fill: 
         return 1
     nearest = 1 << round(math.log2(ratio))
     return max(1, min(nearest, most))
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A decode launch's plan for its shapes: tiles, key slices per sequence, whether a paged cache's
+    key blocks read their page per row (`row_pages`) or from `slice_pages` preloaded ones, and the
+    (batch, KV head, row block) programs before slicing."""
+
+    tile: Config
+    slices: int
+    per_row: bool
+    slice_pages: int
+    programs: int
+
+    def variant(self, head_dim: int, device_index: int) -> tuple:
+        """What picks the launches' compiled kernels (their constexprs and the grid's TMA choice,
+        `kv_descriptors`): two plans with the same variant compile nothing new for each other."""
+        grid = self.programs * self.slices
+        tma = not self.per_row and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index)
+        merge = (sizing.next_power_of_2(self.slices), merge_warps(self.slices, head_dim)) if self.slices > 1 else None
+        return self.tile, self.per_row, self.slice_pages, tma, merge
+
+
+def split_plan(b: int, hk: int, rows: int, n_k: int, head_dim: int, dtype: torch.dtype, page_size: int,
+               device_index: int, slices: int | None = None) -> Split:
+    """The plan of a decode launch over b sequences of hk KV heads, `rows` query rows per KV head,
+    n_k keys (a paged cache's table width times `page_size`; 0: dense), `slices` forced or chosen
+    (`key_slices`)."""
+    paged = page_size > 0
+    m_blocks = sizing.cdiv(rows, tiles(rows, head_dim, dtype, 0, device_index).block_m)
+    programs = b * hk * m_blocks
+    planned = slices is None
+    wide = wide_blocks(rows, head_dim, dtype, programs, page_size, device_index)
+    if planned:
+        slices = (key_slices(programs, n_k, head_dim, device_index, WIDE_PROGRAMS, WIDE_BLOCK_N) if wide
+                  else key_slices(programs, n_k, head_dim, device_index))
+    if wide:
+        deep = (programs * slices <= sliced_programs(head_dim, device_index, WIDE_PROGRAMS)
+                and n_k > slices * WIDE_BLOCK_N)
+        tile = Config(DECODE_MIN_BLOCK_M, WIDE_BLOCK_N, WIDE_WARPS, WIDE_STAGES - (not deep))
+    else:
+        tile = tiles(rows, head_dim, dtype, programs * slices, device_index)
+    full = row_pages(programs * slices, device_index)
+    # a page index per row: full grids, pages smaller than a key block, slices of more pages than
+    # preloaded (a slice starts on a key block: inside a page where pages are larger, one more page)
+    per_row = paged and (full or page_size % tile.block_n != 0
+                         or sizing.cdiv(n_k, slices) > (SLICE_PAGES - (page_size > tile.block_n)) * page_size)
+    if per_row and not full and planned:
+        slices = key_slices(programs, n_k, head_dim, device_index, fill=ROW_PAGES_FILL)
+        tile = tiles(rows, head_dim, dtype, programs * slices, device_index)
+    # the pages a slice spans (one more where it may start inside a page)
+    spanned = sizing.cdiv(sizing.cdiv(n_k, slices), page_size) + (page_size > tile.block_n) if paged else 0
+    slice_pages = preloaded_pages(spanned) if paged and not per_row else 0
+    return Split(tile, slices, per_row, slice_pages, programs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,30 +219,9 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
     if q.numel() == 0:
         return lambda *args, **kwargs: new_outputs()
     index = device.index or 0
-    m_blocks = sizing.cdiv(group * n_q, tiles(group * n_q, d, dtype, 0, index).block_m)
-    programs = b * hk * m_blocks
-    planned = slices is None
-    wide = wide_blocks(group * n_q, d, dtype, programs, cache.page_size if paged else 0, index)
-    if planned:
-        slices = (key_slices(programs, n_k, d, index, WIDE_PROGRAMS, WIDE_BLOCK_N) if wide
-                  else key_slices(programs, n_k, d, index))
-    if wide:
-        deep = programs * slices <= sliced_programs(d, index, WIDE_PROGRAMS) and n_k > slices * WIDE_BLOCK_N
-        tile = Config(DECODE_MIN_BLOCK_M, WIDE_BLOCK_N, WIDE_WARPS, WIDE_STAGES - (not deep))
-    else:
-        tile = tiles(group * n_q, d, dtype, programs * slices, index)
-    full = row_pages(programs * slices, index)
-    # a page index per row: full grids, pages smaller than a key block, slices of more pages than
-    # preloaded (a slice starts on a key block: inside a page where pages are larger, one more page)
-    per_row = paged and (full or cache.page_size % tile.block_n != 0
-                         or sizing.cdiv(n_k, slices) > (SLICE_PAGES - (cache.page_size > tile.block_n))
-                         * cache.page_size)
-    if per_row and not full and planned:
-        slices = key_slices(programs, n_k, d, index, fill=ROW_PAGES_FILL)
-        tile = tiles(group * n_q, d, dtype, programs * slices, index)
-    # the pages a slice spans (one more where it may start inside a page)
-    spanned = sizing.cdiv(sizing.cdiv(n_k, slices), cache.page_size) + (cache.page_size > tile.block_n) if paged else 0
-    slice_pages = preloaded_pages(spanned) if paged and not per_row else 0
+    split = split_plan(b, hk, group * n_q, n_k, d, dtype, cache.page_size if paged else 0, index, slices)
+    tile, slices, per_row, slice_pages, programs = (split.tile, split.slices, split.per_row, split.slice_pages,
+                                                    split.programs)
     padded = padded_head_dim(d)
     meta = {"SOFTCAP": mask.softcap is not None, "ALIBI": alibi is not None, "LEFTPAD": leftpad,
             "SEQLENS": cache is not None,
@@ -331,13 +364,13 @@ def layouts(q, k_cache, v_cache, seqlens, k_new, v_new, block_table) -> tuple:
 
 
 def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: Mask, sm_scale: float,
-                    facts: tuple | None = None, alibi=None, leftpad=None):
+                    facts: tuple | None = None, alibi=None, leftpad=None, with_lse: bool = True):
     """(out, lse) of q against a KV cache after writing k_new / v_new (may be None) into it at
     each sequence's length. One plan per `layouts` (`facts`, if the caller has them), mask, scale
     and the layouts of ALiBi slopes and left pads (int32 (B,): the row each sequence starts at),
-    the inputs checked once as it is made (`check_cache`)."""
+    the inputs checked once as it is made (`check_cache`); lse None without `with_lse`."""
     return bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale, facts,
-                         alibi=alibi, leftpad=leftpad)(q, k_cache, v_cache, seqlens, k_new, v_new, block_table,
+                         with_lse, alibi=alibi, leftpad=leftpad)(q, k_cache, v_cache, seqlens, k_new, v_new, block_table,
                                                        alibi, leftpad)
 
 

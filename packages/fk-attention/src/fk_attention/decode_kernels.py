@@ -109,7 +109,7 @@ def _decode_steps(acc, l_i, m_i, q, k_src, v_src, table_row, slice_pages, first_
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["n_k", "n_splits", "last_page", "n_part"])
+@triton.jit(do_not_specialize=["n_k", "n_new", "n_splits", "last_page", "n_part", "stb"])
 def attn_decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, part_ptr, seqlens_ptr, table_ptr, alibi_ptr, leftpad_ptr, sm_scale, softcap,
     n_q, n_k, n_new, n_heads_k, group, lower_right, left, right, n_splits, last_page, n_part,

@@ -446,9 +446,10 @@ def _forward_kvcache(
 
 
 def _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: float, mask: list[float],
-             alibi=None, leftpad=None, facts: tuple | None = None):
+             alibi=None, leftpad=None, facts: tuple | None = None, with_lse: bool = True):
     """The registered op's implementation; `facts`: the inputs' `decode.layouts`, where the
-    caller has them (eager calls)."""
+    caller has them (eager calls); lse None without `with_lse` (an eager call that returns none
+    binds the plan its next, quiet, calls take: one compile, not two)."""
     cache_seqlens, block_table = _index("cache_seqlens", cache_seqlens), _index("block_table", block_table)
     leftpad = _index("cache_leftpad", leftpad)
     if k is not None and not torch.is_inference_mode_enabled():  # torch's rule, which the kernel's write bypasses
@@ -458,7 +459,7 @@ def _kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sm_scale: fl
                                    f"inplace updates to inference tensors outside InferenceMode are not allowed; "
                                    f"call under torch.inference_mode(), or allocate the cache outside it")
     return decode.forward_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table,
-                                  from_op_args(mask), sm_scale, facts, alibi=alibi, leftpad=leftpad)
+                                  from_op_args(mask), sm_scale, facts, alibi=alibi, leftpad=leftpad, with_lse=with_lse)
 
 
 # Forward only (an inference call); writes the new rows into the caches in place.
@@ -539,7 +540,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, b
         resolved = fk_ops.resolve_negated(args)
         if any(a is not b for a, b in zip(resolved, args, strict=True)):  # copies: their own layouts
             facts = None
-        out, lse = _kvcache(*resolved, facts=facts)
+        out, lse = _kvcache(*resolved, facts=facts, with_lse=return_lse)
         if k is not None:  # as the registered op would: autograd sees the caches written
             torch.autograd.graph.increment_version(k_cache)
             torch.autograd.graph.increment_version(v_cache)

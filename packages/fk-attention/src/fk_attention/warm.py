@@ -1,9 +1,12 @@
 """Compile ahead of time what a model's attention calls need, so that a server or a training job
 starts warm: one small call per (dtype, mask, path) on the device puts every kernel those calls
 launch into Triton's cache (in this process, and on disk for the next one). Launches take fixed
-configs (config.py) and the kernels do not specialize on lengths (kernels.py), so later calls of
-any length compile nothing more; what compiles apart is the dtype, head dim, head counts, mask,
-and each path (dense, packed, KV cache), as `warmup`'s arguments name them.
+configs (config.py) and the prefill kernels do not specialize on lengths (kernels.py), so later
+prefill calls of any length compile nothing more; what compiles apart is the dtype, head dim, head
+counts, mask, and each path (dense, packed, KV cache), as `warmup`'s arguments name them. A decode
+step's launches also follow the batch size and the cache's length (split-KV slices, tiles, pages
+preloaded: `decode.split_plan`): `max_batch` and `cache_rows` name the range, and one step per
+compiled variant in it is made.
 
     python -m fk_attention.warm --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --causal
 """
@@ -14,9 +17,9 @@ import argparse
 import itertools
 
 import torch
-from fk_runtime import backend, checks
+from fk_runtime import ahead, backend, checks, sizing
 
-from . import ops
+from . import decode, ops
 from .config import DECODE_MAX_QUERIES
 
 # Rows per warm-up sequence: past config.DECODE_MAX_QUERIES (the prefill kernels, not decode) and
@@ -28,20 +31,26 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 def warmup(heads: int, kv_heads: int | None = None, head_dim: int = 128, dtypes=(torch.bfloat16,),
            causal=(True,), window=None, softcap: float | None = None, backward: bool = True,
            varlen: bool = False, kvcache: bool = False, page_size: int | None = None,
-           device=None, rows: int = ROWS) -> int:
+           device=None, rows: int = ROWS, max_batch: int = 1, cache_rows: int | None = None) -> int:
     """Run each call a model with these heads, head dim, dtypes and masks will make, once, on small
     inputs; returns the number of calls made. `causal`: the causal settings to warm (each as
     `attention` takes it); `window` / `softcap` as `attention` takes them (one setting each);
     `backward`: also the gradients; `varlen`: `attention_varlen` too; `kvcache`:
     `attention_with_kvcache` with one new token (decode) and with `rows` (prefill), in a dense cache
-    or, with `page_size`, a paged one; `rows` per sequence (more than config.DECODE_MAX_QUERIES).
-    Nothing is timed or returned but the count."""
+    or, with `page_size`, a paged one; `rows` per sequence (more than config.DECODE_MAX_QUERIES);
+    with it, a decode step for every compiled variant that batches of 1 to `max_batch` sequences
+    reach on a dense cache of `cache_rows` rows (its capacity) or a paged one whose tables reach
+    `cache_rows` keys (default: 2 `rows`). Nothing is timed or returned but the count."""
     heads = checks.check_size("heads", heads, minimum=1)
     kv_heads = heads if kv_heads is None else checks.check_size("kv_heads", kv_heads, minimum=1)
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     head_dim = checks.check_size("head_dim", head_dim, minimum=1)
     rows = checks.check_size("rows", rows, minimum=DECODE_MAX_QUERIES + 1)
+    max_batch = checks.check_size("max_batch", max_batch, minimum=1)
+    cache_rows = 2 * rows if cache_rows is None else checks.check_size("cache_rows", cache_rows, minimum=1)
+    if page_size is not None:
+        page_size = checks.check_size("page_size", page_size, minimum=1)
     if isinstance(dtypes, torch.dtype):
         dtypes = (dtypes,)
     if isinstance(causal, (bool, str)):
@@ -70,6 +79,7 @@ def warmup(heads: int, kv_heads: int | None = None, head_dim: int = 128, dtypes=
             calls += 1
         if kvcache:
             calls += _kvcache(q, k, v, kv_heads, page_size, mask)
+            calls += _decode_steps(q, kv_heads, page_size or 0, max_batch, cache_rows, mask)
     return calls
 
 
@@ -93,6 +103,53 @@ def _kvcache(q, k, v, kv_heads, page_size, mask) -> int:
     return 2
 
 
+def _decode_variants(heads, kv_heads, head_dim, dtype, page_size, max_batch, cache_rows, index) -> list:
+    """(batch, keys) of one decode step per compiled variant that batches of 1..max_batch reach on
+    a dense cache of cache_rows rows, or on tables of up to cache_rows keys of a paged one: each
+    variant's step on the fewest cache rows that reach it (a dense cache's rows change nothing
+    compiled but the split, and whether their stride is a multiple of 16, which Triton keys on)."""
+    group = heads // kv_heads
+
+    def variant(b, n):
+        split = decode.split_plan(b, kv_heads, group, n, head_dim, dtype, page_size, index)
+        return split.variant(head_dim, index), page_size or (n * head_dim) % 16 == 0
+
+    if page_size:
+        widths = [p * page_size for p in range(1, sizing.cdiv(cache_rows, page_size) + 1)]
+    else:
+        widths = sorted({cache_rows, *(1 << i for i in range(6, cache_rows.bit_length()))} - {0})
+    steps: dict = {}
+    for b in range(1, max_batch + 1):
+        if page_size:
+            for n in widths:
+                steps.setdefault(variant(b, n), (b, n))
+        else:
+            wanted = variant(b, cache_rows)
+            n = next(n for n in widths if variant(b, n) == wanted)
+            if wanted not in steps or b * n < steps[wanted][0] * steps[wanted][1]:
+                steps[wanted] = (b, n)
+    return list(steps.values())
+
+
+def _decode_steps(q, kv_heads, page_size, max_batch, cache_rows, mask) -> int:
+    """A decode step (`attention_with_kvcache`, one query row, nothing appended, empty sequences:
+    nothing is read) per `_decode_variants` step, compiles made side by side (`ahead`)."""
+    heads, head_dim, dtype, device = q.shape[2], q.shape[-1], q.dtype, q.device
+    steps = _decode_variants(heads, kv_heads, head_dim, dtype, page_size, max_batch, cache_rows, device.index or 0)
+    with ahead.compile_ahead():
+        for b, n in steps:
+            query = torch.zeros(b, heads, 1, head_dim, device=device, dtype=dtype)
+            seqlens = torch.zeros(b, device=device, dtype=torch.int32)
+            if page_size:
+                k_cache = torch.zeros(1, kv_heads, page_size, head_dim, device=device, dtype=dtype)
+                table = torch.zeros(b, n // page_size, device=device, dtype=torch.int32)
+            else:
+                k_cache, table = torch.zeros(b, kv_heads, n, head_dim, device=device, dtype=dtype), None
+            ops.attention_with_kvcache(query, k_cache, k_cache, seqlens, block_table=table, **mask)
+    ahead.finish()
+    return len(steps)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fk_attention.warm", description=warmup.__doc__)
     parser.add_argument("--heads", type=int, required=True)
@@ -107,10 +164,12 @@ def main(argv=None) -> None:
     parser.add_argument("--kvcache", action="store_true")
     parser.add_argument("--page-size", type=int)
     parser.add_argument("--rows", type=int, default=ROWS)
+    parser.add_argument("--max-batch", type=int, default=1, help="decode: batches of 1 to this many sequences")
+    parser.add_argument("--cache-rows", type=int, help="decode: a dense cache's rows, a paged one's longest table")
     args = parser.parse_args(argv)
     calls = warmup(args.heads, args.kv_heads, args.head_dim, [DTYPES[d] for d in args.dtype], (args.causal,),
                    args.window, args.softcap, not args.no_backward, args.varlen, args.kvcache, args.page_size,
-                   rows=args.rows)
+                   rows=args.rows, max_batch=args.max_batch, cache_rows=args.cache_rows)
     print(f"fk-attention: {calls} warm-up calls made")
 
 
