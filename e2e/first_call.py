@@ -7,7 +7,12 @@ Wall time of each call (synchronized), each case in a fresh process:
 - new length: after the first call, calls at lengths the process has not seen (attention
   N = 1000..1100 forward, B1 H32 d128; SDPA beside);
 - packed training loop: `attention_varlen` fwd+bwd, 16K tokens, H16 d128 bf16 causal, new random
-  documents every batch (12 batches), SDPA's per-document calls beside.
+  documents every batch (12 batches), SDPA's per-document calls beside;
+- decode loop: `attention_with_kvcache` one token a step, H32:8 d128 bf16, the batch and the longest
+  sequence changing every step as a server's do (batch 1..64, up to 32K keys): a dense cache of
+  32K rows (SDPA beside on the same keys) and a paged one of 64-row pages whose table grows with
+  the longest sequence; then in a process that first ran `fk_attention.warmup` for that range
+  (`max_batch=64, cache_rows=32768`, dense and paged).
 
     bash shared/from-source.sh python e2e/first_call.py --out benchmarks
 
@@ -34,6 +39,10 @@ HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
 SWEEP = range(1000, 1101)
 TOKENS, HEADS, BATCHES = 16384, 16, 12
+# The decode loop: (batch, longest sequence) per step; heads, head dim, the dense cache's rows, page rows.
+DECODE_STEPS = ((1, 300), (2, 700), (3, 1500), (5, 2500), (8, 4100), (12, 6000), (16, 9000), (24, 12000),
+                (32, 16500), (48, 24000), (64, 32768), (40, 20000), (20, 10000), (6, 3000), (1, 800))
+DECODE_HEADS, DECODE_DIM, DECODE_CAPACITY, DECODE_PAGE = (32, 8), 128, 32768, 64
 
 
 def _timed(fn) -> float:
@@ -115,8 +124,49 @@ def packed_loop(seed: int = 0) -> dict:
     return {"fk": times}
 
 
+def decode_loop(seed: int = 0, warm: bool = False) -> dict:
+    """One token a step against a dense and a paged cache, batch and longest sequence per
+    DECODE_STEPS (each sequence's length drawn up to the longest); ms per step, SDPA beside. warm:
+    `fk_attention.warmup` for the loop's range first (its ms kept as "warmup")."""
+    import torch
+    import torch.nn.functional as F
+
+    import fk_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    (hq, hk), d = DECODE_HEADS, DECODE_DIM
+    out = {"steps": [list(s) for s in DECODE_STEPS], "fk": [], "fk paged": [], "sdpa": []}
+    if warm:
+        longest = max(n for _, n in DECODE_STEPS)
+        out["warmup"] = _timed(lambda: [fk_attention.warmup(
+            hq, hk, d, torch.bfloat16, causal=True, backward=False, kvcache=True, page_size=page,
+            max_batch=max(b for b, _ in DECODE_STEPS), cache_rows=DECODE_CAPACITY if page is None else longest)
+            for page in (None, DECODE_PAGE)])
+    for b, longest in DECODE_STEPS:
+        lengths = torch.randint(1, longest + 1, (b,), generator=gen)
+        lengths[0] = longest
+        seqlens = lengths.to(torch.int32).cuda()
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hk, DECODE_CAPACITY, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        pages = -(-longest // DECODE_PAGE)
+        table = torch.randperm(b * pages, device="cuda").to(torch.int32).view(b, pages)
+        kp, vp = (t[:, :, :pages * DECODE_PAGE].unflatten(2, (pages, DECODE_PAGE)).transpose(1, 2).flatten(0, 1)
+                  .contiguous() for t in (k, v))
+        keys = torch.arange(longest, device="cuda")[None, None, None, :] < seqlens[:, None, None, None]
+        calls = {"fk": lambda q=q, k=k, v=v, n=seqlens: fk_attention.attention_with_kvcache(q, k, v, n, causal=True),
+                 "fk paged": lambda q=q, k=kp, v=vp, n=seqlens, t=table: fk_attention.attention_with_kvcache(
+                     q, k, v, n, block_table=t, causal=True),
+                 "sdpa": lambda q=q, k=k[:, :, :longest], v=v[:, :, :longest], m=keys: F.scaled_dot_product_attention(
+                     q, k, v, attn_mask=m, enable_gqa=True)}
+        for name, call in calls.items():
+            out[name].append(_timed(call))
+        del k, v, kp, vp, calls
+    return out
+
+
 def child(case: str) -> None:
-    result = {"first": first_calls, "sweep": new_lengths, "packed": packed_loop}[case]()
+    result = {"first": first_calls, "sweep": new_lengths, "packed": packed_loop, "decode": decode_loop,
+              "decode-warm": lambda: decode_loop(warm=True)}[case]()
     print("RESULT " + json.dumps(result))
 
 
@@ -139,9 +189,12 @@ def measure(out: Path) -> dict:
         warm = _spawn("first", Path(tmp) / "a")
         sweep = _spawn("sweep", Path(tmp) / "b")
         packed = _spawn("packed", Path(tmp) / "c")
+        decode = _spawn("decode", Path(tmp) / "d")
+        decode_warm = _spawn("decode-warm", Path(tmp) / "e")
     return {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                      "date": time.strftime("%Y-%m-%d"), "command": "python e2e/first_call.py --out " + str(out)},
-            "cold": cold, "warm": warm, "sweep": sweep, "packed": packed}
+            "cold": cold, "warm": warm, "sweep": sweep, "packed": packed, "decode": decode,
+            "decode_warm": decode_warm}
 
 
 def report(run: dict) -> str:
@@ -168,13 +221,31 @@ def report(run: dict) -> str:
               f"{statistics.median(rest):.1f} ms, slowest {max(rest):.1f} ms "
               f"({max(rest) / statistics.median(rest):.2f}x the median). Batches: "
               + ", ".join(f"{t:.0f}" for t in times) + " ms."]
+    if "decode" in run:
+        dec = run["decode"]
+        (hq, hk), steps = DECODE_HEADS, dec["steps"]
+        lines += ["", f"Decode loop, `attention_with_kvcache` one token a step, H{hq}:{hk} d{DECODE_DIM} bf16 causal, "
+                  f"batch and longest sequence changing every step (batch, longest: "
+                  + ", ".join(f"{b} {n}" for b, n in steps) + f"); a dense cache of {DECODE_CAPACITY} rows, a paged "
+                  f"one of {DECODE_PAGE}-row pages (its table as wide as the longest sequence); SDPA on the dense "
+                  "keys with a length mask; then fk in a fresh process that ran `fk_attention.warmup(..., kvcache=True, "
+                  "max_batch=64, cache_rows=32768)` for both caches first"
+                  + (f" ({run['decode_warm']['warmup']:.0f} ms)" if "decode_warm" in run else "") + ":", "",
+                  "| path | first step (ms) | slowest after it (ms) | median after it (ms) | steps after it over 50 ms |",
+                  "| --- | --- | --- | --- | --- |"]
+        paths = [(name, dec[name]) for name in ("fk", "fk paged", "sdpa")]
+        if "decode_warm" in run:
+            paths += [(f"{name}, warmed", run["decode_warm"][name]) for name in ("fk", "fk paged")]
+        for name, t in paths:
+            lines.append(f"| {name} | {t[0]:.0f} | {max(t[1:]):.1f} | {statistics.median(t[1:]):.2f} | "
+                         f"{sum(x > 50 for x in t[1:])} of {len(t) - 1} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks"))
-    parser.add_argument("--child", choices=("first", "sweep", "packed"))
+    parser.add_argument("--child", choices=("first", "sweep", "packed", "decode", "decode-warm"))
     args = parser.parse_args(argv)
     if args.child:
         child(args.child)

@@ -17,7 +17,8 @@ Config(64, 64, 4, 2)}),) + DEFAULTS_16BIT[1:]"`.
 
 A row is `op direction shape dtype` as the main tables name them (`x` for `×`), or `all:TABLE`
 for every row of a main table; the first variant is always `base` (the code as it is), and
-`env:FK_AUTOTUNE='1'` is a variant too (attention autotuned, as a bind reads it). `--peers` times
+`env:FK_AUTOTUNE='1'` is a variant too (attention autotuned, as a bind reads it). `--time NAME` times
+the row's variant NAME (default `fk`) under the patches, e.g. `'fk paged'`. `--peers` times
 each row's other variants (torch, ...) once a round beside `base`. Writes
 `<out>/row-variants-<triton>.json` and prints the table, with what attention's autotuner picked
 for each row it tuned in this process (`tuned_picks`; picks read back from FK_CACHE_DIR are not
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", nargs=2, action="append", default=[], metavar=("NAME", "PATCHES"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--peers", action="store_true", help="also time each row's peers (torch, ...) once a round")
+    parser.add_argument("--time", default="fk", help="the row's variant timed under the patches (default fk; e.g. "
+                        "'fk paged' of the decode table)")
     args = parser.parse_args(argv)
 
     import torch
@@ -150,13 +153,13 @@ def main(argv: list[str] | None = None) -> int:
             name = f"{case.op} {case.direction} {case.shape.replace('×', 'x')} {str(case.dtype).removeprefix('torch.')}"
             if case.op in tables and name not in wanted:
                 wanted.append(name)
-            if name in wanted and bench.FK in case.variants:
+            if name in wanted and args.time in case.variants:
                 cases[name] = case
     missing = [w for w in wanted if w not in cases]
     if missing:
         raise SystemExit(f"no such rows: {missing}")
     variants = [(BASE, [])] + [(name, _patches(spec)) for name, spec in args.variant]
-    peers = sorted({p for r in wanted for p in cases[r].variants if p != bench.FK}) if args.peers else []
+    peers = sorted({p for r in wanted for p in cases[r].variants if p != args.time}) if args.peers else []
     times: dict = {(v, r): [] for v in [v for v, _ in variants] + peers for r in wanted}
     picks: dict = {}  # "variant row": what the autotuner picked while timing it (the configs to fix next)
     for round_ in range(args.rounds):
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             for vname, patches in variants if round_ % 2 == 0 else variants[::-1]:
                 before = _tuned_picks()
                 with _applied(patches):
-                    ms = _time(cases[row], bench.FK, bench, torch)
+                    ms = _time(cases[row], args.time, bench, torch)
                 new = [_described(k, c) for k, c in _tuned_picks().items() if k not in before]
                 if new:
                     picks[f"{vname} {row}"] = new

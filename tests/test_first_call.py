@@ -12,3 +12,20 @@ def test_section_reports_cold_warm_sweep_and_packed_loop(e2e_script):
     assert "| attention | B2 H8 N1024 d128 causal | bfloat16 | 4100 | 310 | 900 | 60 |" in text
     assert "slowest call fk 61.0 ms" in text
     assert "slowest 30.0 ms (2.73x the median)" in text
+
+
+def test_section_reports_the_decode_loop(e2e_script):
+    first_call = e2e_script("first_call")
+    steps = [list(s) for s in first_call.DECODE_STEPS[:4]]
+    run = dict(meta=dict(device="H100", torch="2.11", triton="3.8.0", date="today", command="python e2e/first_call.py"),
+               cold=[], warm=[], sweep=dict(fk=[1.0, 1.0], sdpa=[1.0, 1.0]), packed=dict(fk=[1.0, 1.0]),
+               decode={"steps": steps, "fk": [900.0, 0.1, 75.0, 0.2], "fk paged": [800.0, 0.1, 0.1, 0.1],
+                       "sdpa": [300.0, 60.0, 55.0, 0.3]},
+               decode_warm={"warmup": 4321.0, "fk": [0.2, 0.1, 0.1, 0.1], "fk paged": [0.3, 0.2, 51.0, 0.1]})
+    text = first_call.report(run)
+    assert "for both caches first (4321 ms):" in text
+    assert "| fk, warmed | 0 | 0.1 | 0.10 | 0 of 3 |" in text and "| fk paged, warmed | 0 | 51.0 | 0.20 | 1 of 3 |" in text
+    assert "(batch, longest: 1 300, 2 700, 3 1500, 5 2500)" in text
+    assert "| fk | 900 | 75.0 | 0.20 | 1 of 3 |" in text
+    assert "| fk paged | 800 | 0.1 | 0.10 | 0 of 3 |" in text
+    assert "| sdpa | 300 | 60.0 | 55.00 | 2 of 3 |" in text

@@ -87,3 +87,21 @@ def test_the_autotuners_picks_are_kept_per_row(tmp_path, e2e_script, capsys, mon
     (path,) = tmp_path.glob("row-variants-*.json")
     assert json.loads(path.read_text())["tuned_picks"] == {f"tuned {row}": ["dq 64x32 w4 s3 tma"]}
     assert f"tuned picks, tuned {row}: dq 64x32 w4 s3 tma" in capsys.readouterr().out
+
+
+def test_another_variant_of_the_row_may_be_timed(tmp_path, e2e_script, monkeypatch):
+    """--time NAME times the row's variant NAME under the patches (the decode table's 'fk paged'),
+    not fk's: here torch's softmax, so fk's plan is never bound."""
+    variants = e2e_script("row_variants")
+    calls = []
+    real = softmax_plan.plan
+    monkeypatch.setattr(softmax_plan, "plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    row = _first_softmax_row()
+    case = next(c for c in softmax_bench.cases(not backend.is_interpreter()) if c.direction == "fwd")
+    other = next(name for name in case.variants if name != "fk")
+    assert variants.main(["--out", str(tmp_path), "--rounds", "1", "--rows", row, "--time", other,
+                          "--variant", "small", "fk_softmax.plan:FUSED_TILE_BYTES=1024"]) == 0
+    (path,) = tmp_path.glob("row-variants-*.json")
+    assert [r["variant"] for r in json.loads(path.read_text())["rows"]] == ["base", "small"] and not calls
+    with pytest.raises(SystemExit, match="no such rows"):
+        variants.main(["--out", str(tmp_path), "--rows", row, "--time", "nobody"])
