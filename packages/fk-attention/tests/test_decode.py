@@ -568,12 +568,14 @@ def test_wide_key_blocks_read_the_right_rows(capacity, d, page, monkeypatch):
     assert attend and all((meta["BLOCK_N"] == fk_config.WIDE_BLOCK_N) == wide for meta in attend)
 
 
-def test_preloaded_pages_take_the_smallest_bucket_that_holds_them():
+def test_preloaded_pages_take_the_smallest_bucket_that_holds_them(monkeypatch):
     buckets = fk_config.SLICE_PAGE_BUCKETS
     assert list(buckets) == sorted(buckets) and buckets[-1] == fk_config.SLICE_PAGES
     for spanned in range(1, fk_config.SLICE_PAGES + 1):
         pages = decode.preloaded_pages(spanned)
         assert pages in buckets and pages >= spanned and not any(spanned <= b < pages for b in buckets)
+    monkeypatch.setattr(decode, "SLICE_PAGE_BUCKETS", (1, 2, 4))
+    assert [decode.preloaded_pages(n) for n in (1, 2, 3)] == [1, 2, 4]
 
 
 def test_slices_preload_the_pages_they_span(monkeypatch):
@@ -600,8 +602,6 @@ def test_slices_preload_the_pages_they_span(monkeypatch):
     attend = [m for m in metas if "ROW_PAGES" in m]
     assert attend and all(m["SLICE_PAGES"] == decode.preloaded_pages(2) and m["BLOCK_N"] == block
                           and not m["ROW_PAGES"] for m in attend)
-    monkeypatch.setattr(decode, "SLICE_PAGE_BUCKETS", (1, 2, 4))
-    assert decode.preloaded_pages(1) == 1 and decode.preloaded_pages(2) == 2 and decode.preloaded_pages(3) == 4
 
 
 def test_kvcache_plans_serve_only_their_layouts():

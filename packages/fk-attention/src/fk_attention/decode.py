@@ -24,8 +24,8 @@ from .config import (APPEND_ROWS, CACHE_SIZE, DECODE_DESCRIPTOR_MIN_HEAD_DIM, DE
                      DECODE_MAX_QUERIES, DECODE_MIN_BLOCK_M, DECODE_TILES_16BIT, DECODE_TILES_32BIT,
                      INTERPRETER_BLOCK, INTERPRETER_SLICED_PROGRAMS, INTERPRETER_SLICE_KEYS, MAX_SLICES,
                      MERGE_VALUES_PER_THREAD, MIN_SLICE_KEYS, ROW_PAGES_FILL, SHALLOW_PIPELINE_GRID,
-                     SHARED_RESERVE, SLICED_PROGRAMS_D128, SLICE_PAGE_BUCKETS, SLICE_PAGES, WIDE_BLOCK_N, WIDE_PROGRAMS,
-                     WIDE_STAGES, WIDE_WARPS, Config)
+                     SHARED_RESERVE, SLICED_PROGRAMS_D128, SLICE_PAGE_BUCKETS, SLICE_PAGES, WIDE_BLOCK_N,
+                     WIDE_PROGRAMS, WIDE_STAGES, WIDE_WARPS, Config)
 from .layout import (alibi_strides, bases_aligned, check_alibi, check_heads, check_inputs, descriptor_strides,
                      descriptors_may_serve, fit, heads_inside_tokens, is_hopper_or_newer, new_output, padded_head_dim,
                      precision, widened)
@@ -90,12 +90,16 @@ def merge_warps(slices: int, head_dim: int) -> int:
 
 def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int) -> bool:
     """TMA (host descriptors) for K/V tiles where the forward takes them (Hopper or newer, 16- or
-    32-bit K/V with aligned strides; bases are checked per call), for head dims padded to at
-    least DECODE_DESCRIPTOR_MIN_HEAD_DIM on a grid of fewer than SHALLOW_PIPELINE_GRID programs per
-    multiprocessor."""
-    return (padded_head_dim(k.shape[-1]) >= DECODE_DESCRIPTOR_MIN_HEAD_DIM
-            and descriptors_may_serve(k.device, (k, v))
-            and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(k.device.index or 0))
+    32-bit K/V with aligned strides; bases are checked per call) and `descriptor_grid` holds."""
+    return descriptors_may_serve(k.device, (k, v)) and descriptor_grid(k.shape[-1], grid, k.device.index or 0)
+
+
+def descriptor_grid(head_dim: int, grid: int, device_index: int) -> bool:
+    """Whether a decode launch of `grid` programs at this head dim may read K/V through TMA: head
+    dims padded to at least DECODE_DESCRIPTOR_MIN_HEAD_DIM, fewer than SHALLOW_PIPELINE_GRID
+    programs per multiprocessor."""
+    return (padded_head_dim(head_dim) >= DECODE_DESCRIPTOR_MIN_HEAD_DIM
+            and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index))
 
 
 def sliced_programs(head_dim: int, device_index: int, fill: float = 1) -> float:
@@ -137,8 +141,7 @@ class Split:
     def variant(self, head_dim: int, device_index: int) -> tuple:
         """What picks the launches' compiled kernels (their constexprs and the grid's TMA choice,
         `kv_descriptors`): two plans with the same variant compile nothing new for each other."""
-        grid = self.programs * self.slices
-        tma = not self.per_row and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index)
+        tma = not self.per_row and descriptor_grid(head_dim, self.programs * self.slices, device_index)
         merge = (sizing.next_power_of_2(self.slices), merge_warps(self.slices, head_dim)) if self.slices > 1 else None
         return self.tile, self.per_row, self.slice_pages, tma, merge
 
@@ -369,9 +372,9 @@ def forward_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mas
     each sequence's length. One plan per `layouts` (`facts`, if the caller has them), mask, scale
     and the layouts of ALiBi slopes and left pads (int32 (B,): the row each sequence starts at),
     the inputs checked once as it is made (`check_cache`); lse None without `with_lse`."""
-    return bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale, facts,
-                         with_lse, alibi=alibi, leftpad=leftpad)(q, k_cache, v_cache, seqlens, k_new, v_new, block_table,
-                                                       alibi, leftpad)
+    run = bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask, sm_scale, facts, with_lse,
+                        alibi=alibi, leftpad=leftpad)
+    return run(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, alibi, leftpad)
 
 
 def bound_kvcache(q, k_cache, v_cache, seqlens, k_new, v_new, block_table, mask: Mask, sm_scale: float,
