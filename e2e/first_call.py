@@ -229,7 +229,7 @@ def report(run: dict) -> str:
                   + ", ".join(f"{b} {n}" for b, n in steps) + f"); a dense cache of {DECODE_CAPACITY} rows, a paged "
                   f"one of {DECODE_PAGE}-row pages (its table as wide as the longest sequence); SDPA on the dense "
                   "keys with a length mask; then fk in a fresh process that ran `fk_attention.warmup(..., kvcache=True, "
-                  "max_batch=64, cache_rows=32768)` for both caches first"
+                  f"max_batch={max(b for b, _ in steps)}, cache_rows={DECODE_CAPACITY})` for both caches first"
                   + (f" ({run['decode_warm']['warmup']:.0f} ms)" if "decode_warm" in run else "") + ":", "",
                   "| path | first step (ms) | slowest after it (ms) | median after it (ms) | steps after it over 50 ms |",
                   "| --- | --- | --- | --- | --- |"]

@@ -13,8 +13,9 @@
 #   first:V                    e2e/first_call.py
 # Each step gets what is left of LIMIT_S (the call's own limit less the staging), so that every result
 # comes back. Results stay in $FK_LANES_DIR (default /tmp/lanes: a later call on the warm machine
-# resumes there); this call's go back under $OUT as one archive (the device tool returns a few files a call), logs printed. A rows
-# step tunes into an empty cache (FK_CACHE_DIR), so that row_variants lists every pick the tuner made.
+# resumes there); this call's go back under $OUT as one archive (the device tool returns a few files
+# a call), logs printed. A rows step tunes into an empty cache (FK_CACHE_DIR), so that row_variants
+# lists every pick the tuner made.
 # FK_LANES_DRY=1: print each step's command instead of running it.
 set -u
 limit=${1:?usage: gpu_lanes.sh LIMIT_S "LANE0 STEPS" ["LANE1 STEPS" ...]}; shift
