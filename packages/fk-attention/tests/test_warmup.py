@@ -28,6 +28,10 @@ def test_warmup_command_line(capsys):
     warmup_module.main(["--heads", "2", "--head-dim", "16", "--dtype", "float32", "--causal", "--no-backward",
                         "--rows", "80"])
     assert "1 warm-up calls" in capsys.readouterr().out
+    steps = warmup_module._decode_variants(2, 2, 16, torch.float32, 0, 3, 200, testing.device().index or 0)
+    warmup_module.main(["--heads", "2", "--head-dim", "16", "--dtype", "float32", "--no-backward", "--rows", "80",
+                        "--kvcache", "--max-batch", "3", "--cache-rows", "200"])
+    assert f"{3 + len(steps)} warm-up calls" in capsys.readouterr().out
 
 
 def test_autotuning_only_when_asked(monkeypatch):
