@@ -170,8 +170,7 @@ def test_decode_warmup_reaches_every_variant_of_its_range(monkeypatch, page_size
     dtype, rows = torch.bfloat16, 32768
 
     def variant(b, n):
-        split = decode.split_plan(b, 8, 4, n, head_dim, dtype, page_size, 0)
-        return split.variant(head_dim, 0), page_size or (n * head_dim) % 16 == 0
+        return warmup_module.decode_variant(b, n, 32, 8, head_dim, dtype, page_size, 0)
 
     steps = warmup_module._decode_variants(32, 8, head_dim, dtype, page_size, 64, rows, 0)
     warmed = {variant(b, n) for b, n in steps}

@@ -103,21 +103,27 @@ def _kvcache(q, k, v, kv_heads, page_size, mask) -> int:
     return 2
 
 
+def decode_variant(b: int, n: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int,
+                   index: int) -> tuple:
+    """What a one-row decode step of b sequences over n keys (a dense cache's rows, a paged table's
+    keys) compiles: its split's variant and, for a dense cache, whether the rows' stride is a
+    multiple of 16 (Triton keys on it)."""
+    split = decode.split_plan(b, kv_heads, heads // kv_heads, n, head_dim, dtype, page_size, index)
+    return split.variant(head_dim, index), page_size or (n * head_dim) % 16 == 0
+
+
 def _decode_variants(heads, kv_heads, head_dim, dtype, page_size, max_batch, cache_rows, index) -> list:
-    """(batch, keys) of one decode step per compiled variant that batches of 1..max_batch reach on
-    a dense cache of cache_rows rows, or on tables of up to cache_rows keys of a paged one: each
-    variant's step on the fewest cache rows that reach it (a dense cache's rows change nothing
-    compiled but the split, and whether their stride is a multiple of 16, which Triton keys on)."""
-    group = heads // kv_heads
+    """(batch, keys) of one decode step per compiled variant (`decode_variant`) that batches of
+    1..max_batch reach on a dense cache of cache_rows rows, or on tables of up to cache_rows keys of
+    a paged one: each variant's step on the fewest cache rows that reach it."""
 
     def variant(b, n):
-        split = decode.split_plan(b, kv_heads, group, n, head_dim, dtype, page_size, index)
-        return split.variant(head_dim, index), page_size or (n * head_dim) % 16 == 0
+        return decode_variant(b, n, heads, kv_heads, head_dim, dtype, page_size, index)
 
     if page_size:
         widths = [p * page_size for p in range(1, sizing.cdiv(cache_rows, page_size) + 1)]
     else:
-        widths = sorted({cache_rows, *(1 << i for i in range(6, cache_rows.bit_length()))} - {0})
+        widths = sorted({cache_rows, *(1 << i for i in range(6, cache_rows.bit_length()))})
     steps: dict = {}
     for b in range(1, max_batch + 1):
         if page_size:
