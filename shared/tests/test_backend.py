@@ -198,3 +198,34 @@ def test_compile_ahead_is_off_on_the_interpreter_and_with_fk_prewarm_0(monkeypat
     with ahead.compile_ahead():
         assert not ahead.active()
     assert not ahead.useful(torch.zeros(1))
+
+
+def test_a_compile_ahead_loads_what_it_compiled():
+    """The pool's compile also loads the kernel (`CompiledKernel._init_handles`, where Triton 3.6
+    builds the launcher for its signature with a C compiler), so its first launch waits for
+    neither; an autotuner's warm-up (a list) is left alone."""
+    import triton.compiler.compiler
+
+    from fk_runtime import launch
+
+    assert callable(getattr(triton.compiler.compiler.CompiledKernel, "_init_handles", None))
+    loaded, warmed = [], []
+
+    class Compiled:
+        def _init_handles(self):
+            loaded.append(True)
+
+    class Kernel:
+        def __init__(self, result):
+            self.result = result
+
+        def warmup(self, *args, grid, **meta):
+            warmed.append((args, grid, meta))
+            return self.result
+
+    for result in (Compiled(), [Compiled()]):
+        run = launch.Launch.__new__(launch.Launch)  # (Launch() refuses a kernel the interpreter did not make)
+        run.kernel, run.grid, run.tail, run.meta, run.device = Kernel(result), (3, 1, 1), (7,), {"BLOCK": 4}, None
+        run._compile((5,))
+    assert warmed == [((5, 7), (3, 1, 1), {"BLOCK": 4})] * 2
+    assert loaded == [True]
