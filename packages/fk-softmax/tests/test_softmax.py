@@ -213,3 +213,67 @@ def test_compiled_graph_runs_the_fk_op():
     x = testing.randn((4, 8), requires_grad=True)
     ops = testing.compiled_graph_ops(lambda t: softmax(t, causal=True) + log_softmax(t, 0), x)
     assert "fk.softmax.default" in ops, ops
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the placeholders hold whatever memory held
+@pytest.mark.parametrize("log", [False, True])
+def test_backward_bound_ahead_leaves_the_call_as_it_was(monkeypatch, log):
+    """The path that binds the backward ahead (`ops._backward_ahead`; on a GPU it only compiles)
+    runs here in full on placeholders: y and x's gradient are those of a call without it, and it
+    binds once per what the kernel compiles for (not per row count)."""
+    from fk_runtime import ahead
+    from fk_runtime.launch import PlanCache
+
+    from fk_softmax import ops
+
+    def run(rows=6):
+        torch.manual_seed(0)
+        x = torch.randn(rows, 40, device=testing.device(), requires_grad=True)
+        y = (log_softmax if log else softmax)(x)
+        y.square().sum().backward()
+        return y.detach(), x.grad
+
+    expected = run()
+    monkeypatch.setattr(ops, "AHEAD", PlanCache())
+    monkeypatch.setattr(ahead, "useful", lambda *tensors: True)
+    for got, want in zip(run(), expected, strict=True):
+        torch.testing.assert_close(got, want)
+    run(rows=9)
+    assert len(ops.AHEAD) == 1
+
+
+def _compiled() -> dict:
+    """{kernel: its compiled variants' keys} of every fk-softmax kernel (Triton's in-memory caches)."""
+    from fk_softmax import kernels
+
+    fns = {name: getattr(kernels, name) for name in dir(kernels) if name.endswith("_kernel")}
+    return {name: {str(key) for cache in getattr(fn, "device_caches", {}).values() for key in cache[0]}
+            for name, fn in fns.items()}
+
+
+@pytest.mark.skipif(not testing.on_gpu(), reason="compiles for the GPU ahead (the interpreter compiles nothing)")
+@pytest.mark.parametrize("grad", ["dense", "sum"])
+def test_backward_compiles_ahead_for_a_first_backward(monkeypatch, grad):
+    """A recorded call binds its backward at once, for a model's upstream gradient (laid out like
+    y) and for `y.sum().backward()`'s (one value broadcast): either backward then compiles nothing
+    more, and x's gradient is right."""
+    from fk_runtime import ahead
+    from fk_runtime.launch import PlanCache
+
+    from fk_softmax import kernels, ops
+
+    monkeypatch.setattr(ops, "AHEAD", PlanCache())
+    monkeypatch.setattr(plans, "BOUND", PlanCache())
+    cols = 3000 + 8 * (grad == "sum")  # a row length no other test compiled
+    x = testing.randn((5, 7, cols), dtype=torch.bfloat16, requires_grad=True)
+    y = softmax(x)
+    for name in dir(kernels):
+        if name.endswith("_kernel"):
+            ahead.wait(getattr(kernels, name))
+    before = _compiled()
+    dy = torch.randn_like(y) if grad == "dense" else torch.ones((), device=y.device, dtype=y.dtype).expand(y.shape)
+    y.backward(dy)
+    assert _compiled() == before, "the backward compiled what was to be compiled ahead"
+    ref = x.detach().double().requires_grad_()
+    torch.softmax(ref, -1).backward(dy.double())
+    torch.testing.assert_close(x.grad.double(), ref.grad, atol=2e-3, rtol=2e-2)

@@ -79,9 +79,11 @@ AHEAD = PlanCache()
 
 
 def _backward_ahead(x, weight, bias, is_rms: bool, stable: bool) -> None:
-    """On a call that autograd records, bind the backward now (the upstream gradient laid out like
-    x) so that its kernels compile in threads while the forward's compiles (`fk_runtime.ahead`).
-    Once per what the kernels compile for (dtypes, row length, flags, device)."""
+    """On a call that autograd records, bind the backward now so that its kernels compile in
+    threads while the forward's compiles (`fk_runtime.ahead`), for the upstream gradients a first
+    backward brings: laid out like x (a model's), and one value broadcast over x (`y.sum().backward()`,
+    whose zero strides the kernel compiles apart). Once per what the kernels compile for (dtypes,
+    row length, flags, device)."""
     key = (x.dtype, x.shape[-1], None if weight is None else weight.dtype, None if bias is None else bias.dtype,
            is_rms, stable, x.device)
     if key in AHEAD or not ahead.useful(x, weight, bias):
@@ -89,7 +91,8 @@ def _backward_ahead(x, weight, bias, is_rms: bool, stable: bool) -> None:
     AHEAD.get_or_build(key, lambda: True)
     stats = x.new_empty(plan.stats_shape(math.prod(x.shape[:-1]), is_rms, stable, True), dtype=torch.float32)
     with ahead.compile_ahead():
-        plan.backward(torch.empty_like(x), x, weight, bias, stats, is_rms, stable)
+        for grad_y in (torch.empty_like(x), x.new_empty(()).expand(x.shape)):
+            plan.backward(grad_y, x, weight, bias, stats, is_rms, stable)
 
 
 def _norm(x, weight, bias, eps, is_rms: bool, stable: bool) -> torch.Tensor:

@@ -10,7 +10,9 @@ key passed the checks (`fk_runtime.ops.quiet_key`); calls it records, to the aut
 from __future__ import annotations
 
 import torch
+from fk_runtime import ahead
 from fk_runtime import ops as fk_ops
+from fk_runtime.launch import PlanCache
 
 from . import plan
 
@@ -40,6 +42,25 @@ SOFTMAX = fk_ops.define(
 )
 
 
+# What the kernels compile for, whose backward was bound and compiled ahead (`_backward_ahead`).
+AHEAD = PlanCache()
+
+
+def _backward_ahead(x: torch.Tensor, dim: int, log: bool) -> None:
+    """On a call that autograd records, bind the backward now so that its kernel compiles in a
+    thread while the forward's compiles (`fk_runtime.ahead`), for the upstream gradients a first
+    backward brings: laid out like y, and one value broadcast over y (`y.sum().backward()`). Once
+    per what the kernels compile for (dtype, row length, whether the rows are the last dim, device)."""
+    key = (x.dtype, x.shape[dim], dim == x.dim() - 1, log, x.device)
+    if key in AHEAD or not ahead.useful(x):
+        return
+    AHEAD.get_or_build(key, lambda: True)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    with ahead.compile_ahead():
+        for grad_y in (torch.empty_like(y), y.new_empty(()).expand(y.shape)):
+            plan.backward(y, grad_y, dim, log)
+
+
 def _apply(x: torch.Tensor, dim, causal, log: bool) -> torch.Tensor:
     key, run = fk_ops.quiet_run(plan.BOUND, "log_softmax" if log else "softmax", (x,), (dim, causal))
     if run:
@@ -49,14 +70,18 @@ def _apply(x: torch.Tensor, dim, causal, log: bool) -> torch.Tensor:
         y = SOFTMAX.apply(x.reshape(1), 0, False, log).reshape(())
         return y if y.requires_grad else y.detach()  # a tensor of its own, as torch's (not a view)
     run = fk_ops.keep_quiet(plan.BOUND, key, lambda: plan.bound_forward(x, d, bool(causal), log),
-                            lambda: _recorded(d, bool(causal), log))
+                            lambda: _recorded(x, d, bool(causal), log))
     if run:  # checked: this key's calls go straight to the plan, or to the autograd.Function
         return run(x)
+    if torch.is_grad_enabled() and x.requires_grad:
+        _backward_ahead(x, d, log)
     return SOFTMAX.apply(x, d, bool(causal), log)
 
 
-def _recorded(dim: int, causal: bool, log: bool):
-    """run(x) of a call that autograd records (`fk_runtime.ops.quiet_key`), whose checks passed."""
+def _recorded(x: torch.Tensor, dim: int, causal: bool, log: bool):
+    """run(x) of a call that autograd records (`fk_runtime.ops.quiet_key`), whose checks passed;
+    the first call binds the backward ahead."""
+    _backward_ahead(x, dim, log)
     return lambda x: SOFTMAX.recorded(x, dim, causal, log)
 
 
