@@ -47,8 +47,9 @@ def test_autotuning_only_when_asked(monkeypatch):
 
 def test_masked_walks_take_their_measured_tiles(monkeypatch):
     """Short windows, packed sequences and softcaps take the masked tiles at d128 (16-bit); dQ, wide
-    windows, fp32 and d64 keep the dense ones."""
+    windows, fp32 and d64 keep the dense ones (Triton 3.8 and later)."""
     monkeypatch.setattr(fk_config.backend, "is_interpreter", lambda: False)
+    monkeypatch.setattr(fk_config.backend, "triton_at_least", lambda wanted: wanted <= (3, 8))
     fk_config.default_config.cache_clear()
     fwd, dkdv, dq = fk_config.Kind.FORWARD, fk_config.Kind.DKDV, fk_config.Kind.DQ
     try:
@@ -95,6 +96,36 @@ def test_new_lengths_compile_nothing_after_warmup(causal):
     new = {name: keys - before[name] for name, keys in _compiled().items() if keys - before[name]}
     assert not new, "new variants (and one from before each):\n" + "\n".join(
         f"{name}: {sorted(keys)} was {sorted(before[name])[:1]}" for name, keys in new.items())
+
+
+@pytest.mark.parametrize("release", [(3, 6), (3, 7), (3, 8), (3, 9)])
+def test_older_tritons_take_their_measured_tiles(monkeypatch, release):
+    """Before Triton 3.8 the 16-bit d64 dK/dV tile of a causal (or windowed) walk is 32 x 64, four
+    stages, and a softcapped d128 dK/dV 64 x 128, three stages; from 3.8 on, the defaults. Nothing
+    else moves."""
+    monkeypatch.setattr(fk_config.backend, "is_interpreter", lambda: False)
+    fk_config.default_config.cache_clear()
+    flags = ((), ("varlen", True), ("softcap", True), ("span", 1024), ("causal", True))
+    cases = [(kind, d, dtype, f) for kind in fk_config.Kind for d in (64, 128, 256)
+             for dtype in (torch.bfloat16, torch.float32) for f in flags]
+
+    def tiles():
+        return {case: fk_config.default_config(*case[:3], True, **dict([case[3]] if case[3] else []))
+                for case in cases}
+
+    try:
+        monkeypatch.setattr(fk_config.backend, "triton_at_least", lambda wanted: wanted <= (3, 8))
+        new = tiles()
+        fk_config.default_config.cache_clear()
+        monkeypatch.setattr(fk_config.backend, "triton_at_least", lambda wanted: wanted <= release)
+        got = tiles()
+    finally:
+        fk_config.default_config.cache_clear()
+    moved = {(k, d, t, f[:1]): (c.block_m, c.block_n, c.num_warps, c.num_stages)
+             for (k, d, t, f), c in got.items() if c != new[(k, d, t, f)]}
+    dkdv, bf16 = fk_config.Kind.DKDV, torch.bfloat16
+    want = {(dkdv, 64, bf16, ("causal",)): (32, 64, 4, 4), (dkdv, 128, bf16, ("softcap",)): (64, 128, 8, 3)}
+    assert moved == ({} if release >= (3, 8) else want)
 
 
 @pytest.mark.skipif(not testing.on_gpu(), reason="compiles for the GPU ahead (the interpreter compiles nothing)")

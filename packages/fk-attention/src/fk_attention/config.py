@@ -128,6 +128,15 @@ MASKED_DEFAULTS_16BIT = (
     (128, {Kind.FORWARD: Config(64, 64, 4, 3), Kind.DKDV: Config(64, 64, 4, 2)}),
 )
 
+# Triton before OLDER_TRITON_BEFORE (3.6, 3.7), 16-bit, by padded head dim (exact): the tiles its
+# compiler runs faster, where 3.6's tuner beat the defaults above by 2% or more (H200, TUNING.md:
+# older Tritons): causal and windowed d64 dK/dV 32 x 64, four stages (0.95-0.96x the time at N1024,
+# packed 0.97x; full masks keep 64 x 64, 3% faster there at N >= 4096); softcapped d128 dK/dV
+# 64 x 128, three stages (0.97x). 3.8 and later keep the defaults.
+OLDER_TRITON_BEFORE = (3, 8)
+OLDER_TRITON_CAUSAL_16BIT = ((64, {Kind.DKDV: Config(32, 64, 4, 4)}),)
+OLDER_TRITON_SOFTCAP_16BIT = ((128, {Kind.DKDV: Config(64, 128, 8, 3)}),)
+
 # 4-byte head dims 64 and 128: the fastest of the tiles an sm_90 compile left with the fewest
 # spills (exact fp32 products are FMA loops held in registers; TUNING.md: DEFAULTS_32BIT); 256
 # keeps its priors.
@@ -172,19 +181,27 @@ def _row(table, head_dim: int):
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def default_config(kind: Kind, head_dim: int, dtype: torch.dtype, descriptors: bool,
-                   span: int | None = None, varlen: bool = False, softcap: bool = False) -> Config:
+                   span: int | None = None, varlen: bool = False, softcap: bool = False,
+                   causal: bool = False) -> Config:
     """The fixed launch for `kind`: tiny blocks on the interpreter, the head dim's default on a
     GPU (fp32: its own tiles, sized to registers; a two-sided window of `span` keys, packed
-    sequences or softcapped scores: the masked walks' own where measured); through descriptors
-    when `descriptors` says so."""
+    sequences or softcapped scores: the masked walks' own where measured; Triton 3.6 and 3.7: their
+    own where measured, for `causal` (or windowed) walks and softcaps); through descriptors when
+    `descriptors` says so."""
     if backend.is_interpreter():
         return Config(INTERPRETER_BLOCK, INTERPRETER_BLOCK, sizing.MIN_WARPS, 1, descriptors)
     table = DEFAULTS_32BIT if dtype.itemsize > 2 else DEFAULTS_16BIT
     config = _row(table, head_dim)[kind]
     masked = varlen or softcap or (span is not None and span <= WINDOW_MAX_SPAN)
-    if dtype.itemsize <= 2 and masked:
-        padded = layout.padded_head_dim(head_dim)
-        config = next((row[kind] for dim, row in MASKED_DEFAULTS_16BIT if dim == padded and kind in row), config)
+    padded = layout.padded_head_dim(head_dim)
+    tables = []
+    if dtype.itemsize <= 2:
+        tables = [MASKED_DEFAULTS_16BIT] if masked else []
+        if not backend.triton_at_least(OLDER_TRITON_BEFORE):
+            tables += [older for older, used in ((OLDER_TRITON_CAUSAL_16BIT, causal),
+                                                 (OLDER_TRITON_SOFTCAP_16BIT, softcap)) if used]
+    for overrides in tables:  # later tables win
+        config = next((row[kind] for dim, row in overrides if dim == padded and kind in row), config)
     config = dataclasses.replace(config, descriptors=descriptors)
     if backend.is_hip():
         config = dataclasses.replace(config, num_stages=HIP_NUM_STAGES)

@@ -280,7 +280,7 @@ class Kernel:
                     config = WINNERS.get((self.tuning_key, use))
                     tuned_now = config is not None  # else the default config runs both launches
             config = config or default_config(self.kind, self.head_dim, self.dtype, use, self.span,
-                                              self.meta["VARLEN"], self.meta["SOFTCAP"])
+                                              self.meta["VARLEN"], self.meta["SOFTCAP"], self.meta["WINDOW"] != 0)
             block = config.meta()[self.walked]
             meta = {**self.meta, **config.meta(self.meta["VARLEN"]), **launch_options(config, self.head_dim)}
             grid = (sizing.cdiv(self.n_rows, block) * self.programs,)
