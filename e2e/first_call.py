@@ -104,14 +104,31 @@ def new_lengths() -> dict:
     return out
 
 
+def _collector_pauses() -> list:
+    """[(generation, ms)] of the Python collector's passes from now on (gc.callbacks), appended as they end."""
+    import gc
+
+    pauses, started = [], []
+
+    def record(phase, info):
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            pauses.append((info["generation"], (time.perf_counter() - started[0]) * 1e3))
+
+    gc.callbacks.append(record)
+    return pauses
+
+
 def packed_loop(seed: int = 0) -> dict:
-    """The packed training loop: each batch new random documents summing to TOKENS; ms per batch."""
+    """The packed training loop: each batch new random documents summing to TOKENS; ms per batch,
+    and the Python collector's time inside each batch."""
     import torch
 
     import fk_attention
 
     gen = torch.Generator().manual_seed(seed)
-    times = []
+    times, collected, pauses = [], [], _collector_pauses()
     for _ in range(BATCHES):
         cuts = torch.randperm(TOKENS - 1, generator=gen)[:15].add_(1).sort().values
         bounds = torch.cat([torch.tensor([0]), cuts, torch.tensor([TOKENS])]).to(torch.int32)
@@ -119,9 +136,11 @@ def packed_loop(seed: int = 0) -> dict:
         cu = bounds.cuda()
         q, k, v = (torch.randn(TOKENS, HEADS, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
+        pauses.clear()
         times.append(_timed(lambda q=q, k=k, v=v, cu=cu, n=longest: fk_attention.attention_varlen(
             q, k, v, cu, cu, n, n, causal=True).sum().backward()))
-    return {"fk": times}
+        collected.append(sum(ms for _, ms in pauses))
+    return {"fk": times, "gc": collected}
 
 
 def decode_loop(seed: int = 0, warm: bool = False) -> dict:
@@ -221,6 +240,9 @@ def report(run: dict) -> str:
               f"{statistics.median(rest):.1f} ms, slowest {max(rest):.1f} ms "
               f"({max(rest) / statistics.median(rest):.2f}x the median). Batches: "
               + ", ".join(f"{t:.0f}" for t in times) + " ms."]
+    if "gc" in run["packed"]:
+        lines[-1] += (" Python's collector inside them: " + ", ".join(f"{t:.1f}" for t in run["packed"]["gc"])
+                      + " ms.")
     if "decode" in run:
         dec = run["decode"]
         (hq, hk), steps = DECODE_HEADS, dec["steps"]

@@ -11,6 +11,7 @@
 #   rows:V:FN                  e2e/row_variants.py with the arguments that bash function FN puts in the
 #                              array ARGS (defined in $FK_LANES_JOBS, a file sourced here); tuning cache empty
 #   first:V                    e2e/first_call.py
+#   sh:V:FN                    bash function FN of $FK_LANES_JOBS (a probe; its output in the step's log)
 # Each step gets what is left of LIMIT_S (the call's own limit less the staging), so that every result
 # comes back. Results stay in $FK_LANES_DIR (default /tmp/lanes: a later call on the warm machine
 # resumes there); this call's go back under $OUT as one archive (the device tool returns a few files
@@ -49,6 +50,7 @@ step() {
            cmd=(env FK_CACHE_DIR="$dir/tuned" timeout -s INT "$left" "${from_src[@]}" e2e/row_variants.py
                 --out "$dir" "${ARGS[@]}");;
     first) cmd=(timeout -s INT "$left" "${from_src[@]}" e2e/first_call.py --out "$dir");;
+    sh)    cmd=(timeout -s INT "$left" bash -c "source \"\$FK_LANES_JOBS\" && $args");;
     *) echo "unknown step $spec"; return;;
   esac
   if [ "${FK_LANES_DRY:-0}" = 1 ]; then echo "gpu$gpu ${site:-box} ${cmd[*]}"; return; fi

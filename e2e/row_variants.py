@@ -176,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             for peer in peers:
                 if peer in cases[row].variants:
                     times[(peer, row)].append(_time(cases[row], peer, bench, torch))
+                    print(f"round {round_} {peer:12s} {row}: {times[(peer, row)][-1]:.4f} ms", flush=True)
     meta = bench.environment()
     meta["command"] = "python e2e/row_variants.py " + " ".join(sys.argv[1:])
     names = [v for v, _ in variants] + peers

@@ -12,6 +12,21 @@ def test_section_reports_cold_warm_sweep_and_packed_loop(e2e_script):
     assert "| attention | B2 H8 N1024 d128 causal | bfloat16 | 4100 | 310 | 900 | 60 |" in text
     assert "slowest call fk 61.0 ms" in text
     assert "slowest 30.0 ms (2.73x the median)" in text
+    assert "collector" not in text  # (a run from before the collector's time was kept)
+    run["packed"]["gc"] = [120.0, 0.0, 0.1, 0.0, 5.25]
+    assert "Python's collector inside them: 120.0, 0.0, 0.1, 0.0, 5.2 ms." in first_call.report(run)
+
+
+def test_collector_pauses_are_recorded_as_they_end(e2e_script):
+    import gc
+
+    first_call = e2e_script("first_call")
+    pauses = first_call._collector_pauses()
+    try:
+        gc.collect(1)
+        assert [g for g, _ in pauses] == [1] and pauses[0][1] >= 0
+    finally:
+        gc.callbacks.pop()
 
 
 def test_section_reports_the_decode_loop(e2e_script):

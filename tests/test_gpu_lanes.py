@@ -44,3 +44,9 @@ def test_an_unknown_step_is_named(tmp_path):
 def test_a_suite_may_name_its_tests(tmp_path):
     (suite,) = _dry(tmp_path, "suite:3.8:15:200:packages/fk-attention/tests/test_decode.py,tests/test_bench.py")
     assert suite.endswith("suite-3.8 200 0 packages/fk-attention/tests/test_decode.py tests/test_bench.py")
+
+
+def test_a_shell_step_runs_a_function_of_the_jobs_file(tmp_path):
+    (probe,) = _dry(tmp_path, "host:3.6 sh:3.8:probe")[1:]
+    assert probe.startswith("gpu0 /tmp/triton-3.8.0 timeout -s INT ")
+    assert probe.endswith('bash -c source "$FK_LANES_JOBS" && probe')
