@@ -95,3 +95,19 @@ def test_a_cut_short_suite_goes_on_where_it_stopped(monkeypatch, tmp_path):
     monkeypatch.setenv(pytest_plugin.DONE_ENV, str(log))
     pytest_plugin.pytest_collection_modifyitems(config, items)
     assert [i.nodeid for i in items] == ["c", "d"] and [i.nodeid for i in deselected] == ["a", "b"]
+
+
+def test_compiled_variants_and_first_backward_gradients():
+    """`compiled_variants` lists each `*_kernel`'s cached keys (none for a kernel never compiled);
+    `upstream_grad` gives a model's dense gradient or `y.sum().backward()`'s broadcast one."""
+    import types
+
+    class Kernel:
+        device_caches = {0: ({"a": 1, "b": 2}, None)}
+
+    module = types.SimpleNamespace(add_kernel=Kernel(), idle_kernel=object(), helper=Kernel())
+    assert testing.compiled_variants(module) == {"add_kernel": {"a", "b"}, "idle_kernel": set()}
+    y = testing.randn((3, 5), torch.float16)
+    dense, broadcast = testing.upstream_grad(y, "dense"), testing.upstream_grad(y, "sum")
+    assert dense.shape == broadcast.shape == y.shape and dense.dtype == broadcast.dtype == y.dtype
+    assert dense.is_contiguous() and broadcast.stride() == (0, 0) and bool((broadcast == 1).all())

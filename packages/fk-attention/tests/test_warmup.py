@@ -73,11 +73,8 @@ def test_masked_walks_take_their_measured_tiles(monkeypatch):
 
 
 def _compiled() -> dict:
-    """{kernel: its compiled variants' keys} of every attention kernel in this process (Triton's
-    in-memory JIT caches)."""
-    fns = {name: getattr(m, name) for m in (kernels, hopper) for name in dir(m) if name.endswith("_kernel")}
-    return {name: {str(key) for cache in getattr(fn, "device_caches", {}).values() for key in cache[0]}
-            for name, fn in fns.items()}
+    """{kernel: its compiled variants' keys} of every attention kernel in this process."""
+    return testing.compiled_variants(kernels, hopper)
 
 
 @pytest.mark.skipif(not testing.on_gpu(), reason="counts the GPU compiler's variants (the interpreter compiles nothing)")
@@ -134,7 +131,6 @@ def test_backward_compiles_ahead_and_its_gradients_are_right(monkeypatch):
     during the forward (`ops._backward_ahead`, `fk_runtime.ahead`): the backward then compiles
     nothing more, and its gradients are right. (Every GPU gradient test's first call of a layout
     takes this path too.)"""
-    from fk_runtime import ahead
     from fk_runtime.launch import PlanCache
 
     from fk_attention import ops, plan
@@ -144,8 +140,6 @@ def test_backward_compiles_ahead_and_its_gradients_are_right(monkeypatch):
     q, k, v = (testing.randn((2, h, 203, 40), dtype=torch.float16, requires_grad=True) for h in (4, 2, 2))
     out = attention(q, k, v, causal=True)
     assert len(ops.AHEAD) == 1
-    for fn in [f for m in (kernels, hopper) for name, f in vars(m).items() if name.endswith("_kernel")]:
-        ahead.wait(fn)
     before = _compiled()
     grad = torch.randn_like(out)
     out.backward(grad)

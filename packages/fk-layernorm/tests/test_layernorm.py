@@ -527,15 +527,6 @@ def test_backward_bound_ahead_leaves_the_call_as_it_was(monkeypatch, rms):
     assert len(ops.AHEAD) == 1
 
 
-def _compiled() -> dict:
-    """{kernel: its compiled variants' keys} of every fk-layernorm kernel (Triton's in-memory caches)."""
-    from fk_layernorm import kernels
-
-    fns = {name: getattr(kernels, name) for name in dir(kernels) if name.endswith("_kernel")}
-    return {name: {str(key) for cache in getattr(fn, "device_caches", {}).values() for key in cache[0]}
-            for name, fn in fns.items()}
-
-
 @pytest.mark.skipif(not testing.on_gpu(), reason="compiles for the GPU ahead (the interpreter compiles nothing)")
 @pytest.mark.parametrize("grad", ["dense", "sum"])
 @pytest.mark.parametrize("rms", [False, True])
@@ -543,7 +534,6 @@ def test_backward_compiles_ahead_for_a_first_backward(monkeypatch, rms, grad):
     """A recorded call binds its backward at once, for a model's upstream gradient (laid out like
     y) and for `y.sum().backward()`'s (one value broadcast): either backward then compiles nothing
     more, and its gradients are right."""
-    from fk_runtime import ahead
     from fk_runtime.launch import PlanCache
 
     from fk_layernorm import kernels, ops
@@ -553,13 +543,10 @@ def test_backward_compiles_ahead_for_a_first_backward(monkeypatch, rms, grad):
     cols = 3000 + 8 * rms + 16 * (grad == "sum")  # a row length no other test compiled
     x, w, b = (testing.randn(s, dtype=torch.bfloat16, requires_grad=True) for s in ((5, 7, cols), (cols,), (cols,)))
     y = rms_norm(x, w) if rms else layer_norm(x, w, b)
-    for name in dir(kernels):
-        if name.endswith("_kernel"):
-            ahead.wait(getattr(kernels, name))
-    before = _compiled()
-    dy = torch.randn_like(y) if grad == "dense" else torch.ones((), device=y.device, dtype=y.dtype).expand(y.shape)
+    before = testing.compiled_variants(kernels)
+    dy = testing.upstream_grad(y, grad)
     y.backward(dy)
-    assert _compiled() == before, "the backward compiled what was to be compiled ahead"
+    assert testing.compiled_variants(kernels) == before, "the backward compiled what was to be compiled ahead"
     ref = [t.detach().double().requires_grad_() for t in (x, w, b)]
     want = (F.rms_norm(ref[0], (cols,), ref[1], eps=1e-6) if rms
             else F.layer_norm(ref[0], (cols,), ref[1], ref[2], eps=1e-5))

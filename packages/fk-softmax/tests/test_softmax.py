@@ -242,22 +242,12 @@ def test_backward_bound_ahead_leaves_the_call_as_it_was(monkeypatch, log):
     assert len(ops.AHEAD) == 1
 
 
-def _compiled() -> dict:
-    """{kernel: its compiled variants' keys} of every fk-softmax kernel (Triton's in-memory caches)."""
-    from fk_softmax import kernels
-
-    fns = {name: getattr(kernels, name) for name in dir(kernels) if name.endswith("_kernel")}
-    return {name: {str(key) for cache in getattr(fn, "device_caches", {}).values() for key in cache[0]}
-            for name, fn in fns.items()}
-
-
 @pytest.mark.skipif(not testing.on_gpu(), reason="compiles for the GPU ahead (the interpreter compiles nothing)")
 @pytest.mark.parametrize("grad", ["dense", "sum"])
 def test_backward_compiles_ahead_for_a_first_backward(monkeypatch, grad):
     """A recorded call binds its backward at once, for a model's upstream gradient (laid out like
     y) and for `y.sum().backward()`'s (one value broadcast): either backward then compiles nothing
     more, and x's gradient is right."""
-    from fk_runtime import ahead
     from fk_runtime.launch import PlanCache
 
     from fk_softmax import kernels, ops
@@ -267,13 +257,10 @@ def test_backward_compiles_ahead_for_a_first_backward(monkeypatch, grad):
     cols = 3000 + 8 * (grad == "sum")  # a row length no other test compiled
     x = testing.randn((5, 7, cols), dtype=torch.bfloat16, requires_grad=True)
     y = softmax(x)
-    for name in dir(kernels):
-        if name.endswith("_kernel"):
-            ahead.wait(getattr(kernels, name))
-    before = _compiled()
-    dy = torch.randn_like(y) if grad == "dense" else torch.ones((), device=y.device, dtype=y.dtype).expand(y.shape)
+    before = testing.compiled_variants(kernels)
+    dy = testing.upstream_grad(y, grad)
     y.backward(dy)
-    assert _compiled() == before, "the backward compiled what was to be compiled ahead"
+    assert testing.compiled_variants(kernels) == before, "the backward compiled what was to be compiled ahead"
     ref = x.detach().double().requires_grad_()
     torch.softmax(ref, -1).backward(dy.double())
     torch.testing.assert_close(x.grad.double(), ref.grad, atol=2e-3, rtol=2e-2)

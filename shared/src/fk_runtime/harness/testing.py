@@ -333,6 +333,30 @@ def compiled_graph_ops(fn: Callable, *args) -> set[str]:
     return seen
 
 
+# ---- compiles: what a call added to Triton's in-memory caches -------------------------------------
+
+
+def compiled_variants(*modules) -> dict:
+    """{name: its compiled variants' keys} of every `*_kernel` of `modules` in this process (Triton's
+    in-memory JIT caches), once the compiles submitted ahead for them (`fk_runtime.ahead`) finished:
+    a test compares it before and after a call that should compile nothing."""
+    from .. import ahead
+
+    kernels = {name: getattr(m, name) for m in modules for name in dir(m) if name.endswith("_kernel")}
+    for fn in kernels.values():
+        ahead.wait(fn)
+    return {name: {str(key) for cache in getattr(fn, "device_caches", {}).values() for key in cache[0]}
+            for name, fn in kernels.items()}
+
+
+def upstream_grad(y: torch.Tensor, kind: str) -> torch.Tensor:
+    """A first backward's gradient for y: "dense" (a model's, laid out like y) or "sum" (what
+    `y.sum().backward()` brings: one value broadcast, zero strides)."""
+    if kind == "dense":
+        return torch.randn_like(y)
+    return torch.ones((), device=y.device, dtype=y.dtype).expand(y.shape)
+
+
 # ---- process groups: gloo on CPU processes, NCCL on GPUs ------------------------------------------
 
 # A rank waiting this long on another has met a deadlock: fail instead of hanging the suite.
