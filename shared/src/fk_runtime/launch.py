@@ -388,7 +388,7 @@ class Launch:
     def _compile(self, real) -> None:
         """Compile what `real` (the head) would launch and load it, without launching (a pool
         thread): loading builds Triton 3.6's launcher for the kernel's signature, a C compile of
-        0.3-0.5 s that the first launch would otherwise wait for."""
+        0.2-0.5 s that the first launch would otherwise wait for."""
         with self._on_device():
             bind_context(self.device)
             compiled = self.kernel.warmup(*real, *self.tail, grid=self.grid, **self.meta)
