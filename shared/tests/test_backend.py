@@ -229,3 +229,18 @@ def test_a_compile_ahead_loads_what_it_compiled():
         run._compile((5,))
     assert warmed == [((5, 7), (3, 1, 1), {"BLOCK": 4})] * 2
     assert loaded == [True]
+
+
+def test_a_key_binds_ahead_once_and_first_gradients_take_both_layouts(monkeypatch):
+    """`ahead.first` says yes once per key, and only where compiling ahead serves the tensors;
+    `ahead.upstream_gradients` gives a dense and a broadcast (zero-stride) placeholder like y."""
+    from fk_runtime import ahead
+    from fk_runtime.launch import PlanCache
+
+    cache, x = PlanCache(), torch.zeros(3, 4)
+    monkeypatch.setattr(ahead, "useful", lambda *tensors: False)
+    assert not ahead.first(cache, "k", x) and "k" not in cache
+    monkeypatch.setattr(ahead, "useful", lambda *tensors: True)
+    assert ahead.first(cache, "k", x) and not ahead.first(cache, "k", x)
+    dense, broadcast = ahead.upstream_gradients(x)
+    assert dense.shape == broadcast.shape == x.shape and dense.is_contiguous() and broadcast.stride() == (0, 0)

@@ -57,6 +57,22 @@ def useful(*tensors) -> bool:
             and not traced(tuple(t for t in tensors if t is not None)) and not transforms_active())
 
 
+def first(cache, key, *tensors) -> bool:
+    """Whether a recorded call of `key` binds its backward ahead now: compiling ahead serves
+    `tensors` (`useful`) and no call of `key` did so before (`cache`, the op's PlanCache, keeps it)."""
+    if key in cache or not useful(*tensors):
+        return False
+    cache.get_or_build(key, lambda: True)
+    return True
+
+
+def upstream_gradients(y) -> tuple:
+    """Placeholders of the upstream gradients a first backward of output `y` brings, which compile
+    apart: laid out like y (a model's) and one value broadcast over y (`y.sum().backward()`: zero
+    strides)."""
+    return y.new_empty(y.shape), y.new_empty(()).expand(y.shape)
+
+
 def _cache_root() -> Path:
     return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "fk")
 

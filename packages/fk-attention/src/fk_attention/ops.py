@@ -43,9 +43,8 @@ def _backward_ahead(q, k, v, scale: float, mask: list[float], alibi, dropout: tu
         return
     key = (q.dtype, q.shape[-1], q.shape[-3 if packing is None else -2], k.shape[-3 if packing is None else -2],
            tuple(mask), dropout[0] > 0, alibi is None, packing is None, q.device)
-    if key in AHEAD or not ahead.useful(q, k, v):
+    if not ahead.first(AHEAD, key, q, k, v):
         return
-    AHEAD.get_or_build(key, lambda: True)
     seed = torch.zeros(1, dtype=torch.int64, device=q.device) if dropout[0] > 0 else None
     with ahead.compile_ahead():
         if packing is None:

@@ -86,12 +86,11 @@ def _backward_ahead(x, weight, bias, is_rms: bool, stable: bool) -> None:
     row length, flags, device)."""
     key = (x.dtype, x.shape[-1], None if weight is None else weight.dtype, None if bias is None else bias.dtype,
            is_rms, stable, x.device)
-    if key in AHEAD or not ahead.useful(x, weight, bias):
+    if not ahead.first(AHEAD, key, x, weight, bias):
         return
-    AHEAD.get_or_build(key, lambda: True)
     stats = x.new_empty(plan.stats_shape(math.prod(x.shape[:-1]), is_rms, stable, True), dtype=torch.float32)
     with ahead.compile_ahead():
-        for grad_y in (torch.empty_like(x), x.new_empty(()).expand(x.shape)):
+        for grad_y in ahead.upstream_gradients(x):
             plan.backward(grad_y, x, weight, bias, stats, is_rms, stable)
 
 

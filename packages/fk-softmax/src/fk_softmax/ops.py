@@ -52,12 +52,11 @@ def _backward_ahead(x: torch.Tensor, dim: int, log: bool) -> None:
     backward brings: laid out like y, and one value broadcast over y (`y.sum().backward()`). Once
     per what the kernels compile for (dtype, row length, whether the rows are the last dim, device)."""
     key = (x.dtype, x.shape[dim], dim == x.dim() - 1, log, x.device)
-    if key in AHEAD or not ahead.useful(x):
+    if not ahead.first(AHEAD, key, x):
         return
-    AHEAD.get_or_build(key, lambda: True)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = x.new_empty(x.shape)
     with ahead.compile_ahead():
-        for grad_y in (torch.empty_like(y), y.new_empty(()).expand(y.shape)):
+        for grad_y in ahead.upstream_gradients(y):
             plan.backward(y, grad_y, dim, log)
 
 
