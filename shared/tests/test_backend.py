@@ -231,6 +231,66 @@ def test_a_compile_ahead_loads_what_it_compiled():
     assert loaded == [True]
 
 
+def test_a_launch_that_compiled_runs_the_collector_once_its_burst_is_over(monkeypatch):
+    """After a first launch slower than `COMPILED_LAUNCH_S` (it compiled, or waited for a compile
+    ahead) with no compile left in the pool, one full pass of Python's collector; none after a
+    fast launch, none while the pool still compiles, none where the collector is off."""
+    import gc
+    import time
+
+    from fk_runtime import ahead, launch
+
+    monkeypatch.setattr(backend, "is_interpreter", lambda: False)
+    monkeypatch.setattr(launch, "_compiled_launcher", lambda compiled: False)
+    passes = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: passes.append(generation))
+
+    class Kernel:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: time.sleep(self.seconds)
+
+    def launched(seconds):
+        run = launch.Launch.__new__(launch.Launch)  # (Launch() refuses a kernel the interpreter did not make)
+        run.kernel, run.grid, run.tail, run.meta, run.device = Kernel(seconds), (1, 1, 1), (), {}, None
+        run._slow((1.0,))
+
+    slow = 2 * launch.COMPILED_LAUNCH_S
+    launched(0)
+    assert passes == []
+    launched(slow)
+    assert passes == [2]
+    monkeypatch.setattr(ahead, "idle", lambda: False)
+    launched(slow)
+    assert passes == [2]
+    monkeypatch.setattr(ahead, "idle", lambda: True)
+    gc.disable()
+    try:
+        launched(slow)
+    finally:
+        gc.enable()
+    assert passes == [2]
+
+
+def test_the_pool_is_idle_once_its_compiles_end():
+    """`ahead.idle` is false while a compile submitted ahead runs, true once it has ended."""
+    import threading
+
+    from fk_runtime import ahead
+
+    go = threading.Event()
+    assert ahead.idle()
+    try:
+        ahead.submit("kernel", go.wait)
+        assert not ahead.idle()
+    finally:
+        go.set()
+    ahead.wait("kernel")
+    assert ahead.idle()
+
+
 def test_a_key_binds_ahead_once_and_first_gradients_take_both_layouts(monkeypatch):
     """`ahead.first` says yes once per key, and only where compiling ahead serves the tensors;
     `ahead.upstream_gradients` gives a dense and a broadcast (zero-stride) placeholder like y."""

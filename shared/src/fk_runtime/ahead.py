@@ -204,6 +204,12 @@ def finish() -> None:
         future.result()
 
 
+def idle() -> bool:
+    """Whether every compile submitted ahead has ended."""
+    with _pool_lock:
+        return all(future.done() for pending in _pending.values() for future in pending)
+
+
 def wait(kernel) -> None:
     """Wait for the compiles of `kernel` submitted ahead, so that its launch finds it compiled."""
     if not _pending:
