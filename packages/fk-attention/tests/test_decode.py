@@ -237,7 +237,7 @@ def test_kvcache_descriptors_never_read_rows_past_a_length(page_size, monkeypatc
     """Through TMA a block's rows past a sequence's length are loaded too: cache rows there that
     hold NaN must not reach the output (the masked steps zero them), with and without appends."""
     built = _descriptors_here(monkeypatch)
-    monkeypatch.setattr(decode, "kv_descriptors", lambda k, v, grid: True)
+    monkeypatch.setattr(decode, "kv_descriptors", lambda k, v, grid, paged=False: True)
     monkeypatch.setattr(decode, "row_pages", lambda grid, device_index: False)  # the paged way TMA takes
     b, hq, hk, d, capacity = 3, 4, 2, 32, 4 * max(page_size, 16)
     k_cache, v_cache, block_table, logical = make_cache(b, hk, capacity, d, torch.float32, page_size)
@@ -367,10 +367,10 @@ def test_slices_longer_than_the_preloaded_pages_read_a_page_per_row(monkeypatch)
     check("out", out, ref_out, torch.float32)
     attend = [(grid, meta) for grid, meta in launches if "ROW_PAGES" in meta]
     programs = b * hk
-    slices = decode.key_slices(programs, capacity, d, q.device.index or 0, fill=fk_config.ROW_PAGES_FILL)
+    slices = decode.key_slices(programs, capacity, d, q.device.index or 0, fill=fk_config.ROW_PAGES_FILL, paged=True)
     assert attend and all(meta["ROW_PAGES"] and not meta["SLICE_PAGES"] for _, meta in attend)
     assert all(grid == (programs * slices,) for grid, _ in attend)
-    assert slices > decode.key_slices(programs, capacity, d, q.device.index or 0)  # the fill took more
+    assert slices > decode.key_slices(programs, capacity, d, q.device.index or 0, paged=True)  # the fill took more
 
 
 @pytest.mark.parametrize("mask", [(False, None, None), (True, (4, None), None), (False, (6, 2), 2.0)])

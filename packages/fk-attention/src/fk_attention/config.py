@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 
 import torch
 from fk_runtime import backend, sizing
@@ -248,11 +249,37 @@ DECODE_MIN_BLOCK_M = 16
 DECODE_MAX_BLOCK_M = 64
 
 # Key tiles by padded head dim, (max head dim, (BLOCK_N, warps, stages)), 2- and 4-byte inputs;
-# a grid of at least SHALLOW_PIPELINE_GRID programs per multiprocessor takes one stage less
-# (more of them fit an SM, and together they keep enough loads in flight) (TUNING.md: decode).
+# a grid of at least `DecodeGrids.shallow_pipeline` programs per multiprocessor takes one stage
+# less (more of them fit an SM, and together they keep enough loads in flight) (TUNING.md: decode).
 DECODE_TILES_16BIT = ((64, (64, 4, 3)), (128, (64, 4, 3)), (256, (32, 4, 3)))
 DECODE_TILES_32BIT = ((64, (32, 4, 2)), (128, (32, 4, 2)), (256, (16, 4, 2)))
-SHALLOW_PIPELINE_GRID = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeGrids:
+    """The decode numbers that follow a card's memory, in programs per multiprocessor."""
+
+    sliced_programs_d128: float  # key slices aim at this many programs at head dim 128 (twice at 64)
+    shallow_pipeline: float  # grids of at least this many take one stage less
+    descriptors_below: float  # K/V through TMA on grids below this many
+
+
+# Measured on the H100 (TUNING.md: decode); cards not listed below, and paged caches on every card
+# (on the H200 its own grids cost paged caches up to 1.29x the time).
+DECODE_GRIDS = DecodeGrids(sliced_programs_d128=1, shallow_pipeline=2, descriptors_below=2)
+# Dense caches, by a name the device's name holds. The H200 (4.8 TB/s against the H100's 3.35):
+# twice the slices, every stage and TMA on every grid (TUNING.md: decode, the H200).
+DECODE_GRIDS_BY_CARD = (("H200", DecodeGrids(sliced_programs_d128=2, shallow_pipeline=math.inf,
+                                             descriptors_below=math.inf)),)
+
+
+def decode_grids(device_index: int, paged: bool = False) -> DecodeGrids:
+    """The decode grid numbers of this device's card, for a dense cache or a paged one."""
+    if paged:
+        return DECODE_GRIDS
+    name = backend.device_name(device_index)
+    return next((grids for card, grids in DECODE_GRIDS_BY_CARD if card in name), DECODE_GRIDS)
+
 
 # K/V at padded head dim 64 or 128, 16-bit, at most DECODE_MIN_BLOCK_M query rows per KV head, dense or
 # in pages that hold whole blocks,
@@ -266,10 +293,9 @@ WIDE_PROGRAMS = 0.5
 WIDE_STAGES = 3
 SHARED_RESERVE = 16 << 10
 
-# Key slices: about SLICED_PROGRAMS_D128 programs per multiprocessor at head dim 128 (twice as
-# many at 64: each reads half the bytes per step), as a power of two, of at least
+# Key slices: about `DecodeGrids.sliced_programs_d128` programs per multiprocessor at head dim 128
+# (twice as many at 64: each reads half the bytes per step), as a power of two, of at least
 # MIN_SLICE_KEYS keys each and at most MAX_SLICES (the merge reads them in one tile).
-SLICED_PROGRAMS_D128 = 1
 MIN_SLICE_KEYS = 64
 MAX_SLICES = 64
 
@@ -285,20 +311,21 @@ INTERPRETER_SLICED_PROGRAMS = 8
 
 # Paged caches whose pages hold whole key blocks, on grids of few programs: each slice's page
 # indices are read into registers first (at most SLICE_PAGES). Grids of at least
-# SHALLOW_PIPELINE_GRID programs per multiprocessor, and slices of more pages, read each block's
+# ROW_PAGES_GRID programs per multiprocessor, and slices of more pages, read each block's
 # page per row in the walk instead (TUNING.md: decode, paged reads); on a grid of few programs
 # that takes ROW_PAGES_FILL times the slices: the page load ahead of each key block stalls a lone
 # program's pipeline, a second program per multiprocessor hides it.
 SLICE_PAGES = 128
+ROW_PAGES_GRID = 2
 ROW_PAGES_FILL = 2
 # How many page indices a slice preloads: the smallest of these that holds the pages it spans. Each
 # is a compiled variant that a server's batch and lengths reach (powers of two, 8 of them, stalled
 # a paged decode loop on compiles: BENCHMARKS.md, first calls); picking among more costs short rows.
 SLICE_PAGE_BUCKETS = (8, SLICE_PAGES)
 
-# K/V through TMA from this padded head dim, on grids below SHALLOW_PIPELINE_GRID programs per
-# SM: there it beat or matched pointers at d128; at d64 it lost up to 16% on paged caches, on
-# fuller grids up to 7% (TUNING.md: decode).
+# K/V through TMA from this padded head dim, on grids below `DecodeGrids.descriptors_below`
+# programs per SM: there it beat or matched pointers at d128; at d64 it lost up to 16% on paged
+# caches, on the H100's fuller grids up to 7% (TUNING.md: decode).
 DECODE_DESCRIPTOR_MIN_HEAD_DIM = 128
 
 # New cache rows written per append program.

@@ -23,9 +23,9 @@ from . import decode_kernels
 from .config import (APPEND_ROWS, CACHE_SIZE, DECODE_DESCRIPTOR_MIN_HEAD_DIM, DECODE_MAX_BLOCK_M,
                      DECODE_MAX_QUERIES, DECODE_MIN_BLOCK_M, DECODE_TILES_16BIT, DECODE_TILES_32BIT,
                      INTERPRETER_BLOCK, INTERPRETER_SLICED_PROGRAMS, INTERPRETER_SLICE_KEYS, MAX_SLICES,
-                     MERGE_VALUES_PER_THREAD, MIN_SLICE_KEYS, ROW_PAGES_FILL, SHALLOW_PIPELINE_GRID,
-                     SHARED_RESERVE, SLICED_PROGRAMS_D128, SLICE_PAGE_BUCKETS, SLICE_PAGES, WIDE_BLOCK_N,
-                     WIDE_PROGRAMS, WIDE_STAGES, WIDE_WARPS, Config)
+                     MERGE_VALUES_PER_THREAD, MIN_SLICE_KEYS, ROW_PAGES_FILL, ROW_PAGES_GRID, SHARED_RESERVE,
+                     SLICE_PAGE_BUCKETS, SLICE_PAGES, WIDE_BLOCK_N, WIDE_PROGRAMS, WIDE_STAGES, WIDE_WARPS,
+                     Config, decode_grids)
 from .layout import (alibi_strides, bases_aligned, check_alibi, check_heads, check_inputs, descriptor_strides,
                      descriptors_may_serve, fit, heads_inside_tokens, is_hopper_or_newer, new_output, padded_head_dim,
                      precision, widened)
@@ -42,7 +42,8 @@ def takes(q: torch.Tensor) -> bool:
     return q.shape[2] <= DECODE_MAX_QUERIES and q.dtype in DECODE_DTYPES
 
 
-def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_index: int) -> Config:
+def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_index: int,
+          paged: bool = False) -> Config:
     """The tiles of a decode launch with `rows` query rows per KV head over `programs` programs."""
     block_m = min(max(sizing.next_power_of_2(rows), DECODE_MIN_BLOCK_M), DECODE_MAX_BLOCK_M)
     if backend.is_interpreter():
@@ -50,7 +51,7 @@ def tiles(rows: int, head_dim: int, dtype: torch.dtype, programs: int, device_in
     padded = padded_head_dim(head_dim)
     rows_by_dim = DECODE_TILES_32BIT if dtype.itemsize > 2 else DECODE_TILES_16BIT
     block_n, warps, stages = next(entry for limit, entry in rows_by_dim if padded <= limit)
-    if programs >= SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index):
+    if programs >= decode_grids(device_index, paged).shallow_pipeline * backend.multiprocessor_count(device_index):
         stages = max(stages - 1, 1)
     return Config(block_m, block_n, warps, stages)
 
@@ -72,7 +73,7 @@ def wide_blocks(rows: int, head_dim: int, dtype: torch.dtype, programs: int, pag
 def row_pages(grid: int, device_index: int) -> bool:
     """Whether a paged cache's key blocks read their page index per row in the walk (full grids)
     rather than from the slice's pages preloaded into registers."""
-    return grid >= SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index)
+    return grid >= ROW_PAGES_GRID * backend.multiprocessor_count(device_index)
 
 
 def preloaded_pages(spanned: int) -> int:
@@ -88,36 +89,38 @@ def merge_warps(slices: int, head_dim: int) -> int:
     return min(sizing.MIN_WARPS, max(1, values // (32 * MERGE_VALUES_PER_THREAD)))
 
 
-def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int) -> bool:
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, grid: int, paged: bool = False) -> bool:
     """TMA (host descriptors) for K/V tiles where the forward takes them (Hopper or newer, 16- or
     32-bit K/V with aligned strides; bases are checked per call) and `descriptor_grid` holds."""
-    return descriptors_may_serve(k.device, (k, v)) and descriptor_grid(k.shape[-1], grid, k.device.index or 0)
+    return (descriptors_may_serve(k.device, (k, v))
+            and descriptor_grid(k.shape[-1], grid, k.device.index or 0, paged))
 
 
-def descriptor_grid(head_dim: int, grid: int, device_index: int) -> bool:
+def descriptor_grid(head_dim: int, grid: int, device_index: int, paged: bool = False) -> bool:
     """Whether a decode launch of `grid` programs at this head dim may read K/V through TMA: head
-    dims padded to at least DECODE_DESCRIPTOR_MIN_HEAD_DIM, fewer than SHALLOW_PIPELINE_GRID
-    programs per multiprocessor."""
+    dims padded to at least DECODE_DESCRIPTOR_MIN_HEAD_DIM, grids below the card's
+    `descriptors_below` programs per multiprocessor."""
     return (padded_head_dim(head_dim) >= DECODE_DESCRIPTOR_MIN_HEAD_DIM
-            and grid < SHALLOW_PIPELINE_GRID * backend.multiprocessor_count(device_index))
+            and grid < decode_grids(device_index, paged).descriptors_below
+            * backend.multiprocessor_count(device_index))
 
 
-def sliced_programs(head_dim: int, device_index: int, fill: float = 1) -> float:
+def sliced_programs(head_dim: int, device_index: int, fill: float = 1, paged: bool = False) -> float:
     """The programs a sliced decode launch wants (`fill` times the usual)."""
     if backend.is_interpreter():
         return INTERPRETER_SLICED_PROGRAMS * fill
-    return (backend.multiprocessor_count(device_index) * SLICED_PROGRAMS_D128 * fill * 128
-            / padded_head_dim(head_dim))
+    return (backend.multiprocessor_count(device_index) * decode_grids(device_index, paged).sliced_programs_d128
+            * fill * 128 / padded_head_dim(head_dim))
 
 
 def key_slices(programs: int, n_k: int, head_dim: int, device_index: int, fill: float = 1,
-               min_keys: int = MIN_SLICE_KEYS) -> int:
+               min_keys: int = MIN_SLICE_KEYS, paged: bool = False) -> int:
     """How many slices of at least `min_keys` keys to cut each sequence's keys into, for
     `programs` (batch, KV head, row block) programs over up to n_k keys: the power of two nearest
     the wanted programs (`fill` times the usual) over these."""
     if backend.is_interpreter():
         min_keys = INTERPRETER_SLICE_KEYS
-    wanted = sliced_programs(head_dim, device_index, fill)
+    wanted = sliced_programs(head_dim, device_index, fill, paged)
     most = min(MAX_SLICES, max(1, n_k // min_keys))
     ratio = wanted / programs
     if ratio < 1.5:
@@ -129,19 +132,20 @@ def key_slices(programs: int, n_k: int, head_dim: int, device_index: int, fill: 
 @dataclasses.dataclass(frozen=True)
 class Split:
     """A decode launch's plan for its shapes: tiles, key slices per sequence, whether a paged cache's
-    key blocks read their page per row (`row_pages`) or from `slice_pages` preloaded ones, and the
-    (batch, KV head, row block) programs before slicing."""
+    key blocks read their page per row (`row_pages`) or from `slice_pages` preloaded ones, the
+    (batch, KV head, row block) programs before slicing, and whether the cache is paged."""
 
     tile: Config
     slices: int
     per_row: bool
     slice_pages: int
     programs: int
+    paged: bool = False
 
     def variant(self, head_dim: int, device_index: int) -> tuple:
         """What picks the launches' compiled kernels (their constexprs and the grid's TMA choice,
         `kv_descriptors`): two plans with the same variant compile nothing new for each other."""
-        tma = not self.per_row and descriptor_grid(head_dim, self.programs * self.slices, device_index)
+        tma = not self.per_row and descriptor_grid(head_dim, self.programs * self.slices, device_index, self.paged)
         merge = (sizing.next_power_of_2(self.slices), merge_warps(self.slices, head_dim)) if self.slices > 1 else None
         return self.tile, self.per_row, self.slice_pages, tma, merge
 
@@ -157,26 +161,26 @@ def split_plan(b: int, hk: int, rows: int, n_k: int, head_dim: int, dtype: torch
     planned = slices is None
     wide = wide_blocks(rows, head_dim, dtype, programs, page_size, device_index)
     if planned:
-        slices = (key_slices(programs, n_k, head_dim, device_index, WIDE_PROGRAMS, WIDE_BLOCK_N) if wide
-                  else key_slices(programs, n_k, head_dim, device_index))
+        slices = (key_slices(programs, n_k, head_dim, device_index, WIDE_PROGRAMS, WIDE_BLOCK_N, paged) if wide
+                  else key_slices(programs, n_k, head_dim, device_index, paged=paged))
     if wide:
-        deep = (programs * slices <= sliced_programs(head_dim, device_index, WIDE_PROGRAMS)
+        deep = (programs * slices <= sliced_programs(head_dim, device_index, WIDE_PROGRAMS, paged)
                 and n_k > slices * WIDE_BLOCK_N)
         tile = Config(DECODE_MIN_BLOCK_M, WIDE_BLOCK_N, WIDE_WARPS, WIDE_STAGES - (not deep))
     else:
-        tile = tiles(rows, head_dim, dtype, programs * slices, device_index)
+        tile = tiles(rows, head_dim, dtype, programs * slices, device_index, paged)
     full = row_pages(programs * slices, device_index)
     # a page index per row: full grids, pages smaller than a key block, slices of more pages than
     # preloaded (a slice starts on a key block: inside a page where pages are larger, one more page)
     per_row = paged and (full or page_size % tile.block_n != 0
                          or sizing.cdiv(n_k, slices) > (SLICE_PAGES - (page_size > tile.block_n)) * page_size)
     if per_row and not full and planned:
-        slices = key_slices(programs, n_k, head_dim, device_index, fill=ROW_PAGES_FILL)
-        tile = tiles(rows, head_dim, dtype, programs * slices, device_index)
+        slices = key_slices(programs, n_k, head_dim, device_index, fill=ROW_PAGES_FILL, paged=paged)
+        tile = tiles(rows, head_dim, dtype, programs * slices, device_index, paged)
     # the pages a slice spans (one more where it may start inside a page)
     spanned = sizing.cdiv(sizing.cdiv(n_k, slices), page_size) + (page_size > tile.block_n) if paged else 0
     slice_pages = preloaded_pages(spanned) if paged and not per_row else 0
-    return Split(tile, slices, per_row, slice_pages, programs)
+    return Split(tile, slices, per_row, slice_pages, programs, paged)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +243,7 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
     # TMA where a key block lies in one page (the descriptor's box), K/V used as given.
     # TMA descriptors take no empty dim: no keys go through pointers (they read nothing).
     use_desc = (not per_row and k_ok and v_ok and k.numel() > 0
-                and (kv_descriptors(k, v, programs * slices) if descriptors is None else descriptors))
+                and (kv_descriptors(k, v, programs * slices, paged) if descriptors is None else descriptors))
     kv_layouts = [(list(t.shape), descriptor_strides(t)) for t in (k, v)] if use_desc else []
     kv_block = [1, 1, tile.block_n, padded]
     out_example = new_outputs()[0]
