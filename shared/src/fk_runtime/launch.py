@@ -411,13 +411,12 @@ class Launch:
 
 
 def _collect_after_compile() -> None:
-    """One full pass of Python's collector, once a burst of compiles is over: compiles leave many
-    thousands of long-lived objects, and once they outnumber a quarter of the older ones the
-    collector's next full pass lands in whichever later call allocates next: a 3 ms step of a
-    packed training loop took 7.3 ms, 4.3 of them the collector (H200, Triton 3.6,
-    `e2e/first_call.py`). Here it costs a call that waited for compiles anyway (about 0.1 s in a
-    cold process; shared/TUNING.md). Not where the collector is off, nor on the interpreter (every
-    launch is slow there)."""
+    """One full pass of Python's collector, once a burst of compiles is over: what the compiles
+    left behind moves to the oldest generation now, rather than into a later pass that lands in
+    whichever fast call allocates next (a 3 ms step of a packed training loop took 7.3 ms, 4.3 of
+    them the collector: H200, Triton 3.6, `e2e/first_call.py`). Here it costs a call that waited
+    for compiles anyway (about 0.1 s in a cold process; shared/TUNING.md). Not where the collector
+    is off, nor on the interpreter (every launch is slow there)."""
     if gc.isenabled() and not backend.is_interpreter():
         gc.collect()
 
