@@ -137,10 +137,10 @@ def fill_sweep():
         page = kp.shape[2]
         row = {"cudnn": graph_us(functools.partial(cudnn, q, k, v)),
                "dense": graph_us(functools.partial(attention_with_kvcache, q, k, v, lengths, causal=True))}
-        slices = decode.key_slices(b * hk, n, d, 0)
+        slices = decode.key_slices(b * hk, n, d, 0, paged=True)
         variants = {"preloaded": (False, max(slices, -(-n // (fk_config.SLICE_PAGES * page)))),
                     "x1": (True, slices),
-                    "fill": (True, decode.key_slices(b * hk, n, d, 0, fill=fk_config.ROW_PAGES_FILL))}
+                    "fill": (True, decode.key_slices(b * hk, n, d, 0, fill=fk_config.ROW_PAGES_FILL, paged=True))}
         for name, (per_row, s) in variants.items():
             decode.row_pages = lambda grid, device_index, per_row=per_row: per_row
             run = decode.bind(q, kp, vp, mask, d ** -0.5, decode.Cache(0, page), s, pages)

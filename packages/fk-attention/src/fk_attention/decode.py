@@ -80,7 +80,7 @@ def preloaded_pages(spanned: int) -> int:
     """Page indices a slice spanning `spanned` pages (at most SLICE_PAGES) preloads: the smallest of
     SLICE_PAGE_BUCKETS that holds them (picking a block's page is a reduction over them: 128 where
     8 do cost the short rows 3-6%, TUNING.md: decode, preloaded pages)."""
-    return min(SLICE_PAGES, next((n for n in SLICE_PAGE_BUCKETS if n >= spanned), SLICE_PAGES))
+    return next((n for n in SLICE_PAGE_BUCKETS if n >= spanned), SLICE_PAGES)
 
 
 def merge_warps(slices: int, head_dim: int) -> int:
