@@ -1,8 +1,10 @@
 """First calls and shape changes: what a user waits for before a call runs, fk beside SDPA / torch.
 
-Wall time of each call (synchronized), each case in a fresh process:
-- cold: empty Triton and fk caches (TRITON_CACHE_DIR, FK_CACHE_DIR a new folder), the first call of each op, fwd+bwd
-  (attention per dtype and head dim; rms_norm, layer_norm, softmax);
+Wall time of each call (synchronized), each case in fresh processes:
+- cold: empty Triton and fk caches (TRITON_CACHE_DIR, FK_CACHE_DIR a new folder), the first call of each op, fwd+bwd:
+  attention per dtype and head dim, one after the other in one process (the first pays the process's own start);
+  rms_norm, layer_norm, softmax each in a process of its own (which pays it too); and Triton's own floor, a
+  one-line kernel's first launch in a process of its own without fk;
 - warm: the same first calls in a second process on the cache the cold one filled;
 - new length: after the first call, calls at lengths the process has not seen (attention
   N = 1000..1100 forward, B1 H32 d128; SDPA beside);
@@ -25,6 +27,7 @@ median.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -35,6 +38,7 @@ import time
 from pathlib import Path
 
 SECTION = "first-call"
+NORM_OPS = ("rms_norm", "layer_norm", "softmax")  # each one's first call in a process of its own
 HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
 SWEEP = range(1000, 1101)
@@ -55,38 +59,58 @@ def _timed(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def first_calls() -> list[dict]:
-    """Each op's first fwd+bwd in this process, ms."""
+def first_calls(op: str = "attention") -> list[dict]:
+    """The first fwd+bwd in this process of attention (each dtype and head dim) or of one of NORM_OPS,
+    ms; only the op's own package imported (as a user who needs only it)."""
+    import importlib
+
     import torch
     import torch.nn.functional as F
-
-    import fk_attention
-    import fk_layernorm
-    import fk_softmax
-
-    rows = []
 
     def grad(*shape, dtype):
         return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
 
-    for dtype_name in DTYPES:
-        dtype = getattr(torch, dtype_name)
-        for d in HEAD_DIMS:
-            q, k, v = (grad(2, 8, 1024, d, dtype=dtype) for _ in range(3))
-            rows.append({"op": "attention", "case": f"B2 H8 N1024 d{d} causal", "dtype": dtype_name, "fk_ms": _timed(
-                lambda q=q, k=k, v=v: fk_attention.attention(q, k, v, causal=True).sum().backward())})
-            rows[-1]["peer_ms"] = _timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
-                q, k, v, is_causal=True).sum().backward())
+    rows = []
+    if op == "attention":
+        import fk_attention
+
+        for dtype_name in DTYPES:
+            dtype = getattr(torch, dtype_name)
+            for d in HEAD_DIMS:
+                q, k, v = (grad(2, 8, 1024, d, dtype=dtype) for _ in range(3))
+                rows.append({"op": "attention", "case": f"B2 H8 N1024 d{d} causal", "dtype": dtype_name,
+                             "fk_ms": _timed(lambda q=q, k=k, v=v: fk_attention.attention(
+                                 q, k, v, causal=True).sum().backward())})
+                rows[-1]["peer_ms"] = _timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True).sum().backward())
+        return rows
+    package = importlib.import_module("fk_softmax" if op == "softmax" else "fk_layernorm")
     x, w, b = grad(4096, 4096, dtype=torch.bfloat16), grad(4096, dtype=torch.bfloat16), grad(4096, dtype=torch.bfloat16)
-    for name, fk, peer in (
-        ("rms_norm", lambda: fk_layernorm.rms_norm(x, w).sum().backward(),
-         lambda: F.rms_norm(x, (4096,), w).sum().backward()),
-        ("layer_norm", lambda: fk_layernorm.layer_norm(x, w, b).sum().backward(),
-         lambda: F.layer_norm(x, (4096,), w, b).sum().backward()),
-        ("softmax", lambda: fk_softmax.softmax(x).sum().backward(), lambda: torch.softmax(x, -1).sum().backward()),
-    ):
-        rows.append({"op": name, "case": "4096 x 4096", "dtype": "bfloat16", "fk_ms": _timed(fk), "peer_ms": _timed(peer)})
+    fk, peer = {
+        "rms_norm": (lambda: package.rms_norm(x, w), lambda: F.rms_norm(x, (4096,), w)),
+        "layer_norm": (lambda: package.layer_norm(x, w, b), lambda: F.layer_norm(x, (4096,), w, b)),
+        "softmax": (lambda: package.softmax(x), lambda: torch.softmax(x, -1)),
+    }[op]
+    rows.append({"op": op, "case": "4096 x 4096", "dtype": "bfloat16", "fk_ms": _timed(lambda: fk().sum().backward()),
+                 "peer_ms": _timed(lambda: peer().sum().backward())})
     return rows
+
+
+def triton_floor() -> list[dict]:
+    """What any Triton kernel's first call costs a fresh process: a one-line kernel's first launch
+    (Triton's driver, cache key, compile and load), ms; no fk imported."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+    x = torch.zeros(1000, device="cuda")
+    return [{"op": "triton (a one-line kernel, fwd only)", "case": "1000", "dtype": "float32",
+             "fk_ms": _timed(lambda: add_one[(1,)](x, 1000, BLOCK=1024)), "peer_ms": _timed(lambda: x.add_(1))}]
 
 
 def new_lengths() -> dict:
@@ -184,7 +208,8 @@ def decode_loop(seed: int = 0, warm: bool = False) -> dict:
 
 
 def child(case: str) -> None:
-    result = {"first": first_calls, "sweep": new_lengths, "packed": packed_loop, "decode": decode_loop,
+    result = {"first": first_calls, **{f"first-{op}": functools.partial(first_calls, op) for op in NORM_OPS},
+              "floor": triton_floor, "sweep": new_lengths, "packed": packed_loop, "decode": decode_loop,
               "decode-warm": lambda: decode_loop(warm=True)}[case]()
     print("RESULT " + json.dumps(result))
 
@@ -204,8 +229,10 @@ def measure(out: Path) -> dict:
     import triton
 
     with tempfile.TemporaryDirectory(prefix="fk-first-call-") as tmp:
-        cold = _spawn("first", Path(tmp) / "a")
-        warm = _spawn("first", Path(tmp) / "a")
+        cold, warm = [], []
+        for i, case in enumerate(("first", *(f"first-{op}" for op in NORM_OPS), "floor")):
+            cold += _spawn(case, Path(tmp) / f"a{i}")
+            warm += _spawn(case, Path(tmp) / f"a{i}")
         sweep = _spawn("sweep", Path(tmp) / "b")
         packed = _spawn("packed", Path(tmp) / "c")
         decode = _spawn("decode", Path(tmp) / "d")
@@ -220,8 +247,11 @@ def report(run: dict) -> str:
     m = run["meta"]
     lines = ["## First calls and shape changes", "",
              f"{m['device']}, torch {m['torch']}, Triton {m['triton']} ({m['date']}). Wall time of each call, "
-             "synchronized, each case in a fresh process. Cold: empty Triton and fk caches; warm: a second process "
-             "on the caches the cold one filled. SDPA / torch's op beside, in the same process after fk's call.", "",
+             "synchronized. Cold: empty Triton and fk caches; warm: a second process on the caches the cold one "
+             "filled. Attention's four cases one after the other in one process (the first pays the process's start), "
+             "each norm and softmax in a process of its own; the last row is Triton's floor, a one-line kernel's "
+             "first launch in a process without fk (torch: `x.add_(1)`). SDPA / torch's op beside, in the same "
+             "process after fk's call.", "",
              f"Command: `{m['command']}`", "",
              "| op | case | dtype | fk cold (ms) | fk warm (ms) | torch cold (ms) | torch warm (ms) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -267,7 +297,8 @@ def report(run: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks"))
-    parser.add_argument("--child", choices=("first", "sweep", "packed", "decode", "decode-warm"))
+    parser.add_argument("--child", choices=("first", *(f"first-{op}" for op in NORM_OPS), "floor", "sweep", "packed",
+                                             "decode", "decode-warm"))
     args = parser.parse_args(argv)
     if args.child:
         child(args.child)

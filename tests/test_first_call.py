@@ -44,3 +44,26 @@ def test_section_reports_the_decode_loop(e2e_script):
     assert "| fk | 900 | 75.0 | 0.20 | 1 of 3 |" in text
     assert "| fk paged | 800 | 0.1 | 0.10 | 0 of 3 |" in text
     assert "| sdpa | 300 | 60.0 | 55.00 | 2 of 3 |" in text
+
+
+def test_each_norm_and_the_triton_floor_get_processes_of_their_own(e2e_script, monkeypatch, tmp_path):
+    """Cold and warm first calls: attention's cases in one process, each of NORM_OPS and Triton's floor
+    in their own, each case's warm process on the caches its cold one filled."""
+    import torch
+
+    first_call = e2e_script("first_call")
+    spawned = []
+
+    def spawn(case, cache):
+        spawned.append((case, cache))
+        return [{"op": case}] if case.startswith(("first", "floor")) else {}
+
+    monkeypatch.setattr(first_call, "_spawn", spawn)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "H200")
+    run = first_call.measure(tmp_path)
+    firsts = ["first", "first-rms_norm", "first-layer_norm", "first-softmax", "floor"]
+    assert [row["op"] for row in run["cold"]] == firsts and [row["op"] for row in run["warm"]] == firsts
+    pairs = spawned[:2 * len(firsts)]
+    assert [case for case, _ in pairs] == [case for case in firsts for _ in range(2)]
+    caches = [cache for _, cache in pairs]
+    assert caches[0::2] == caches[1::2] and len(set(caches)) == len(firsts)
