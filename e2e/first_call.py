@@ -39,6 +39,8 @@ from pathlib import Path
 
 SECTION = "first-call"
 NORM_OPS = ("rms_norm", "layer_norm", "softmax")  # each one's first call in a process of its own
+# The first-call cases, each a child process (cold, then warm on its cache): attention's, each norm's, Triton's floor.
+FIRST_CASES = ("first", *(f"first-{op}" for op in NORM_OPS), "floor")
 HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
 SWEEP = range(1000, 1101)
@@ -230,7 +232,7 @@ def measure(out: Path) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="fk-first-call-") as tmp:
         cold, warm = [], []
-        for i, case in enumerate(("first", *(f"first-{op}" for op in NORM_OPS), "floor")):
+        for i, case in enumerate(FIRST_CASES):
             cold += _spawn(case, Path(tmp) / f"a{i}")
             warm += _spawn(case, Path(tmp) / f"a{i}")
         sweep = _spawn("sweep", Path(tmp) / "b")
@@ -297,8 +299,7 @@ def report(run: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks"))
-    parser.add_argument("--child", choices=("first", *(f"first-{op}" for op in NORM_OPS), "floor", "sweep", "packed",
-                                             "decode", "decode-warm"))
+    parser.add_argument("--child", choices=(*FIRST_CASES, "sweep", "packed", "decode", "decode-warm"))
     args = parser.parse_args(argv)
     if args.child:
         child(args.child)
