@@ -16,6 +16,11 @@ Wall time of each call (synchronized), each case in fresh processes:
   the longest sequence; then in a process that first ran `fk_attention.warmup` for that range
   (`max_batch=64, cache_rows=32768`, dense and paged).
 
+Triton's and fk's Python bytecode is compiled first, as `pip install` leaves a package: where none
+was written (the GPU box sets PYTHONDONTWRITEBYTECODE=1), every process compiles the modules a first
+call imports from source (Triton's Gluon modules, which its first specialization imports: 60-110 ms
+on the H200's host). `--bytecode-as-found` measures the environment as it is.
+
     bash shared/from-source.sh python e2e/first_call.py --out benchmarks
 
 writes `<out>/first-call.{json,md}` and rebuilds BENCHMARKS.md as the main job does. Acceptance of
@@ -38,6 +43,7 @@ import time
 from pathlib import Path
 
 SECTION = "first-call"
+FK_PACKAGES = ("fk_runtime", "fk_attention", "fk_layernorm", "fk_softmax", "fk_weightedsum")
 NORM_OPS = ("rms_norm", "layer_norm", "softmax")  # each one's first call in a process of its own
 # The first-call cases, each a child process (cold, then warm on its cache): attention's, each norm's, Triton's floor.
 FIRST_CASES = ("first", *(f"first-{op}" for op in NORM_OPS), "floor")
@@ -216,6 +222,18 @@ def child(case: str) -> None:
     print("RESULT " + json.dumps(result))
 
 
+def compile_bytecode(packages=("triton", *FK_PACKAGES)) -> None:
+    """Bytecode of `packages` (Triton's and fk's) in their own __pycache__ folders, as `pip install`
+    writes it (where a folder is read-only, that package stays as it is)."""
+    import compileall
+    import importlib.util
+
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            compileall.compile_dir(str(Path(spec.origin).parent), quiet=2)
+
+
 def _spawn(case: str, cache: Path) -> object:
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "FK_CACHE_DIR": str(cache / "fk")}  # fk's too (Triton's key)
     done = subprocess.run([sys.executable, __file__, "--child", case], env=env, capture_output=True, text=True,
@@ -226,10 +244,12 @@ def _spawn(case: str, cache: Path) -> object:
     return json.loads(line[len("RESULT "):])
 
 
-def measure(out: Path) -> dict:
+def measure(out: Path, bytecode: bool = True) -> dict:
     import torch
     import triton
 
+    if bytecode:
+        compile_bytecode()
     with tempfile.TemporaryDirectory(prefix="fk-first-call-") as tmp:
         cold, warm = [], []
         for i, case in enumerate(FIRST_CASES):
@@ -239,10 +259,20 @@ def measure(out: Path) -> dict:
         packed = _spawn("packed", Path(tmp) / "c")
         decode = _spawn("decode", Path(tmp) / "d")
         decode_warm = _spawn("decode-warm", Path(tmp) / "e")
+    command = "python e2e/first_call.py --out " + str(out) + ("" if bytecode else " --bytecode-as-found")
     return {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                     "date": time.strftime("%Y-%m-%d"), "command": "python e2e/first_call.py --out " + str(out)},
+                     "date": time.strftime("%Y-%m-%d"), "command": command,
+                     "bytecode": "compiled first" if bytecode else "as found"},
             "cold": cold, "warm": warm, "sweep": sweep, "packed": packed, "decode": decode,
             "decode_warm": decode_warm}
+
+
+def _bytecode_note(bytecode: str | None) -> str:
+    if bytecode == "compiled first":
+        return "Triton's and fk's bytecode compiled first, as `pip install` leaves them."
+    if bytecode == "as found":
+        return "Python bytecode as the environment had it (`--bytecode-as-found`)."
+    return ""
 
 
 def report(run: dict) -> str:
@@ -253,7 +283,7 @@ def report(run: dict) -> str:
              "filled. Attention's four cases one after the other in one process (the first pays the process's start), "
              "each norm and softmax in a process of its own; the last row is Triton's floor, a one-line kernel's "
              "first launch in a process without fk (torch: `x.add_(1)`). SDPA / torch's op beside, in the same "
-             "process after fk's call.", "",
+             "process after fk's call. " + _bytecode_note(m.get("bytecode")), "",
              f"Command: `{m['command']}`", "",
              "| op | case | dtype | fk cold (ms) | fk warm (ms) | torch cold (ms) | torch warm (ms) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -300,11 +330,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks"))
     parser.add_argument("--child", choices=(*FIRST_CASES, "sweep", "packed", "decode", "decode-warm"))
+    parser.add_argument("--bytecode-as-found", action="store_true",
+                        help="no bytecode compiled first: the environment's own (or none)")
     args = parser.parse_args(argv)
     if args.child:
         child(args.child)
         return 0
-    run = measure(args.out)
+    run = measure(args.out, bytecode=not args.bytecode_as_found)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{SECTION}.json").write_text(json.dumps(run, indent=1))
     text = report(run)

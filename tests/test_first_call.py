@@ -59,6 +59,7 @@ def test_each_norm_and_the_triton_floor_get_processes_of_their_own(e2e_script, m
         return [{"op": case}] if case.startswith(("first", "floor")) else {}
 
     monkeypatch.setattr(first_call, "_spawn", spawn)
+    monkeypatch.setattr(first_call, "compile_bytecode", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "H200")
     run = first_call.measure(tmp_path)
     firsts = ["first", "first-rms_norm", "first-layer_norm", "first-softmax", "floor"]
@@ -67,3 +68,36 @@ def test_each_norm_and_the_triton_floor_get_processes_of_their_own(e2e_script, m
     assert [case for case, _ in pairs] == [case for case in firsts for _ in range(2)]
     caches = [cache for _, cache in pairs]
     assert caches[0::2] == caches[1::2] and len(set(caches)) == len(firsts)
+
+
+def test_bytecode_is_compiled_first_unless_asked_not_to(e2e_script, monkeypatch, tmp_path):
+    """By default Triton's and fk's bytecode is compiled before the first child starts (a measurement
+    as pip installs packages); `--bytecode-as-found` compiles none."""
+    import torch
+
+    first_call = e2e_script("first_call")
+    events = []
+    monkeypatch.setattr(first_call, "compile_bytecode", lambda: events.append("compiled"))
+    monkeypatch.setattr(first_call, "_spawn", lambda case, cache: events.append(case) or (
+        [] if case.startswith(("first", "floor")) else {}))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "H200")
+    run = first_call.measure(tmp_path)
+    assert events[0] == "compiled" and events.count("compiled") == 1 and run["meta"]["bytecode"] == "compiled first"
+    shown = {key: value for key, value in run.items() if not key.startswith("decode")}
+    assert "as `pip install` leaves them" in first_call.report(dict(shown, sweep=dict(fk=[1.0, 1.0], sdpa=[1.0, 1.0]),
+                                                                   packed=dict(fk=[1.0, 1.0])))
+    events.clear()
+    run = first_call.measure(tmp_path, bytecode=False)
+    assert "compiled" not in events and "--bytecode-as-found" in run["meta"]["command"]
+
+
+def test_bytecode_lands_in_the_package(e2e_script, monkeypatch, tmp_path):
+    """Each module's bytecode in its package's __pycache__, where Python reads it."""
+    first_call = e2e_script("first_call")
+    package = tmp_path / "probe_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first_call.compile_bytecode(packages=("probe_pkg",))
+    assert {p.name.split(".")[0] for p in (package / "__pycache__").glob("*.pyc")} == {"__init__", "mod"}

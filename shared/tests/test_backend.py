@@ -233,8 +233,9 @@ def test_a_compile_ahead_loads_what_it_compiled():
 
 def test_a_launch_that_compiled_runs_the_collector_once_its_burst_is_over(monkeypatch):
     """After a first launch slower than `COMPILED_LAUNCH_S` (it compiled, or waited for a compile
-    ahead) with no compile left in the pool, one full pass of Python's collector; none after a
-    fast launch, none while the pool still compiles, none where the collector is off."""
+    ahead: a kernel Triton's cache does not date) with no compile left in the pool, one full pass of
+    Python's collector; none after a fast launch, none while the pool still compiles, none where
+    the collector is off."""
     import gc
     import time
 
@@ -272,6 +273,67 @@ def test_a_launch_that_compiled_runs_the_collector_once_its_burst_is_over(monkey
     finally:
         gc.enable()
     assert passes == [2]
+
+
+def test_the_collector_follows_kernels_compiled_here_not_ones_loaded_from_an_earlier_process(monkeypatch, tmp_path):
+    """A slow first launch runs the collector only where a kernel was compiled in this process since
+    the last pass (its file in Triton's cache newer than fk's import), by this launch or ahead in
+    the pool; a kernel loaded from an earlier process's cache (an older file) takes none."""
+    import gc
+    import os
+    import time
+    import types
+
+    from fk_runtime import ahead, launch
+
+    monkeypatch.setattr(backend, "is_interpreter", lambda: False)
+    monkeypatch.setattr(launch, "_compiled_launcher", lambda compiled: False)
+    monkeypatch.setattr(ahead, "idle", lambda: True)
+    passes = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: passes.append(generation))
+    launch._COMPILED.clear()
+
+    def cached(name, age_s):
+        path = tmp_path / f"{name}.json"
+        path.write_text("{}")
+        stamp = launch._IMPORTED_AT + age_s
+        os.utime(path, (stamp, stamp))
+        return types.SimpleNamespace(metadata_group={f"{name}.cubin": str(tmp_path / "absent"),
+                                                     f"{name}.json": str(path)})
+
+    class Kernel:
+        def __init__(self, result):
+            self.result = result
+
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                time.sleep(2 * launch.COMPILED_LAUNCH_S)
+                return self.result
+            return run
+
+        def warmup(self, *args, **meta):
+            return self.result
+
+    def first_launch(result, in_pool=False):
+        run = launch.Launch.__new__(launch.Launch)  # (Launch() refuses a kernel the interpreter did not make)
+        run.kernel, run.grid, run.tail, run.meta, run.device = Kernel(result), (1, 1, 1), (), {}, None
+        if in_pool:
+            run._compile((1.0,))
+        else:
+            run._slow((1.0,))
+
+    first_launch(cached("loaded", -3600))
+    assert passes == []
+    first_launch(cached("compiled", 1))
+    assert passes == [2]
+    first_launch(cached("loaded", -3600))
+    assert passes == [2]
+    first_launch(cached("ahead", 1), in_pool=True)
+    assert passes == [2]
+    first_launch(cached("loaded", -3600))
+    assert passes == [2, 2]
+    first_launch(types.SimpleNamespace(metadata_group={"gone.json": str(tmp_path / "gone.json")}))
+    assert passes == [2, 2, 2]  # no file to read: the launch's time decides, as without a cache
 
 
 def test_the_pool_is_idle_once_its_compiles_end():

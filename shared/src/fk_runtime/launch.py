@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import os
 import threading
 import time
 import warnings
@@ -57,8 +58,8 @@ MAX_SPECIALIZATIONS = 16
 FP_FUSION = True
 # FK_PREWARM=0: no Triton cache key looked up or hashed at import, no compiles ahead (`ahead`).
 PREWARM_ENV = ahead.PREWARM_ENV
-# A first launch slower than this (s), its wait for a compile ahead included, compiled: Python's
-# collector runs after it where no compile is left (`_collect_after_compile`).
+# A first launch slower than this (s), its wait for a compile ahead included, runs Python's collector
+# where a kernel was compiled since the last pass and no compile is left (`_collect_after_compile`).
 COMPILED_LAUNCH_S = 0.05
 # Bound plans an op keeps (and the size of its plan functions' caches): a model uses a handful of
 # shapes; a sweep over thousands should not grow without bound.
@@ -370,7 +371,9 @@ class Launch:
         with self._on_device():
             bind_context(self.device)
             compiled = self.kernel[self.grid](*real, *self.tail, **self.meta)  # compiles on first use
-        if time.perf_counter() - began > COMPILED_LAUNCH_S and ahead.idle():
+        took = time.perf_counter() - began
+        _note_compile(compiled, took)
+        if took > COMPILED_LAUNCH_S and _COMPILED.is_set() and ahead.idle():
             _collect_after_compile()
         if backend.is_interpreter() or not _compiled_launcher(compiled):
             return
@@ -397,17 +400,48 @@ class Launch:
         """Compile what `real` (the head) would launch and load it, without launching (a pool
         thread): loading builds Triton 3.6's launcher for the kernel's signature, a C compile of
         0.2-0.5 s that the first launch would otherwise wait for."""
+        began = time.perf_counter()
         with self._on_device():
             bind_context(self.device)
             compiled = self.kernel.warmup(*real, *self.tail, grid=self.grid, **self.meta)
             load = getattr(compiled, "_init_handles", None)  # (an autotuner's warm-up returns a list)
             if load is not None:
                 load()
+        _note_compile(compiled, time.perf_counter() - began)
 
     def _on_device(self):
         if self.device is None or backend.is_interpreter() or _current_device() == self.device:
             return contextlib.nullcontext()
         return torch.cuda.device(self.device)
+
+
+# Wall-clock time of this module's import: a kernel whose file in Triton's cache is newer was compiled
+# in this process's lifetime, not loaded from an earlier process's cache.
+_IMPORTED_AT = time.time()
+# Set once a kernel was compiled since the collector's last pass after compiles (`_collect_after_compile`).
+_COMPILED = threading.Event()
+
+
+def _compiled_here(compiled) -> bool | None:
+    """Whether Triton compiled `compiled` (what a launch or warm-up returned) since this process
+    imported fk: its metadata file in Triton's cache is newer. None where that file is unknown."""
+    group = getattr(compiled, "metadata_group", None)
+    if not isinstance(group, dict):
+        return None
+    try:
+        path = next(p for name, p in group.items() if str(name).endswith(".json"))
+        return os.stat(path).st_mtime >= _IMPORTED_AT
+    except (StopIteration, OSError, TypeError, ValueError):
+        return None
+
+
+def _note_compile(compiled, seconds: float) -> None:
+    """Mark a compile (`_COMPILED`) where `compiled`, returned after `seconds`, was compiled in this
+    process (`_compiled_here`; where unknown, where it took over COMPILED_LAUNCH_S). A kernel loaded
+    from an earlier process's cache is not one: a warm process's first calls take no pass."""
+    fresh = _compiled_here(compiled)
+    if fresh if fresh is not None else seconds > COMPILED_LAUNCH_S:
+        _COMPILED.set()
 
 
 def _collect_after_compile() -> None:
@@ -417,6 +451,7 @@ def _collect_after_compile() -> None:
     them the collector: H200, Triton 3.6, `e2e/first_call.py`). Here it costs a call that waited
     for compiles anyway (about 0.1 s in a cold process; shared/TUNING.md). Not where the collector
     is off, nor on the interpreter (every launch is slow there)."""
+    _COMPILED.clear()
     if gc.isenabled() and not backend.is_interpreter():
         gc.collect()
 
