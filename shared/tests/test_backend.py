@@ -200,13 +200,20 @@ def test_compile_ahead_is_off_on_the_interpreter_and_with_fk_prewarm_0(monkeypat
     assert not ahead.useful(torch.zeros(1))
 
 
+def _bare_launch(kernel, grid=(1, 1, 1), tail=(), meta=None):
+    """A Launch of a stand-in `kernel` (Launch() refuses a kernel the interpreter did not make)."""
+    from fk_runtime import launch
+
+    run = launch.Launch.__new__(launch.Launch)
+    run.kernel, run.grid, run.tail, run.meta, run.device = kernel, grid, tail, meta or {}, None
+    return run
+
+
 def test_a_compile_ahead_loads_what_it_compiled():
     """The pool's compile also loads the kernel (`CompiledKernel._init_handles`, where Triton 3.6
     builds the launcher for its signature with a C compiler), so its first launch waits for
     neither; an autotuner's warm-up (a list) is left alone."""
     import triton.compiler.compiler
-
-    from fk_runtime import launch
 
     assert callable(getattr(triton.compiler.compiler.CompiledKernel, "_init_handles", None))
     loaded, warmed = [], []
@@ -224,9 +231,7 @@ def test_a_compile_ahead_loads_what_it_compiled():
             return self.result
 
     for result in (Compiled(), [Compiled()]):
-        run = launch.Launch.__new__(launch.Launch)  # (Launch() refuses a kernel the interpreter did not make)
-        run.kernel, run.grid, run.tail, run.meta, run.device = Kernel(result), (3, 1, 1), (7,), {"BLOCK": 4}, None
-        run._compile((5,))
+        _bare_launch(Kernel(result), (3, 1, 1), (7,), {"BLOCK": 4})._compile((5,))
     assert warmed == [((5, 7), (3, 1, 1), {"BLOCK": 4})] * 2
     assert loaded == [True]
 
@@ -254,9 +259,7 @@ def test_a_launch_that_compiled_runs_the_collector_once_its_burst_is_over(monkey
             return lambda *args, **meta: time.sleep(self.seconds)
 
     def launched(seconds):
-        run = launch.Launch.__new__(launch.Launch)  # (Launch() refuses a kernel the interpreter did not make)
-        run.kernel, run.grid, run.tail, run.meta, run.device = Kernel(seconds), (1, 1, 1), (), {}, None
-        run._slow((1.0,))
+        _bare_launch(Kernel(seconds))._slow((1.0,))
 
     slow = 2 * launch.COMPILED_LAUNCH_S
     launched(0)
@@ -315,8 +318,7 @@ def test_the_collector_follows_kernels_compiled_here_not_ones_loaded_from_an_ear
             return self.result
 
     def first_launch(result, in_pool=False):
-        run = launch.Launch.__new__(launch.Launch)  # (Launch() refuses a kernel the interpreter did not make)
-        run.kernel, run.grid, run.tail, run.meta, run.device = Kernel(result), (1, 1, 1), (), {}, None
+        run = _bare_launch(Kernel(result))
         if in_pool:
             run._compile((1.0,))
         else:

@@ -440,7 +440,7 @@ def _note_compile(compiled, seconds: float) -> None:
     process (`_compiled_here`; where unknown, where it took over COMPILED_LAUNCH_S). A kernel loaded
     from an earlier process's cache is not one: a warm process's first calls take no pass."""
     fresh = _compiled_here(compiled)
-    if fresh if fresh is not None else seconds > COMPILED_LAUNCH_S:
+    if fresh or (fresh is None and seconds > COMPILED_LAUNCH_S):
         _COMPILED.set()
 
 
