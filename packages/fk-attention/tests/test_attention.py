@@ -323,6 +323,11 @@ HOPPER_CASES = [
     ((1, 2, 2, 300, 700, 72), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 128), fk_mask.CAUSAL),
     ((1, 2, 1, 4096, 4096, 128), fk_mask.CAUSAL),
 ]
+# The 5-matmul backward's d64 build too (switched on for its test: `config.GLUON_FUSED_HEAD_DIMS`).
+FUSED_CASES = HOPPER_CASES + [
+    ((2, 4, 2, 1000, 1000, 64), fk_mask.FULL), ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL),
+    ((1, 4, 1, 333, 1025, 40), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 64), fk_mask.CAUSAL),
+]
 
 
 @pytest.fixture
@@ -491,7 +496,7 @@ def test_hopper_backward_leaves_unaligned_bases_to_tl(monkeypatch, switch):
 @pytest.mark.parametrize("grad_lse", [False, True], ids=["", "grad_lse"])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape,mask", HOPPER_CASES, ids=str)
+@pytest.mark.parametrize("shape,mask", FUSED_CASES, ids=str)
 def test_hopper_5_matmul_backward_matches_the_tl_kernels_and_float64(monkeypatch, switch, shape, mask, dtype,
                                                                      layout, grad_lse):
     """dQ, dK, dV of the 5-matmul backward (dQ by TMA reduce-adds) against float64, within the tl
@@ -499,6 +504,7 @@ def test_hopper_5_matmul_backward_matches_the_tl_kernels_and_float64(monkeypatch
     not under torch's deterministic algorithms nor for a mask asking for determinism (the 7-matmul
     pair then, bit for bit on reruns)."""
     switch("GLUON_FUSED_DQ", True)
+    switch("GLUON_FUSED_HEAD_DIMS", (64, 128))
     ran = _hopper_launches(monkeypatch, "bind_backward")
     q, k, v = make(shape, dtype, layout=layout, requires_grad=False)
     scale = 1 / math.sqrt(shape[-1])
@@ -744,7 +750,7 @@ def test_backward_is_deterministic():
 def test_deterministic_reaches_the_backward_and_keys_the_call(monkeypatch):
     """`deterministic=True` (attention's and flash_attn's) rides in the Mask the backward binds for,
     and a call without it binds apart (the quiet key holds it): the 5-matmul backward, not
-    deterministic, is then never bound (`hopper.fused_dq_built`)."""
+    deterministic, is then never bound (`hopper.fused_serves`)."""
     from fk_attention import flash_attn as fa
 
     seen = []
@@ -765,8 +771,11 @@ def test_deterministic_reaches_the_backward_and_keys_the_call(monkeypatch):
     out = fa.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, deterministic=True)
     torch.autograd.grad(out, (q, k, v), g.transpose(1, 2))
     assert seen[-1] is True
-    assert not hopper.fused_dq_built(fk_mask.Mask(right=0, deterministic=True))
-    assert hopper.fused_dq_built(fk_mask.CAUSAL) == (hopper.tma_reduce_add is not None and fk_config.GLUON_FUSED_DQ)
+    q16 = testing.randn((1, 2, 64, 128), torch.bfloat16)
+    assert not hopper.fused_serves(q16, q16, q16, fk_mask.Mask(right=0, deterministic=True))
+    on_hopper = testing.on_gpu() and torch.cuda.get_device_capability()[0] == 9
+    assert hopper.fused_serves(q16, q16, q16, fk_mask.CAUSAL) == (
+        on_hopper and hopper.tma_reduce_add is not None and fk_config.GLUON_FUSED_DQ)
     with pytest.raises(TypeError, match="deterministic"):
         attention(q, k, v, deterministic=1)
 

@@ -53,9 +53,27 @@ from fk_attention.mask import CAUSAL, FULL, Mask  # noqa: E402
 B, H, N, D = 1, 2, 512, 128
 
 
-def descriptor(t: torch.Tensor, rows: int):
-    return Descriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, D],
-                      layout=hopper.shared_layout(rows, D, t.dtype)).real()
+def descriptor(t: torch.Tensor, rows: int, layout=None):
+    d = t.shape[-1]
+    return Descriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d],
+                      layout=layout or hopper.shared_layout(rows, d, t.dtype)).real()
+
+
+def fused_backward(d: int, causal: bool, **builds):
+    """The 5-matmul backward at padded head dim d, its tiles as `hopper.bind_backward` lays them out."""
+    q = torch.empty(B, H, N, d, dtype=torch.bfloat16)
+    rows = torch.empty(B, H, N)
+    kv = hopper.fused_kv_layout(d, q.dtype)
+    tiles = [descriptor(q, r, layout) for r, layout in (
+        (fk_config.GLUON_Q_ROWS, None), (fk_config.GLUON_KEYS, kv), (fk_config.GLUON_KEYS, kv),
+        (fk_config.GLUON_Q_ROWS, None), (fk_config.GLUON_KEYS, kv), (fk_config.GLUON_KEYS, kv))]
+    dq_sum = torch.empty(B, H, N, d)
+    dq = Descriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, fk_config.GLUON_Q_ROWS, d // 2],
+                    layout=hopper.shared_layout(fk_config.GLUON_Q_ROWS, d // 2, torch.float32)).real()
+    return hopper.attn_bwd_hopper_kernel.warmup(
+        *tiles, dq, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N, CAUSAL=causal, HEAD_DIM=d,
+        STAGES=fk_config.GLUON_BWD_STAGES, CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS,
+        PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,), **builds)
 
 
 def usage(compiled) -> str:
@@ -96,13 +114,8 @@ def main() -> None:
         dkdv = hopper.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N,
                                                          CAUSAL=causal, STAGES=fk_config.GLUON_BWD_STAGES, **common)
         kernels = [("forward", fwd), ("dK/dV", dkdv)]
-        if hopper.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8)
-            dq_sum = torch.empty(B, H, N, D)
-            dq = Descriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, fk_config.GLUON_Q_ROWS, D // 2],
-                            layout=hopper.shared_layout(fk_config.GLUON_Q_ROWS, D // 2, torch.float32)).real()
-            kernels.append(("5-matmul backward", hopper.attn_bwd_hopper_kernel.warmup(
-                *bwd, dq, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N, CAUSAL=causal,
-                STAGES=fk_config.GLUON_BWD_STAGES, **common)))
+        if hopper.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8), its head dims
+            kernels += [(f"5-matmul backward d{d}", fused_backward(d, causal)) for d in (64, 128)]  # d64: off, tested
         for name, compiled in kernels:
             print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")
 

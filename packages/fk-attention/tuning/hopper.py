@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from fk_attention import attention, hopper
-from fk_attention import plan
+from fk_attention import config as fk_config, plan
 from fk_attention import mask as fk_mask
 
 SHAPES = [(4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (1, 16, 16384, 128, False),
@@ -44,12 +44,13 @@ def kernel_ms(fn, calls: int = 5) -> str:
 
 def tl_only(fn):
     """fn's result with the Gluon kernels off (the tl plan, tuned once)."""
-    head_dims, hopper.GLUON_HEAD_DIMS = hopper.GLUON_HEAD_DIMS, ()  # what hopper.serves reads
+    head_dims, hopper.GLUON_HEAD_DIMS = hopper.GLUON_HEAD_DIMS, ()  # what hopper.serves and takes read
+    fused, fk_config.GLUON_FUSED_HEAD_DIMS = fk_config.GLUON_FUSED_HEAD_DIMS, ()  # and fused_serves
     plan.BOUND.clear()
     try:
         return fn()
     finally:
-        hopper.GLUON_HEAD_DIMS = head_dims
+        hopper.GLUON_HEAD_DIMS, fk_config.GLUON_FUSED_HEAD_DIMS = head_dims, fused
         plan.BOUND.clear()
 
 

@@ -20,11 +20,12 @@ dim over all the program's keys and adds it into an fp32 sum with a TMA reduce-a
 
 Taken for what they were built and measured on (TUNING.md: Hopper forward, Hopper backward): an
 H100-class GPU (compute capability 9.x), the Triton versions in `fk_runtime.gluon.VERSIONS` (whose
-names for Gluon's API the kernels use), fp16/bf16, head dims
-padded to HEAD_DIMS, full or causal masks (either alignment), no softcap, dense (B, H, N, D)
-tensors whose strides a TMA descriptor takes and whose bases are aligned (checked per call); the
-forward only for a positive scale. Everything else, and any Triton where Gluon or this API is
-missing, runs the `tl` kernels (`kernels.py`), which stay the reference the GPU tests compare with.
+names for Gluon's API the kernels use), fp16/bf16, head dims padded to `config.GLUON_HEAD_DIMS` (the
+5-matmul backward: `GLUON_FUSED_HEAD_DIMS`), full or causal masks (either alignment), no softcap,
+dense (B, H, N, D) tensors whose strides a TMA descriptor takes and whose bases are aligned (checked
+per call); the forward only for a positive scale. Everything else, and any Triton where Gluon or
+this API is missing, runs the `tl` kernels (`kernels.py`), which stay the reference the GPU tests
+compare with.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float
 LOG2E = 1.4426950408889634
 
 
-def _on_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    return (q.dtype in DTYPES and padded_head_dim(q.shape[-1]) in GLUON_HEAD_DIMS and fk_gluon.supported()
+def _on_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: tuple) -> bool:
+    return (q.dtype in DTYPES and padded_head_dim(q.shape[-1]) in head_dims and fk_gluon.supported()
             and descriptors_may_serve(q.device, (q, k, v))
             and torch.cuda.get_device_capability(q.device)[0] == 9)
 
@@ -57,14 +58,14 @@ def _on_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
     """Whether dense attention of these tensors runs here, forward and dK/dV (bases are checked per
     call): full or causal masks."""
-    return mask.full_or_causal and _on_hopper(q, k, v)
+    return mask.full_or_causal and _on_hopper(q, k, v, GLUON_HEAD_DIMS)
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> bool:
     """Whether the forward of these tensors runs here: the row max is taken on unscaled scores, so
     the scale must be positive; windows and softcaps too on the releases in `config.GLUON_FORWARD_MASKS`."""
     return sm_scale > 0 and (mask.full_or_causal or backend.triton_release() in config.GLUON_FORWARD_MASKS) \
-        and _on_hopper(q, k, v)
+        and _on_hopper(q, k, v, GLUON_HEAD_DIMS)
 
 
 def forward_mask_args(mask: Mask, sm_scale: float) -> tuple[dict, tuple]:
@@ -78,11 +79,13 @@ def forward_mask_args(mask: Mask, sm_scale: float) -> tuple[dict, tuple]:
     return {"SEEN": seen, "SOFTCAP": False}, (sm_scale * LOG2E, 1.0, left, right)
 
 
-def fused_dq_built(mask: Mask) -> bool:
-    """Whether the backward binds the 5-matmul kernel where dK/dV serves: switched on in config (read
-    at bind time, so that a variant may set it), a Triton with TMA reduce-adds, no determinism asked
-    for by the call. A call takes it only while torch's deterministic algorithms are off."""
-    return config.GLUON_FUSED_DQ and tma_reduce_add is not None and not mask.deterministic
+def fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
+    """Whether the backward binds the 5-matmul kernel (bases are checked per call): full or causal
+    masks, its own head dims, switched on in config (both read at bind time, so that a variant may
+    set them), a Triton with TMA reduce-adds, no determinism asked for by the call. A call takes it
+    only while torch's deterministic algorithms are off."""
+    return (mask.full_or_causal and config.GLUON_FUSED_DQ and tma_reduce_add is not None and not mask.deterministic
+            and _on_hopper(q, k, v, config.GLUON_FUSED_HEAD_DIMS))
 
 
 if gluon is not None:
@@ -449,7 +452,9 @@ if gluon is not None:
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         dtype: gl.constexpr = q_smem.dtype
         tile_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], dtype)
-        kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_DIM], dtype)
+        # K's swizzle as its descriptor has it (`fused_kv_layout`: dQ reads half of each row)
+        kv_2d: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=k_smem.layout.swizzle_byte_width,
+                                                   element_bitwidth=k_smem.layout.element_bitwidth)
         dq_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, DQ_COLS], gl.float32)
         k_tile = k_smem.index(HALF)
         v_tile = v_smem.index(HALF)
@@ -549,10 +554,19 @@ def shared_layout(rows: int, cols: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, cols], GL_DTYPES[dtype])
 
 
-def _descriptors(tensors, rows, padded: int, dtype: torch.dtype) -> list:
-    """(shape, strides, block, layout) of each tensor's TMA descriptor, tiles of `rows` rows."""
-    return [(list(t.shape), descriptor_strides(t), [1, 1, r, padded], shared_layout(r, padded, dtype))
-            for t, r in zip(tensors, rows, strict=True)]
+def fused_kv_layout(padded: int, dtype: torch.dtype):
+    """K's, V's, dK's and dV's tiles in the 5-matmul backward: dQ's matmuls read half of each K row,
+    which must start a swizzle atom (64-byte swizzle at d64, the default 128 from d128)."""
+    width = min(128, padded * dtype.itemsize // 2)
+    return gl.NVMMASharedLayout(swizzle_byte_width=width, element_bitwidth=8 * dtype.itemsize, rank=4)
+
+
+def _descriptors(tensors, rows, padded: int, dtype: torch.dtype, layouts=None) -> list:
+    """(shape, strides, block, layout) of each tensor's TMA descriptor, tiles of `rows` rows, in
+    `layouts` where given (else the default for the tile)."""
+    layouts = layouts or [None] * len(tensors)
+    return [(list(t.shape), descriptor_strides(t), [1, 1, r, padded], layout or shared_layout(r, padded, dtype))
+            for t, r, layout in zip(tensors, rows, layouts, strict=True)]
 
 
 def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float):
@@ -584,7 +598,7 @@ def bind_dkdv(q, k, v, grad_out, dk, dv, scratch_strides: tuple[int, int], mask:
     dQ kernel's scratch rows, (B, H, N) with strides (*scratch_strides, 1); the caller checks
     `bases_aligned` per call."""
     launch, descriptors = _bwd_launch(attn_bwd_dkdv_hopper_kernel, (q, k, v, grad_out, dk, dv), scratch_strides,
-                                      mask, sm_scale)
+                                      mask, sm_scale, None)
 
     def run(q, k, v, grad_out, lse2, delta, dk, dv):
         launch(*descriptors(q, k, v, grad_out, dk, dv), lse2, delta)
@@ -592,16 +606,16 @@ def bind_dkdv(q, k, v, grad_out, dk, dv, scratch_strides: tuple[int, int], mask:
     return run
 
 
-def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, sm_scale: float):
+def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, sm_scale: float, kv_layout):
     """(launch, descriptors) of a backward kernel over keys (the dK/dV kernel, the 5-matmul one): its
-    grid, arguments and tiles, and descriptors(q, k, v, grad_out, dk, dv) giving their per-call TMA
-    descriptors."""
+    grid, arguments and tiles (K, V, dK, dV in `kv_layout` where given), and descriptors(q, k, v,
+    grad_out, dk, dv) giving their per-call TMA descriptors."""
     q, k = tensors[:2]
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
     layouts = _descriptors(tensors, (GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS, GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS),
-                           padded, q.dtype)
+                           padded, q.dtype, (None, kv_layout, kv_layout, None, kv_layout, kv_layout))
     launch = Launch(kernel, (sizing.cdiv(n_k, 2 * GLUON_KEYS) * b * hk,),
                     (sm_scale * LOG2E, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q),
                      *scratch_strides),
@@ -619,10 +633,9 @@ def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, s
 def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[int, int],
                   scratch_strides: tuple[int, int], mask: Mask, sm_scale: float):
     """launch(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, dk, dv) of the 5-matmul backward
-    (`fused_dq_built`, and `serves` as for `bind_dkdv`): the prep kernel's row terms and cleared fp32
-    dQ sum, the Gluon kernel, then dQ cast into `dq`. `dlse` None: no gradient reaches the lse (any
-    tensor may stand in per call); delta and lse2 as `bind_dkdv` takes them; the caller checks
-    `bases_aligned` per call."""
+    (`fused_serves`): the prep kernel's row terms and cleared fp32 dQ sum, the Gluon kernel, then dQ
+    cast into `dq`. `dlse` None: no gradient reaches the lse (any tensor may stand in per call);
+    delta and lse2 as `bind_dkdv` takes them; the caller checks `bases_aligned` per call."""
     b, hq, n_q, d = q.shape
     padded = padded_head_dim(d)
     has_dlse = dlse is not None
@@ -632,7 +645,7 @@ def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[i
                   {"HAS_DLSE": has_dlse, "HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_M": PREP_ROWS,
                    "num_warps": 4}, q.device)
     launch, descriptors = _bwd_launch(attn_bwd_hopper_kernel, (q, k, v, grad_out, dk, dv), scratch_strides,
-                                      mask, sm_scale)
+                                      mask, sm_scale, fused_kv_layout(padded, q.dtype))
     dq_shape = [b, hq, n_q, padded]
     # each consumer adds its half of the head dim
     dq_layout = (dq_shape, [hq * n_q * padded, n_q * padded, padded, 1], [1, 1, GLUON_Q_ROWS, padded // 2],

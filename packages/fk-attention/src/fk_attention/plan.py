@@ -600,13 +600,13 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
     # Packed rows past the last sequence: gradient 0 (their outputs are 0 whatever their inputs).
     tails = (_tail_fill(device, b, totals[0], (shapes[0], 0.0)),
              _tail_fill(device, b, totals[1], (shapes[1], 0.0), (shapes[2], 0.0))) if varlen else None
-    # dK/dV in Gluon on Hopper where it serves (hopper.py), or there the 5-matmul backward where it is
-    # built; forced configs or TMA choices run tl.
+    # dK/dV in Gluon on Hopper where it serves (hopper.py), the 5-matmul backward where that serves;
+    # forced configs or TMA choices run tl.
     gluon = fused = None
-    if not varlen and not forced and alibi is None and not dropout and hopper.serves(q_, k_, v_, mask) \
-            and descriptors_may_serve(device, (go_, dk, dv)):
-        gluon = hopper.bind_dkdv(q_, k_, v_, go_, dk, dv, scratch_strides, mask, sm_scale)
-        if hopper.fused_dq_built(mask):
+    if not varlen and not forced and alibi is None and not dropout and descriptors_may_serve(device, (go_, dk, dv)):
+        if hopper.serves(q_, k_, v_, mask):
+            gluon = hopper.bind_dkdv(q_, k_, v_, go_, dk, dv, scratch_strides, mask, sm_scale)
+        if hopper.fused_serves(q_, k_, v_, mask):
             fused = hopper.bind_backward(q_, k_, v_, out_, go_, dlse_ if has_dlse else None, dq, dk, dv,
                                          lse_strides, scratch_strides, mask, sm_scale)
 
@@ -625,13 +625,13 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
         cu_k = lse if cu_k is None else cu_k
         alibi = lse if alibi is None else alibi
         drop = (lse if seed is None else seed, float(dropout_p))
-        aligned = gluon is not None and bases_aligned((q, k, v, grad_out, dk, dv))
+        aligned = (gluon is not None or fused is not None) and bases_aligned((q, k, v, grad_out, dk, dv))
         if fused is not None and aligned and not torch.are_deterministic_algorithms_enabled():
             fused(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, dk, dv)
             return grads
         dq_kernel(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, cu_q, cu_k, alibi, *drop)
         # dK/dV reads the delta and base-2 lse the dQ kernel wrote (same stream, in order).
-        if aligned:
+        if aligned and gluon is not None:
             gluon(q, k, v, grad_out, lse2, delta, dk, dv)
         else:
             dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k, alibi, *drop)
