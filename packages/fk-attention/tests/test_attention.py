@@ -323,7 +323,7 @@ HOPPER_CASES = [
     ((1, 2, 2, 300, 700, 72), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 128), fk_mask.CAUSAL),
     ((1, 2, 1, 4096, 4096, 128), fk_mask.CAUSAL),
 ]
-# The 5-matmul backward's d64 build too (switched on for its test: `config.GLUON_FUSED_HEAD_DIMS`).
+# The 5-matmul backward's d64 build too (`config.GLUON_FUSED_HEAD_DIMS`).
 FUSED_CASES = HOPPER_CASES + [
     ((2, 4, 2, 1000, 1000, 64), fk_mask.FULL), ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL),
     ((1, 4, 1, 333, 1025, 40), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 64), fk_mask.CAUSAL),
@@ -504,7 +504,6 @@ def test_hopper_5_matmul_backward_matches_the_tl_kernels_and_float64(monkeypatch
     not under torch's deterministic algorithms nor for a mask asking for determinism (the 7-matmul
     pair then, bit for bit on reruns)."""
     switch("GLUON_FUSED_DQ", True)
-    switch("GLUON_FUSED_HEAD_DIMS", (64, 128))
     ran = _hopper_launches(monkeypatch, "bind_backward")
     q, k, v = make(shape, dtype, layout=layout, requires_grad=False)
     scale = 1 / math.sqrt(shape[-1])
@@ -641,6 +640,7 @@ def test_autotuned_launch_runs_every_candidate(monkeypatch, tmp_path):
 
         monkeypatch.setattr(plan, "autotuned", with_fake_timer)
     monkeypatch.setattr(plan, "should_autotune", lambda *args: True)
+    monkeypatch.setattr(fk_config, "GLUON_FUSED_HEAD_DIMS", ())  # the tl backward, not Hopper's 5-matmul one
     dtype = torch.float16
     inputs = make((1, 2, 1, 150, 130, 40), dtype)
     check(lambda q, k, v: attention(q, k, v, causal=True), inputs, dtype, True)

@@ -59,6 +59,12 @@ def descriptor(t: torch.Tensor, rows: int, layout=None):
                       layout=layout or hopper.shared_layout(rows, d, t.dtype)).real()
 
 
+def row_terms(rows: torch.Tensor):
+    """lse2's and delta's descriptor as the backward kernels take them (`hopper.STATS_LAYOUT`)."""
+    return Descriptor(rows, list(rows.shape), list(rows.stride()), [1, 1, fk_config.GLUON_Q_ROWS],
+                      layout=hopper.STATS_LAYOUT).real()
+
+
 def fused_backward(d: int, causal: bool, **builds):
     """The 5-matmul backward at padded head dim d, its tiles as `hopper.bind_backward` lays them out."""
     q = torch.empty(B, H, N, d, dtype=torch.bfloat16)
@@ -71,7 +77,7 @@ def fused_backward(d: int, causal: bool, **builds):
     dq = Descriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, fk_config.GLUON_Q_ROWS, d // 2],
                     layout=hopper.shared_layout(fk_config.GLUON_Q_ROWS, d // 2, torch.float32)).real()
     return hopper.attn_bwd_hopper_kernel.warmup(
-        *tiles, dq, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N, CAUSAL=causal, HEAD_DIM=d,
+        *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, 0, CAUSAL=causal, HEAD_DIM=d,
         STAGES=fk_config.GLUON_BWD_STAGES, CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS,
         PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,), **builds)
 
@@ -111,11 +117,11 @@ def main() -> None:
         fwd = forward(CAUSAL if causal else FULL)
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]
-        dkdv = hopper.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, rows, rows, 0.1, 0.1, N, N, H, 1, 0, H * N, N,
-                                                         CAUSAL=causal, STAGES=fk_config.GLUON_BWD_STAGES, **common)
+        dkdv = hopper.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1,
+                                                         0, CAUSAL=causal, STAGES=fk_config.GLUON_BWD_STAGES, **common)
         kernels = [("forward", fwd), ("dK/dV", dkdv)]
         if hopper.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8), its head dims
-            kernels += [(f"5-matmul backward d{d}", fused_backward(d, causal)) for d in (64, 128)]  # d64: off, tested
+            kernels += [(f"5-matmul backward d{d}", fused_backward(d, causal)) for d in (64, 128)]
         for name, compiled in kernels:
             print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")
 

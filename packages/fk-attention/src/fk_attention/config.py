@@ -364,9 +364,9 @@ GLUON_BWD_STAGES = 2
 # (TUNING.md: Hopper backward). Never taken for a call asking for determinism (`deterministic=True`,
 # torch.use_deterministic_algorithms(True)).
 GLUON_FUSED_DQ = True
-# Padded head dims the 5-matmul backward takes (its own gate beside GLUON_HEAD_DIMS): its d64 build
-# is correct, but the 7-matmul tl pair ran in 0.90-0.96x its time up to N 4096 (TUNING.md).
-GLUON_FUSED_HEAD_DIMS = (128,)
+# Padded head dims the 5-matmul backward takes (its own gate beside GLUON_HEAD_DIMS): at d64 it ran
+# in 0.92-0.99x the time of the tl pair that d64 had before (TUNING.md: Its head dims).
+GLUON_FUSED_HEAD_DIMS = (64, 128)
 # Rows per program of the tl kernel that writes its row terms and clears the dQ buffer.
 PREP_ROWS = 64
 

@@ -11,7 +11,7 @@ fewer key/value heads; any head dim up to 256 (fk masks the padding inside, as F
 pads); `alibi_slopes` ((nheads,) or (batch, nheads) fp32) added as FlashAttention adds them,
 -slope * |i + seqlen_k - seqlen_q - j| on the scaled scores. `deterministic=True` as
 FlashAttention's: the backward gives the same bits on every run (fk's default one does too but for
-the dense calls' 5-matmul backward on Hopper, Triton >= 3.8, head dims 72-128); fk picks its own key
+the dense calls' 5-matmul backward on Hopper, Triton >= 3.8, head dims 33-128); fk picks its own key
 slicing (`num_splits` changes nothing).
 
 `cache_leftpad` as FlashAttention's (dense and paged caches). `dropout_p` > 0: attention dropout

@@ -11,8 +11,9 @@ consumers (`setmaxnreg`).
 
 The backward's dK/dV kernel has the same shape: two consumer warpgroups of 64 keys each keep their
 K, V and dK, dV accumulators while a producer warp streams Q and dO blocks of every query head of
-the group. dQ (and the row terms delta and the base-2 lse that dK/dV reads) stays with the tl
-kernel (`kernels.attn_bwd_dq_kernel`), which runs first: 7 matmuls per block pair, deterministic.
+the group, each with its rows' lse2 and delta. dQ (and those row terms, delta and the base-2 lse)
+stays with the tl kernel (`kernels.attn_bwd_dq_kernel`), which runs first: 7 matmuls per block
+pair, deterministic.
 The 5-matmul backward (Triton >= 3.8, `config.GLUON_FUSED_DQ`) adds dQ = dS K to that kernel's
 consumers, FlashAttention-3's way: both warpgroups' dS in shared memory, each forms half the head
 dim over all the program's keys and adds it into an fp32 sum with a TMA reduce-add
@@ -278,10 +279,11 @@ if gluon is not None:
 if gluon is not None:
 
     @gluon.jit
-    def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
-                       b, hk, start_n, group, first_block, n_blocks, Q_ROWS: gl.constexpr, KEYS: gl.constexpr,
-                       STAGES: gl.constexpr):
-        """K and V of the program's keys once, then (Q, dO) blocks into the ring as stages free up."""
+    def _dkdv_producer(q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
+                       delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
+                       n_blocks, Q_ROWS: gl.constexpr, KEYS: gl.constexpr, STAGES: gl.constexpr):
+        """K and V of the program's keys once, then (Q, dO) blocks with their rows' lse2 and delta into
+        the ring as stages free up (as FlashAttention-3: the consumers then hold no global loads)."""
         mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         for i in gl.static_range(2):
             tma_load(k_desc, [b, hk, start_n + i * KEYS, 0], kv_bar, k_smem.index(i))
@@ -293,7 +295,10 @@ if gluon is not None:
             m0 = (first_block + step % per_head) * Q_ROWS
             mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1, pred=step >= STAGES)
             bar = ready.index(stage)
-            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse2_desc.block_type.nbytes
+                            + delta_desc.block_type.nbytes)
+            tma_load(lse2_desc, [b, h, m0], bar, lse2_smem.index(stage))
+            tma_load(delta_desc, [b, h, m0], bar, delta_smem.index(stage))
             tma_load(q_desc, [b, h, m0, 0], bar, q_smem.index(stage))
             tma_load(do_desc, [b, h, m0, 0], bar, do_smem.index(stage))
 
@@ -325,22 +330,24 @@ if gluon is not None:
         store_wait(0)
 
     @gluon.jit
-    def _bwd_step(k, v, q_smem, do_smem, ready, lse2_ptr, delta_ptr, stats, keys, rows, m0, full_from, shift,
-                  qk_scale, stage, step, s_zero, dv, op_layout: gl.constexpr, tile_2d: gl.constexpr,
-                  CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    def _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, rows, m0, full_from, shift, qk_scale,
+                  stage, step, s_zero, dv, op_layout: gl.constexpr, tile_2d: gl.constexpr, CAUSAL: gl.constexpr,
+                  Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
         """One (Q, dO) block of a backward consumer over keys (transposed, keys as rows): S^T = K Q^T
         and dP^T = V dO^T issued together, P^T from the saved base-2 log-sum-exp, dV += P^T dO issued;
         (Q, dV, P^T as the operand that matmul reads, dS^T = P^T (dP^T - delta) in fp32)."""
         dtype: gl.constexpr = q_smem.dtype
         # past n_q: Q = dO = 0 (TMA zero fill) and the row terms' padding (lse2 +inf, delta 0, to
-        # kernels.STATS_ALIGN rows) weighs them 0; unmasked, the loads stay vectorized (no spill)
-        lse2 = gl.load(lse2_ptr + stats)
-        delta = gl.load(delta_ptr + stats)
+        # kernels.STATS_ALIGN rows) weighs them 0
         mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
         q = reinterpret(q_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
         do = reinterpret(do_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
         st = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        row_terms: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
+        lse2 = reinterpret(lse2_smem.index(stage), gl.float32, [Q_ROWS], flat).load(row_terms)
+        delta = reinterpret(delta_smem.index(stage), gl.float32, [Q_ROWS], flat).load(row_terms)
         st = warpgroup_mma_wait(1, deps=[st])
         zt = st * qk_scale - gl.expand_dims(lse2, 0)
         if CAUSAL:
@@ -353,10 +360,10 @@ if gluon is not None:
         return q, dv, pt_op, pt * (dpt - gl.expand_dims(delta, 0))
 
     @gluon.jit
-    def _dkdv_consumer(dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, lse2_ptr,
-                       delta_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group, first_block, n_blocks,
-                       ssb, ssh, HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
-                       KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    def _dkdv_consumer(dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, kv_bar, ready,
+                       empty, qk_scale, sm_scale, shift, b, hk, start_n, group, first_block, n_blocks,
+                       HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KEYS: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
         """One warpgroup's KEYS keys, transposed (keys as rows): S^T = K Q^T and dP^T = V dO^T issued
         together; P^T from the saved base-2 log-sum-exp, dV += P^T dO while dS^T = P^T (dP^T - delta)
         is formed, then dK += dS^T Q. dK (times the scale) and dV leave through K's and V's buffers."""
@@ -383,11 +390,8 @@ if gluon is not None:
         mbarrier.wait(kv_bar, 0)
         for step in range(group * per_head):
             stage = step % STAGES
-            h = hk * group + step // per_head
             m0 = (first_block + step % per_head) * Q_ROWS
-            rows = m0 + cols
-            stats = b.to(gl.int64) * ssb + h.to(gl.int64) * ssh + rows
-            q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, ready, lse2_ptr, delta_ptr, stats, keys, rows, m0,
+            q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0 + cols, m0,
                                           full_from, shift, qk_scale, stage, step, s_zero, dv, op_layout, tile_2d,
                                           CAUSAL, Q_ROWS, HEAD_DIM, STAGES)
             ds_op = gl.convert_layout(dst.to(dtype), op_layout)
@@ -397,19 +401,21 @@ if gluon is not None:
         _store_dkdv(dk_desc, dv_desc, k, v, k_tile, v_tile, dk * sm_scale, dv, b, hk, start_n, HALF, KEYS)
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift"])
-    def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_ptr, delta_ptr,
-                                    qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, ssb, ssh,
+    def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc,
+                                    qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift,
                                     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                     CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
         """dK and dV of 2 x KEYS keys of one KV head, summed over its group's query heads, as
         `kernels.attn_bwd_dkdv_kernel` gives them (it reads the delta and base-2 lse the dQ kernel
-        wrote); deterministic."""
+        wrote, through `lse2_desc` and `delta_desc`); deterministic."""
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
         b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, KEYS)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        lse2_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse2_desc.block_type.shape, lse2_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -420,14 +426,15 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
         gl.warp_specialize([
-            (_dkdv_consumer, (dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, lse2_ptr,
-                              delta_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group, first_block,
-                              n_blocks, ssb, ssh, 0, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
-            (_dkdv_consumer, (dk_desc, dv_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty, lse2_ptr,
-                              delta_ptr, qk_scale, sm_scale, n_q, shift, b, hk, start_n, group, first_block,
-                              n_blocks, ssb, ssh, 1, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
-            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
-                              empty, b, hk, start_n, group, first_block, n_blocks, Q_ROWS, KEYS, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, kv_bar, ready,
+                              empty, qk_scale, sm_scale, shift, b, hk, start_n, group, first_block, n_blocks, 0,
+                              CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
+            (_dkdv_consumer, (dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, kv_bar, ready,
+                              empty, qk_scale, sm_scale, shift, b, hk, start_n, group, first_block, n_blocks, 1,
+                              CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
+            (_dkdv_producer, (q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
+                              delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
+                              n_blocks, Q_ROWS, KEYS, STAGES)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -435,10 +442,10 @@ if gluon is not None:
 if gluon is not None:
 
     @gluon.jit
-    def _bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ready,
-                      empty, ds_full, ds_free, lse2_ptr, delta_ptr, qk_scale, sm_scale, shift, b, hk, start_n, group,
-                      first_block, n_blocks, ssb, ssh, HALF: gl.constexpr, CAUSAL: gl.constexpr,
-                      Q_ROWS: gl.constexpr, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    def _bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem,
+                      dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b, hk, start_n,
+                      group, first_block, n_blocks, HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
+                      KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
         """`_dkdv_consumer`, plus dQ = dS K (FlashAttention-3's split): both warpgroups' dS^T meet in
         shared memory (two buffers by step parity, `ds_full` / `ds_free`), and each forms its half of
         the head dim over all 2 x KEYS keys, which one TMA reduce-add puts into the fp32 dQ sum."""
@@ -479,9 +486,7 @@ if gluon is not None:
             parity = step % 2
             h = hk * group + step // per_head
             m0 = (first_block + step % per_head) * Q_ROWS
-            rows = m0 + cols
-            stats = b.to(gl.int64) * ssb + h.to(gl.int64) * ssh + rows  # row terms padded by the prep kernel
-            q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, ready, lse2_ptr, delta_ptr, stats, keys, rows, m0,
+            q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0 + cols, m0,
                                           full_from, shift, qk_scale, stage, step, s_zero, dv, op_layout, tile_2d,
                                           CAUSAL, Q_ROWS, HEAD_DIM, STAGES)
             ds16 = dst.to(dtype)
@@ -506,8 +511,8 @@ if gluon is not None:
         _store_dkdv(dk_desc, dv_desc, k, v, k_tile, v_tile, dk * sm_scale, dv, b, hk, start_n, HALF, KEYS)
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift"])
-    def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_ptr, delta_ptr,
-                               qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, ssb, ssh,
+    def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc, dq_desc,
+                               qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift,
                                CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
         """The 5-matmul backward (Triton >= 3.8): `attn_bwd_dkdv_hopper_kernel` that also adds dQ
@@ -520,6 +525,8 @@ if gluon is not None:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, Q_ROWS], dtype)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        lse2_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse2_desc.block_type.shape, lse2_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         ds_smem = gl.allocate_shared_memory(dtype, [4, KEYS, Q_ROWS], ds_layout)  # [parity, half]
@@ -537,17 +544,20 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
         gl.warp_specialize([
-            (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                             ready, empty, ds_full, ds_free, lse2_ptr, delta_ptr, qk_scale, sm_scale, shift, b, hk,
-                             start_n, group, first_block, n_blocks, ssb, ssh, 0, CAUSAL, Q_ROWS, KEYS, HEAD_DIM,
-                             STAGES)),
-            (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar,
-                             ready, empty, ds_full, ds_free, lse2_ptr, delta_ptr, qk_scale, sm_scale, shift, b, hk,
-                             start_n, group, first_block, n_blocks, ssb, ssh, 1, CAUSAL, Q_ROWS, KEYS, HEAD_DIM,
-                             STAGES)),
-            (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready,
-                              empty, b, hk, start_n, group, first_block, n_blocks, Q_ROWS, KEYS, STAGES)),
+            (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem,
+                             ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b,
+                             hk, start_n, group, first_block, n_blocks, 0, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
+            (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem,
+                             ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b,
+                             hk, start_n, group, first_block, n_blocks, 1, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
+            (_dkdv_producer, (q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
+                              delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
+                              n_blocks, Q_ROWS, KEYS, STAGES)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+
+
+# lse2 and delta rows in shared memory: fp32, unswizzled (a consumer reads them as one row vector)
+STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3) if gl else None
 
 
 def shared_layout(rows: int, cols: int, dtype: torch.dtype):
@@ -601,7 +611,7 @@ def bind_dkdv(q, k, v, grad_out, dk, dv, scratch_strides: tuple[int, int], mask:
                                       mask, sm_scale, None)
 
     def run(q, k, v, grad_out, lse2, delta, dk, dv):
-        launch(*descriptors(q, k, v, grad_out, dk, dv), lse2, delta)
+        launch(*descriptors(q, k, v, grad_out, dk, dv, lse2, delta))
 
     return run
 
@@ -609,7 +619,8 @@ def bind_dkdv(q, k, v, grad_out, dk, dv, scratch_strides: tuple[int, int], mask:
 def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, sm_scale: float, kv_layout):
     """(launch, descriptors) of a backward kernel over keys (the dK/dV kernel, the 5-matmul one): its
     grid, arguments and tiles (K, V, dK, dV in `kv_layout` where given), and descriptors(q, k, v,
-    grad_out, dk, dv) giving their per-call TMA descriptors."""
+    grad_out, dk, dv, lse2, delta) giving their per-call TMA descriptors (the row terms: (B, H, padded
+    rows), boxes of a Q block's rows)."""
     q, k = tensors[:2]
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
@@ -617,11 +628,11 @@ def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, s
     layouts = _descriptors(tensors, (GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS, GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS),
                            padded, q.dtype, (None, kv_layout, kv_layout, None, kv_layout, kv_layout))
     launch = Launch(kernel, (sizing.cdiv(n_k, 2 * GLUON_KEYS) * b * hk,),
-                    (sm_scale * LOG2E, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q),
-                     *scratch_strides),
+                    (sm_scale * LOG2E, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q)),
                     {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": GLUON_BWD_STAGES,
                      "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "num_warps": 4}, q.device)
+    layouts += [([b, hq, scratch_strides[1]], [*scratch_strides, 1], [1, 1, GLUON_Q_ROWS], STATS_LAYOUT)] * 2
 
     def descriptors(*tensors):
         return (Descriptor(t, shape, strides, block, layout=layout)
@@ -655,8 +666,8 @@ def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[i
     def run(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, dk, dv):
         dq_sum = alloc.new_empty(fp32, dq_shape)
         prep(out, grad_out, lse, dlse, delta, lse2, dq_sum)
-        launch(*descriptors(q, k, v, grad_out, dk, dv), Descriptor(dq_sum, *dq_layout[:3], layout=dq_layout[3]),
-               lse2, delta)
+        launch(*descriptors(q, k, v, grad_out, dk, dv, lse2, delta),
+               Descriptor(dq_sum, *dq_layout[:3], layout=dq_layout[3]))
         dq.copy_(dq_sum[..., :d])
 
     return run
