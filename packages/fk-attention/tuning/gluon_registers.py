@@ -121,7 +121,7 @@ def main() -> None:
                                                          0, CAUSAL=causal, STAGES=fk_config.GLUON_BWD_STAGES, **common)
         kernels = [("forward", fwd), ("dK/dV", dkdv)]
         if hopper.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8), its head dims
-            kernels += [(f"5-matmul backward d{d}", fused_backward(d, causal)) for d in (64, 128)]
+            kernels += [(f"5-matmul backward d{d}", fused_backward(d, causal)) for d in fk_config.GLUON_FUSED_HEAD_DIMS]
         for name, compiled in kernels:
             print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")
 
