@@ -101,3 +101,39 @@ def test_bytecode_lands_in_the_package(e2e_script, monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path))
     first_call.compile_bytecode(packages=("probe_pkg",))
     assert {p.name.split(".")[0] for p in (package / "__pycache__").glob("*.pyc")} == {"__init__", "mod"}
+
+
+def test_the_trace_records_each_wrapped_call_with_its_thread_and_names_subprocesses(e2e_script):
+    """e2e/first_call_trace.py: a wrapped function or staticmethod still returns its result and
+    records (thread, name, start, ms), also when it raises; a subprocess is named by its program."""
+    import threading
+
+    import pytest
+
+    trace = e2e_script("first_call_trace")
+    trace.EVENTS.clear()
+
+    class Owner:
+        @staticmethod
+        def stage(x):
+            return x + 1
+
+        def method(self, x):
+            if x < 0:
+                raise ValueError(x)
+            return 2 * x
+
+    trace._wrap(Owner, "stage")
+    trace._wrap(Owner, "method", lambda a, k: f"method {a[1]}")
+    trace._wrap(Owner, "absent")  # (a name this Triton lacks: left alone)
+    assert Owner.stage(1) == 2
+    worker = threading.Thread(target=lambda: Owner().method(3), name="fk-compile_0")
+    worker.start()
+    worker.join()
+    with pytest.raises(ValueError):
+        Owner().method(-1)
+    assert [(e[0], e[1]) for e in trace.EVENTS] == [("MainThread", "stage"), ("fk-compile_0", "method 3"),
+                                                    ("MainThread", "method -1")]
+    assert all(e[3] >= 0 for e in trace.EVENTS)
+    assert trace._program((["/usr/bin/gcc", "-O3"],), {}) == "sub:gcc"
+    assert trace._program((), {"args": "/opt/cuda/bin/ptxas --version"}) == "sub:ptxas"

@@ -236,6 +236,89 @@ def test_a_compile_ahead_loads_what_it_compiled():
     assert loaded == [True]
 
 
+def test_the_launcher_built_alongside_a_compile_is_the_one_triton_loads(monkeypatch):
+    """`ahead.launcher_source` is the C source Triton's `CudaLauncher` builds for the same kernel
+    (a plain one, and a Gluon one with descriptors), so the build during the compile is the cache
+    entry the load finds; a tl kernel's descriptors are left to the load. Read against Triton 3.6
+    (the oldest-Triton test run has it); later Tritons build no launcher per signature."""
+    import types
+
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from fk_runtime import ahead
+
+    if backend.triton_release() not in ahead.LAUNCHER_ALONGSIDE_VERSIONS:
+        pytest.skip("this Triton builds no launcher per kernel signature (nothing to build alongside)")
+    cuda = pytest.importorskip("triton.backends.nvidia.driver")
+
+    def kernel(x_ptr, desc, n, BLOCK):
+        pass
+
+    fn = JITFunction(kernel)
+    built = []
+    monkeypatch.setattr(cuda, "library_dirs", lambda: [])  # (no libcuda here: its lookup asserts)
+    monkeypatch.setattr(cuda, "compile_module_from_src", lambda src, **kw: built.append(src) or types.SimpleNamespace(
+        launch=None))
+    meta = dict(num_ctas=1, global_scratch_size=0, global_scratch_align=1, profile_scratch_size=0,
+                profile_scratch_align=1, launch_cooperative_grid=False, launch_pdl=False)
+    plain = {"x_ptr": "*fp32", "desc": "*bf16", "n": "i32", "BLOCK": "constexpr"}
+    described = {**plain, "desc": "tensordesc<bf16[64, 64],NVMMASharedLayout(swizzle=128)>"}
+    for signature, tensordesc_meta, gluon in ((plain, [], False), (plain, None, False),
+                                              (described, [{"swizzle": 128}], True)):
+        src = ASTSource(fn, signature, {(3,): 1024}, {})
+        cuda.CudaLauncher(src, types.SimpleNamespace(tensordesc_meta=tensordesc_meta, **meta))
+        assert ahead.launcher_source(src, gluon) == built[-1]
+        # a descriptor taken as a TMA descriptor, not as pointer, shapes and strides
+        assert (cuda.make_launcher(src.constants, signature, None) != built[-1]) is gluon
+    assert ahead.launcher_source(ASTSource(fn, described, {(3,): 1024}, {}), False) is None
+
+
+def test_a_compile_alongside_returns_only_once_its_launcher_is_built(monkeypatch):
+    """The wrapped compile hands back the compile's result after the launcher's build has ended
+    (the load then finds it built); a build that fails raises nothing."""
+    import time
+
+    from fk_runtime import ahead
+
+    events = []
+
+    def build(src, gluon):
+        time.sleep(0.05)
+        events.append(("built", src, gluon))
+
+    monkeypatch.setattr(ahead, "build_launcher", build)
+    wrapped = ahead._compile_alongside(lambda src, **kw: events.append(("compiled", src, kw)) or "kernel", gluon=True)
+    assert wrapped.fk_alongside
+    assert wrapped("src", target="t") == "kernel"
+    assert sorted(events, key=str) == [("built", "src", True), ("compiled", "src", {"target": "t"})]
+    monkeypatch.undo()
+    ahead.build_launcher(object(), False)  # its own errors stay inside (the load builds and reports)
+
+
+def test_launcher_alongside_wraps_a_kernels_compile_once_and_only_where_it_builds(monkeypatch):
+    """On Triton 3.6 compiling for a GPU, a kernel's compile is wrapped once (a second call leaves
+    it); on the interpreter, on other Tritons and with FK_PREWARM=0 it is left as it is."""
+    from triton.runtime.jit import JITFunction
+
+    from fk_runtime import ahead
+
+    def kernel(x_ptr, n):
+        pass
+
+    builds = not backend.is_interpreter() and backend.triton_release() in ahead.LAUNCHER_ALONGSIDE_VERSIONS
+    fn = JITFunction(kernel)
+    ahead.launcher_alongside(fn)
+    assert getattr(getattr(fn, "compile", None), "fk_alongside", False) is builds
+    wrapped = getattr(fn, "compile", None)
+    ahead.launcher_alongside(fn)
+    assert getattr(fn, "compile", None) is wrapped
+    monkeypatch.setenv(ahead.PREWARM_ENV, "0")
+    other = JITFunction(kernel)
+    ahead.launcher_alongside(other)
+    assert not getattr(getattr(other, "compile", None), "fk_alongside", False)
+
+
 def test_a_launch_that_compiled_runs_the_collector_once_its_burst_is_over(monkeypatch):
     """After a first launch slower than `COMPILED_LAUNCH_S` (it compiled, or waited for a compile
     ahead: a kernel Triton's cache does not date) with no compile left in the pool, one full pass of
@@ -243,20 +326,25 @@ def test_a_launch_that_compiled_runs_the_collector_once_its_burst_is_over(monkey
     the collector is off."""
     import gc
     import time
+    import types
 
     from fk_runtime import ahead, launch
 
     monkeypatch.setattr(backend, "is_interpreter", lambda: False)
     monkeypatch.setattr(launch, "_compiled_launcher", lambda compiled: False)
+    monkeypatch.setattr(ahead, "idle", lambda: True)  # (an earlier test's compiles may still run in the pool)
     passes = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: passes.append(generation))
+    # The launch's own clock, moved only by the kernel: a loaded host's thread switches take no part.
+    clock = [0.0]
+    monkeypatch.setattr(launch, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], time=time.time))
 
     class Kernel:
         def __init__(self, seconds):
             self.seconds = seconds
 
         def __getitem__(self, grid):
-            return lambda *args, **meta: time.sleep(self.seconds)
+            return lambda *args, **meta: clock.__setitem__(0, clock[0] + self.seconds)
 
     def launched(seconds):
         _bare_launch(Kernel(seconds))._slow((1.0,))

@@ -16,9 +16,10 @@ SURFACE_VERSION = "0.1"
 PUBLIC = {
     "fk_runtime": ("Backend", "ahead", "alloc", "backend", "checks", "gluon", "harness", "launch", "ops", "package_version",
                    "partials", "siblings", "sizing", "timing", "views"),
-    "ahead": ("AHEAD_WORKERS", "CACHE_DIR_ENV", "HASHED_FOLDERS", "PREWARM_ENV", "active", "compile_ahead", "enabled", "finish",
-              "first", "load_triton_key", "start_key", "submit", "triton_signature", "upstream_gradients", "useful",
-              "wait", "wait_key"),
+    "ahead": ("AHEAD_WORKERS", "CACHE_DIR_ENV", "HASHED_FOLDERS", "LAUNCHER_ALONGSIDE_VERSIONS", "PREWARM_ENV", "active",
+              "build_launcher", "compile_ahead", "enabled", "finish", "first", "launcher_alongside", "launcher_source",
+              "load_triton_key", "start_driver", "start_key", "start_tools", "submit", "triton_signature",
+              "upstream_gradients", "useful", "wait", "wait_key"),
     "alloc": ("empty", "empty_like", "new_empty", "new_empty_strided", "poisoned_outputs", "poisoning"),
     "backend": ("Backend", "backend", "check_interpreter_numpy", "default_device", "device_name", "gpu_available",
                 "interpreter_numpy_problem", "is_hip", "is_interpreter", "kernel_device_type", "l2_cache_bytes",

@@ -12,6 +12,11 @@ compiled ahead of their first launch, in threads.
   while its forward compiles, and the compiles overlap (Triton's MLIR and LLVM passes and ptxas
   run without the GIL: on a 2-core CPU, three large kernels compiled in 1.3 s in threads
   against 2.1 s one after the other). The launch that needs a kernel first waits for its compile.
+- Two C modules Triton builds with gcc on an empty cache, 0.25-0.7 s each on the H200s' hosts, are
+  built beside other work rather than after it: `start_driver()` (at import) makes Triton's CUDA
+  driver, whose `cuda_utils` module every first launch waits for, while the key is read or hashed;
+  `launcher_alongside(kernel)` builds Triton 3.6's per-signature launcher while the kernel compiles
+  (3.7 on launch every kernel through one generic launcher, in `cuda_utils`).
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ CACHE_DIR_ENV = "FK_CACHE_DIR"
 HASHED_FOLDERS = ("_C", "backends", "compiler", "language")
 # Compiles at once in the pool (each one mostly outside the GIL).
 AHEAD_WORKERS = 4
+# (major, minor) Tritons whose launcher `launcher_alongside` builds during the compile: those whose
+# `make_launcher` / `CudaLauncher` it was read against (3.6.0).
+LAUNCHER_ALONGSIDE_VERSIONS = ((3, 6),)
 
-_hashing: list[threading.Thread] = []
+_starting: list[threading.Thread] = []  # the key's and the driver's threads (`wait_key` joins them)
 _THREAD = threading.local()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -148,14 +156,136 @@ def load_triton_key() -> bool:
 def start_key() -> None:
     """`load_triton_key` in a thread (file reads and hashlib release the GIL); `wait_key` joins it."""
     thread = threading.Thread(target=load_triton_key, name="fk-triton-key", daemon=True)
-    _hashing.append(thread)
+    _starting.append(thread)
     thread.start()
 
 
+def start_driver() -> None:
+    """Triton's CUDA driver made in a thread (making it builds or loads `cuda_utils`, a gcc run of
+    0.3-0.45 s on an empty cache: a subprocess, outside the GIL); `wait_key` joins it, so that no
+    launch makes a second driver meanwhile (each of five compile threads built its own: a cold
+    process's trace, H200, Triton 3.6)."""
+    thread = threading.Thread(target=_make_driver, name="fk-triton-driver", daemon=True)
+    _starting.append(thread)
+    thread.start()
+
+
+_tools_asked = threading.Event()
+
+
+def start_tools(device: int | None) -> None:
+    """At a process's first launch on a CUDA GPU, ask ptxas for its version in a thread (the
+    compile's cache key and its PTX version each run `ptxas --version`: 5-120 ms each in a cold
+    process's load) while the key is awaited; `wait_key` joins it."""
+    if _tools_asked.is_set() or backend.backend() is not backend.Backend.CUDA:
+        return
+    _tools_asked.set()
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    driver_threads = list(_starting)
+    thread = threading.Thread(target=_ask_tools, args=(major * 10 + minor, driver_threads), name="fk-ptxas",
+                              daemon=True)
+    _starting.append(thread)
+    thread.start()
+
+
+def _ask_tools(arch: int, before: list) -> None:
+    for thread in before:
+        if thread.name == "fk-triton-driver":
+            thread.join()  # (the backends' modules import with it)
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+
+        compiler = make_backend(GPUTarget("cuda", arch, 32))
+        compiler.hash()  # `ptxas --version` into its cache
+        sys.modules[type(compiler).__module__].get_ptxas(arch).version  # noqa: B018 (and the tool's own)
+    except Exception:  # noqa: BLE001 (the compile asks again and reports)
+        pass
+
+
+def _make_driver() -> None:
+    try:
+        from triton.runtime import driver
+
+        driver.active  # noqa: B018 (made on first read; nothing asked of CUDA: a fork after import stays legal)
+    except Exception:  # noqa: BLE001 (the first launch makes it again and raises)
+        pass
+
+
 def wait_key() -> None:
-    """Wait for the key thread, if any: else Triton hashes its sources again rather than wait."""
-    for thread in _hashing:
+    """Wait for the key's and the driver's threads, if any: else Triton hashes its sources again
+    (and builds its driver again) rather than wait."""
+    for thread in _starting:
         thread.join()
+
+
+_alongside_lock = threading.Lock()
+
+
+def launcher_alongside(kernel) -> None:
+    """On LAUNCHER_ALONGSIDE_VERSIONS, `kernel`'s compiles on the current device build its launcher
+    (Triton 3.6's C module per kernel signature, 0.2-0.3 s of gcc that loading the compiled kernel
+    waits for) in a thread during the compile: the load then finds it in Triton's cache. Only a
+    cache warmed ahead: the load builds its own source as ever, so a guess that differs costs a
+    build, never a wrong launcher. Elsewhere (the interpreter, other Tritons) nothing."""
+    if not enabled() or backend.is_interpreter() or backend.triton_release() not in LAUNCHER_ALONGSIDE_VERSIONS:
+        return
+    fn = kernel
+    while not hasattr(fn, "device_caches") and hasattr(fn, "fn"):  # an autotuner's JIT function
+        fn = fn.fn
+    if not hasattr(fn, "device_caches"):
+        return
+    from triton.runtime import driver
+
+    with _alongside_lock:
+        fn.device_caches[driver.active.get_current_device()]  # its binder, which sets `fn.compile`
+        compile_fn = getattr(fn, "compile", None)
+        if compile_fn is None or getattr(compile_fn, "fk_alongside", False):
+            return
+        fn.compile = _compile_alongside(compile_fn, gluon=getattr(fn, "is_gluon", lambda: False)())
+
+
+def _compile_alongside(compile_fn, gluon: bool):
+    def compile_and_build(src, *args, **kwargs):
+        thread = threading.Thread(target=build_launcher, args=(src, gluon), name="fk-launcher", daemon=True)
+        thread.start()
+        try:
+            return compile_fn(src, *args, **kwargs)
+        finally:
+            thread.join()
+
+    compile_and_build.fk_alongside = True
+    return compile_and_build
+
+
+def launcher_source(src, gluon: bool) -> str | None:
+    """The C source Triton 3.6's `CudaLauncher` will build for `src` (an ASTSource), as it computes
+    it; None where it depends on the compile: a tl kernel's tensor descriptors (lowered to TMA or
+    not). A Gluon kernel's descriptors are TMA descriptors, and the source reads only that."""
+    from triton.backends.nvidia import driver as cuda
+
+    signature = dict(src.signature)
+    descriptors = sum(isinstance(s, str) and s.startswith("tensordesc") for s in signature.values())
+    if descriptors and not gluon:
+        return None
+    constants = {((src.fn.arg_names.index(k),) if isinstance(k, str) else k): v
+                 for k, v in getattr(src, "constants", {}).items()}
+    return cuda.make_launcher(constants, signature, [{}] * descriptors or None)
+
+
+def build_launcher(src, gluon: bool) -> None:
+    """Build (or find in Triton's cache) `launcher_source(src, gluon)` as `CudaLauncher` would."""
+    try:
+        from triton.backends.nvidia import driver as cuda
+
+        text = launcher_source(src, gluon)
+        if text is not None:
+            cuda.compile_module_from_src(src=text, name="__triton_launcher", library_dirs=cuda.library_dirs(),
+                                         include_dirs=cuda.include_dirs, libraries=cuda.libraries)
+    except Exception:  # noqa: BLE001 (the load builds its own and reports)
+        pass
 
 
 @contextlib.contextmanager

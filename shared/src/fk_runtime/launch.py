@@ -362,6 +362,7 @@ class Launch:
 
     def _slow(self, head) -> None:
         real = tuple(a.real() if isinstance(a, Descriptor) else a for a in head)
+        ahead.start_tools(self.device)
         ahead.wait_key()
         if ahead.active():  # compiled in the pool; this call runs nothing (`ahead.compile_ahead`)
             ahead.submit(self.kernel, functools.partial(self._compile, real))
@@ -370,6 +371,7 @@ class Launch:
         ahead.wait(self.kernel)
         with self._on_device():
             bind_context(self.device)
+            ahead.launcher_alongside(self.kernel)
             compiled = self.kernel[self.grid](*real, *self.tail, **self.meta)  # compiles on first use
         took = time.perf_counter() - began
         _note_compile(compiled, took)
@@ -403,6 +405,7 @@ class Launch:
         began = time.perf_counter()
         with self._on_device():
             bind_context(self.device)
+            ahead.launcher_alongside(self.kernel)
             compiled = self.kernel.warmup(*real, *self.tail, grid=self.grid, **self.meta)
             load = getattr(compiled, "_init_handles", None)  # (an autotuner's warm-up returns a list)
             if load is not None:
@@ -499,3 +502,4 @@ def hash_triton() -> bool:
 # the first launch waits for what is left of it.
 if ahead.enabled() and not backend.interpreter_requested() and torch.cuda.is_available():
     ahead.start_key()
+    ahead.start_driver()
