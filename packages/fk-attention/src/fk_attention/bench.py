@@ -17,7 +17,7 @@ of a row, so a peer's rate is fk's work over the peer's time and `fk / peer` the
   block-diagonal causal mask (its backends that take a mask).
 - attention-window: a causal sliding window, and a causal softcap (Gemma 2's), at N = 16384 against
   fk's full causal.
-- attention-head-dims: head dims 64, 96, 128 at one shape (d96 runs padded to 128 in `tl`).
+- attention-head-dims: head dims 64, 96, 128, 256 at one shape (d96 runs padded to 128 in `tl`).
 
 attention-serving (`serving_cases`): a serving batch against a paged cache, device time of the mixed
 batch in ONE `attention_varlen(..., block_table=...)` call ("fk") against the same work as two
@@ -69,7 +69,7 @@ PACKED_EQUAL = 2048
 WINDOW_SHAPE, WINDOW = (1, 16, 16384, 128), 1024
 SOFTCAP = 50.0  # Gemma 2's attention logit cap
 # Head dims at one causal shape: (B, H, N), head dims.
-HEAD_DIM_SHAPE, HEAD_DIM_SWEEP = (8, 16, 2048), [64, 96, 128]
+HEAD_DIM_SHAPE, HEAD_DIM_SWEEP = (8, 16, 2048), [64, 96, 128, 256]
 # SDPA backends that take an arbitrary mask (flash takes none).
 MASKED_SDPA = {"sdpa cudnn (mask)": "CUDNN_ATTENTION", "sdpa efficient (mask)": "EFFICIENT_ATTENTION"}
 # One-token decode (`decode_cases`), bf16: batches x cache lengths x (Hq, Hk) x head dims, the
