@@ -236,7 +236,7 @@ def test_a_compile_ahead_loads_what_it_compiled():
     assert loaded == [True]
 
 
-def test_the_launcher_built_alongside_a_compile_is_the_one_triton_loads(monkeypatch):
+def test_the_launcher_built_alongside_is_the_source_triton_36_loads(monkeypatch):
     """`ahead.launcher_source` is the C source Triton's `CudaLauncher` builds for the same kernel
     (a plain one, and a Gluon one with descriptors), so the build during the compile is the cache
     entry the load finds; a tl kernel's descriptors are left to the load. Read against Triton 3.6
@@ -274,7 +274,7 @@ def test_the_launcher_built_alongside_a_compile_is_the_one_triton_loads(monkeypa
     assert ahead.launcher_source(ASTSource(fn, described, {(3,): 1024}, {}), False) is None
 
 
-def test_a_compile_alongside_returns_only_once_its_launcher_is_built(monkeypatch):
+def test_a_wrapped_build_returns_only_once_its_launcher_is_built(monkeypatch):
     """The wrapped compile hands back the compile's result after the launcher's build has ended
     (the load then finds it built); a build that fails raises nothing."""
     import time
@@ -296,7 +296,7 @@ def test_a_compile_alongside_returns_only_once_its_launcher_is_built(monkeypatch
     ahead.build_launcher(object(), False)  # its own errors stay inside (the load builds and reports)
 
 
-def test_launcher_alongside_wraps_a_kernels_compile_once_and_only_where_it_builds(monkeypatch):
+def test_launcher_alongside_wraps_a_kernel_once_and_only_where_it_builds(monkeypatch):
     """On Triton 3.6 compiling for a GPU, a kernel's compile is wrapped once (a second call leaves
     it); on the interpreter, on other Tritons and with FK_PREWARM=0 it is left as it is."""
     from triton.runtime.jit import JITFunction
