@@ -296,6 +296,21 @@ def test_a_wrapped_build_returns_only_once_its_launcher_is_built(monkeypatch):
     ahead.build_launcher(object(), False)  # its own errors stay inside (the load builds and reports)
 
 
+def test_ptxas_is_asked_ahead_only_where_compiles_ahead_are_on(monkeypatch):
+    """`ahead.start_tools` starts no thread with FK_PREWARM=0 nor off a CUDA GPU (the interpreter)."""
+    from fk_runtime import ahead
+
+    monkeypatch.setattr(ahead, "_tools_asked", type(ahead._tools_asked)())
+    started = list(ahead._starting)
+    monkeypatch.setenv(ahead.PREWARM_ENV, "0")
+    ahead.start_tools(None)
+    assert ahead._starting == started and not ahead._tools_asked.is_set()
+    monkeypatch.delenv(ahead.PREWARM_ENV)
+    ahead.start_tools(None)
+    assert ahead._tools_asked.is_set() is (backend.backend() is Backend.CUDA)
+    ahead.wait_key()
+
+
 def test_launcher_alongside_wraps_a_kernel_once_and_only_where_it_builds(monkeypatch):
     """On Triton 3.6 compiling for a GPU, a kernel's compile is wrapped once (a second call leaves
     it); on the interpreter, on other Tritons and with FK_PREWARM=0 it is left as it is."""

@@ -45,7 +45,7 @@ AHEAD_WORKERS = 4
 # `make_launcher` / `CudaLauncher` it was read against (3.6.0).
 LAUNCHER_ALONGSIDE_VERSIONS = ((3, 6),)
 
-_starting: list[threading.Thread] = []  # the key's and the driver's threads (`wait_key` joins them)
+_starting: list[threading.Thread] = []  # the key's, the driver's, ptxas's threads (`wait_key` joins them)
 _THREAD = threading.local()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -162,7 +162,7 @@ def start_key() -> None:
 
 def start_driver() -> None:
     """Triton's CUDA driver made in a thread (making it builds or loads `cuda_utils`, a gcc run of
-    0.3-0.45 s on an empty cache: a subprocess, outside the GIL); `wait_key` joins it, so that no
+    0.25-0.7 s on an empty cache: a subprocess, outside the GIL); `wait_key` joins it, so that no
     launch makes a second driver meanwhile (each of five compile threads built its own: a cold
     process's trace, H200, Triton 3.6)."""
     thread = threading.Thread(target=_make_driver, name="fk-triton-driver", daemon=True)
@@ -177,7 +177,7 @@ def start_tools(device: int | None) -> None:
     """At a process's first launch on a CUDA GPU, ask ptxas for its version in a thread (the
     compile's cache key and its PTX version each run `ptxas --version`: 5-120 ms each in a cold
     process's load) while the key is awaited; `wait_key` joins it."""
-    if _tools_asked.is_set() or backend.backend() is not backend.Backend.CUDA:
+    if _tools_asked.is_set() or not enabled() or backend.backend() is not backend.Backend.CUDA:
         return
     _tools_asked.set()
     import torch
@@ -215,8 +215,8 @@ def _make_driver() -> None:
 
 
 def wait_key() -> None:
-    """Wait for the key's and the driver's threads, if any: else Triton hashes its sources again
-    (and builds its driver again) rather than wait."""
+    """Wait for the key's, the driver's and ptxas's threads, if any: else Triton hashes its sources
+    again (and builds its driver again) rather than wait."""
     for thread in _starting:
         thread.join()
 
