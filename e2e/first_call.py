@@ -70,8 +70,6 @@ def _timed(fn) -> float:
 def first_calls(op: str = "attention") -> list[dict]:
     """The first fwd+bwd in this process of attention (each dtype and head dim) or of one of NORM_OPS,
     ms; only the op's own package imported (as a user who needs only it)."""
-    import importlib
-
     import torch
     import torch.nn.functional as F
 
@@ -92,16 +90,28 @@ def first_calls(op: str = "attention") -> list[dict]:
                 rows[-1]["peer_ms"] = _timed(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
                     q, k, v, is_causal=True).sum().backward())
         return rows
+    fk, peer = norm_calls(op)
+    rows.append({"op": op, "case": "4096 x 4096", "dtype": "bfloat16", "fk_ms": _timed(lambda: fk().sum().backward()),
+                 "peer_ms": _timed(lambda: peer().sum().backward())})
+    return rows
+
+
+def norm_calls(op: str) -> tuple:
+    """(fk, torch): the forward of NORM_OPS' `op` on 4096 x 4096 bf16 inputs that require grad, fk's
+    and torch's, each a callable returning the output; only fk's package for the op imported."""
+    import importlib
+
+    import torch
+    import torch.nn.functional as F
+
     package = importlib.import_module("fk_softmax" if op == "softmax" else "fk_layernorm")
-    x, w, b = grad(4096, 4096, dtype=torch.bfloat16), grad(4096, dtype=torch.bfloat16), grad(4096, dtype=torch.bfloat16)
-    fk, peer = {
+    x, w, b = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for shape in ((4096, 4096), (4096,), (4096,)))
+    return {
         "rms_norm": (lambda: package.rms_norm(x, w), lambda: F.rms_norm(x, (4096,), w)),
         "layer_norm": (lambda: package.layer_norm(x, w, b), lambda: F.layer_norm(x, (4096,), w, b)),
         "softmax": (lambda: package.softmax(x), lambda: torch.softmax(x, -1)),
     }[op]
-    rows.append({"op": op, "case": "4096 x 4096", "dtype": "bfloat16", "fk_ms": _timed(lambda: fk().sum().backward()),
-                 "peer_ms": _timed(lambda: peer().sum().backward())})
-    return rows
 
 
 def triton_floor() -> list[dict]:

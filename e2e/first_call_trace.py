@@ -7,8 +7,8 @@ stages (`make_ttir` .. `make_cubin`), the C modules it builds with gcc (`build c
 driver; `build __triton_launcher`: Triton 3.6's launcher per kernel signature), every subprocess
 (gcc, ptxas), a compiled kernel's load (`_init_handles`), Triton's cache key (`triton_key`) and
 fk's lookup of it (`load_triton_key`); and the call itself (`CALL fwd`, `CALL bwd`, `CALL`).
-Cases: `rms_norm`, `layer_norm`, `softmax` (4096 x 4096 bf16, as `e2e/first_call.py`'s), and
-`floor` (a one-line kernel without fk: Triton's own first launch).
+Cases: `rms_norm`, `layer_norm`, `softmax` and `floor` (Triton's own first launch of a one-line kernel,
+without fk), `e2e/first_call.py`'s (`norm_calls`, `triton_floor`).
 
     bash shared/from-source.sh python e2e/first_call_trace.py [CASE ...] > trace.log
 
@@ -78,7 +78,6 @@ def child(case: str) -> None:
     import torch
 
     torch.zeros(1, device="cuda")
-    import triton
     import triton.compiler.compiler as compiler
     import triton.runtime.build as build
     import triton.runtime.cache as cache
@@ -94,29 +93,19 @@ def child(case: str) -> None:
             setattr(cuda_driver, builder, getattr(build, builder))
     _wrap(compiler.CompiledKernel, "_init_handles")
     _wrap(cache, "triton_key")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import first_call  # (its cases, not copies: imports nothing but the standard library at the top)
+
     if case == "floor":
-        import triton.language as tl
-
-        @triton.jit
-        def add_one(x_ptr, n, BLOCK: tl.constexpr):
-            i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-            tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
-
-        x = torch.zeros(1000, device="cuda")
-        _timed("CALL", lambda: add_one[(1,)](x, 1000, BLOCK=1024))
+        began = time.perf_counter()
+        EVENTS.append(("MainThread", "CALL", round((began - T0) * 1e3, 1), first_call.triton_floor()[0]["fk_ms"]))
     else:
-        import importlib
-
         import fk_runtime.ahead as ahead
 
         _wrap(ahead, "load_triton_key")
-        package = importlib.import_module("fk_softmax" if case == "softmax" else "fk_layernorm")
-        x, w, b = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for shape in ((4096, 4096), (4096,), (4096,)))
-        op = {"rms_norm": lambda: package.rms_norm(x, w), "layer_norm": lambda: package.layer_norm(x, w, b),
-              "softmax": lambda: package.softmax(x)}[case]
+        fk, _ = first_call.norm_calls(case)
         began = time.perf_counter()
-        y = _timed("CALL fwd", op)
+        y = _timed("CALL fwd", fk)
         _timed("CALL bwd", lambda: y.sum().backward())
         _record("CALL", began)
     print("RESULT " + json.dumps(EVENTS))

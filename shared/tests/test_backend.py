@@ -237,7 +237,7 @@ def test_a_compile_ahead_loads_what_it_compiled():
 
 
 def test_the_launcher_built_alongside_is_the_source_triton_36_loads(monkeypatch):
-    """`ahead.launcher_source` is the C source Triton's `CudaLauncher` builds for the same kernel
+    """`ahead._launcher_source` is the C source Triton's `CudaLauncher` builds for the same kernel
     (a plain one, and a Gluon one with descriptors), so the build during the compile is the cache
     entry the load finds; a tl kernel's descriptors are left to the load. Read against Triton 3.6
     (the oldest-Triton test run has it); later Tritons build no launcher per signature."""
@@ -268,10 +268,10 @@ def test_the_launcher_built_alongside_is_the_source_triton_36_loads(monkeypatch)
                                               (described, [{"swizzle": 128}], True)):
         src = ASTSource(fn, signature, {(3,): 1024}, {})
         cuda.CudaLauncher(src, types.SimpleNamespace(tensordesc_meta=tensordesc_meta, **meta))
-        assert ahead.launcher_source(src, gluon) == built[-1]
+        assert ahead._launcher_source(src, gluon) == built[-1]
         # a descriptor taken as a TMA descriptor, not as pointer, shapes and strides
         assert (cuda.make_launcher(src.constants, signature, None) != built[-1]) is gluon
-    assert ahead.launcher_source(ASTSource(fn, described, {(3,): 1024}, {}), False) is None
+    assert ahead._launcher_source(ASTSource(fn, described, {(3,): 1024}, {}), False) is None
 
 
 def test_a_wrapped_build_returns_only_once_its_launcher_is_built(monkeypatch):
@@ -287,13 +287,13 @@ def test_a_wrapped_build_returns_only_once_its_launcher_is_built(monkeypatch):
         time.sleep(0.05)
         events.append(("built", src, gluon))
 
-    monkeypatch.setattr(ahead, "build_launcher", build)
+    monkeypatch.setattr(ahead, "_build_launcher", build)
     wrapped = ahead._compile_alongside(lambda src, **kw: events.append(("compiled", src, kw)) or "kernel", gluon=True)
     assert wrapped.fk_alongside
     assert wrapped("src", target="t") == "kernel"
     assert sorted(events, key=str) == [("built", "src", True), ("compiled", "src", {"target": "t"})]
     monkeypatch.undo()
-    ahead.build_launcher(object(), False)  # its own errors stay inside (the load builds and reports)
+    ahead._build_launcher(object(), False)  # its own errors stay inside (the load builds and reports)
 
 
 def test_ptxas_is_asked_ahead_only_where_compiles_ahead_are_on(monkeypatch):

@@ -46,6 +46,7 @@ AHEAD_WORKERS = 4
 LAUNCHER_ALONGSIDE_VERSIONS = ((3, 6),)
 
 _starting: list[threading.Thread] = []  # the key's, the driver's, ptxas's threads (`wait_key` joins them)
+_driver_thread: threading.Thread | None = None
 _THREAD = threading.local()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -165,9 +166,10 @@ def start_driver() -> None:
     0.25-0.7 s on an empty cache: a subprocess, outside the GIL); `wait_key` joins it, so that no
     launch makes a second driver meanwhile (each of five compile threads built its own: a cold
     process's trace, H200, Triton 3.6)."""
-    thread = threading.Thread(target=_make_driver, name="fk-triton-driver", daemon=True)
-    _starting.append(thread)
-    thread.start()
+    global _driver_thread
+    _driver_thread = threading.Thread(target=_make_driver, name="fk-triton-driver", daemon=True)
+    _starting.append(_driver_thread)
+    _driver_thread.start()
 
 
 _tools_asked = threading.Event()
@@ -183,17 +185,14 @@ def start_tools(device: int | None) -> None:
     import torch
 
     major, minor = torch.cuda.get_device_capability(device)
-    driver_threads = list(_starting)
-    thread = threading.Thread(target=_ask_tools, args=(major * 10 + minor, driver_threads), name="fk-ptxas",
-                              daemon=True)
+    thread = threading.Thread(target=_ask_tools, args=(major * 10 + minor,), name="fk-ptxas", daemon=True)
     _starting.append(thread)
     thread.start()
 
 
-def _ask_tools(arch: int, before: list) -> None:
-    for thread in before:
-        if thread.name == "fk-triton-driver":
-            thread.join()  # (the backends' modules import with it)
+def _ask_tools(arch: int) -> None:
+    if _driver_thread is not None:
+        _driver_thread.join()  # (the backends' modules import with it: one thread importing them at a time)
     try:
         from triton.backends.compiler import GPUTarget
         from triton.compiler.compiler import make_backend
@@ -249,7 +248,7 @@ def launcher_alongside(kernel) -> None:
 
 def _compile_alongside(compile_fn, gluon: bool):
     def compile_and_build(src, *args, **kwargs):
-        thread = threading.Thread(target=build_launcher, args=(src, gluon), name="fk-launcher", daemon=True)
+        thread = threading.Thread(target=_build_launcher, args=(src, gluon), name="fk-launcher", daemon=True)
         thread.start()
         try:
             return compile_fn(src, *args, **kwargs)
@@ -260,7 +259,7 @@ def _compile_alongside(compile_fn, gluon: bool):
     return compile_and_build
 
 
-def launcher_source(src, gluon: bool) -> str | None:
+def _launcher_source(src, gluon: bool) -> str | None:
     """The C source Triton 3.6's `CudaLauncher` will build for `src` (an ASTSource), as it computes
     it; None where it depends on the compile: a tl kernel's tensor descriptors (lowered to TMA or
     not). A Gluon kernel's descriptors are TMA descriptors, and the source reads only that."""
@@ -275,12 +274,12 @@ def launcher_source(src, gluon: bool) -> str | None:
     return cuda.make_launcher(constants, signature, [{}] * descriptors or None)
 
 
-def build_launcher(src, gluon: bool) -> None:
-    """Build (or find in Triton's cache) `launcher_source(src, gluon)` as `CudaLauncher` would."""
+def _build_launcher(src, gluon: bool) -> None:
+    """Build (or find in Triton's cache) `_launcher_source(src, gluon)` as `CudaLauncher` would."""
     try:
         from triton.backends.nvidia import driver as cuda
 
-        text = launcher_source(src, gluon)
+        text = _launcher_source(src, gluon)
         if text is not None:
             cuda.compile_module_from_src(src=text, name="__triton_launcher", library_dirs=cuda.library_dirs(),
                                          include_dirs=cuda.include_dirs, libraries=cuda.libraries)
