@@ -20,7 +20,8 @@ for every row of a main table; the first variant is always `base` (the code as i
 `env:FK_AUTOTUNE='1'` is a variant too (attention autotuned, as a bind reads it). `--time NAME` times
 the row's variant NAME (default `fk`) under the patches, e.g. `'fk paged'`. `--peers` times
 each row's other variants (torch, ...) once a round beside `base`. Writes
-`<out>/row-variants-<triton>.json` and prints the table, with what attention's autotuner picked
+`<out>/row-variants-<triton>.json` and prints the table (a variant that cannot run a row, a tile
+over the shared memory, is named and left out of it), with what attention's autotuner picked
 for each row it tuned in this process (`tuned_picks`; picks read back from FK_CACHE_DIR are not
 listed: point it at an empty folder to see every one).
 """
@@ -162,12 +163,20 @@ def main(argv: list[str] | None = None) -> int:
     peers = sorted({p for r in wanted for p in cases[r].variants if p != args.time}) if args.peers else []
     times: dict = {(v, r): [] for v in [v for v, _ in variants] + peers for r in wanted}
     picks: dict = {}  # "variant row": what the autotuner picked while timing it (the configs to fix next)
+    unfit: dict = {}  # "variant row": why it cannot run (a tile over the shared memory): left out, not fatal
     for round_ in range(args.rounds):
         for row in wanted:
             for vname, patches in variants if round_ % 2 == 0 else variants[::-1]:
+                if f"{vname} {row}" in unfit:
+                    continue
                 before = _tuned_picks()
-                with _applied(patches):
-                    ms = _time(cases[row], args.time, bench, torch)
+                try:
+                    with _applied(patches):
+                        ms = _time(cases[row], args.time, bench, torch)
+                except triton.runtime.errors.OutOfResources as e:
+                    unfit[f"{vname} {row}"] = str(e)
+                    print(f"round {round_} {vname:12s} {row}: cannot run: {e}", flush=True)
+                    continue
                 new = [_described(k, c) for k, c in _tuned_picks().items() if k not in before]
                 if new:
                     picks[f"{vname} {row}"] = new
@@ -185,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"row-variants-{triton.__version__}.json"
     path.write_text(json.dumps(dict(meta=meta, variants={v: s for v, s in args.variant}, rows=rows,
-                                     tuned_picks=picks), indent=1))
+                                     tuned_picks=picks, unfit=unfit), indent=1))
     print(f"\n{meta['device']}, torch {meta['torch']}, Triton {triton.__version__}; medians of {args.rounds} rounds (ms)")
     print("| row | " + " | ".join(names) + " |")
     for r in wanted:
@@ -195,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r} | " + " | ".join(cells) + " |")
     for name, new in picks.items():
         print(f"tuned picks, {name}: {', '.join(new)}")
+    for name, why in unfit.items():
+        print(f"cannot run, {name}: {why}")
     print(f"wrote {path}")
     return 0
 
