@@ -253,6 +253,28 @@ def test_dkdv_query_blocks_fit_the_scratch_padding():
     assert all(int(kernels.STATS_ALIGN) % m == 0 for m in blocks), sorted(blocks)
 
 
+@pytest.mark.parametrize("features", [dict(causal=True), dict(window=(5, 3), softcap=20.0),
+                                      dict(causal=True, dropout_p=0.3)], ids=str)
+def test_split_dkdv_matches_one_launch(monkeypatch, features):
+    """dK/dV as two launches (dV, then dK: `config.dkdv_parts`) gives what one launch gives, GQA and
+    masks, dropout's regenerated mask included; causal also against float64."""
+    shape, dtype = (1, 4, 2, 37, 45, 40), torch.float32
+    inputs = make(shape, dtype)
+
+    def grads(split):
+        monkeypatch.setattr(fk_config, "DKDV_SPLIT_HEAD_DIMS", (64,) if split else ())
+        monkeypatch.setattr(plan, "BOUND", PlanCache())
+        out = attention(*inputs, generator=torch.Generator(inputs[0].device).manual_seed(3), **features)
+        return torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+    assert fk_config.dkdv_parts(40) == (0,) and fk_config.dkdv_parts(256) == (1, 2)
+    one, two = grads(False), grads(True)
+    for name, a, b in zip("qkv", one, two, strict=True):
+        testing.assert_close(f"grad {name}", b, a, dtype)
+    if features == dict(causal=True):  # the split launches (still patched on) against float64
+        check(lambda q, k, v: attention(q, k, v, causal=True), inputs, dtype, True)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_descriptors_on_odd_strides(causal):
     """Host TMA descriptors: a dim of one entry may carry any stride (the descriptor gets a valid
@@ -323,6 +345,11 @@ HOPPER_CASES = [
     ((1, 2, 2, 300, 700, 72), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 128), fk_mask.CAUSAL),
     ((1, 2, 1, 4096, 4096, 128), fk_mask.CAUSAL),
 ]
+# The forward's d256 build too (`config.GLUON_FORWARD_TILES`: 32 keys a step), padded from 192.
+HOPPER_FORWARD_CASES = HOPPER_CASES + [
+    ((1, 4, 2, 600, 600, 256), fk_mask.CAUSAL), ((1, 2, 1, 333, 700, 192), fk_mask.Mask(right=0, lower_right=True)),
+    ((1, 2, 2, 129, 77, 256), fk_mask.FULL),
+]
 # The 5-matmul backward's d64 build too (`config.GLUON_FUSED_HEAD_DIMS`).
 FUSED_CASES = HOPPER_CASES + [
     ((2, 4, 2, 1000, 1000, 64), fk_mask.FULL), ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL),
@@ -345,7 +372,7 @@ def switch(monkeypatch):
 @ON_GLUON_HOPPER
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape,mask", HOPPER_CASES, ids=str)
+@pytest.mark.parametrize("shape,mask", HOPPER_FORWARD_CASES, ids=str)
 def test_hopper_forward_matches_the_tl_kernels_and_float64(monkeypatch, shape, mask, dtype, layout):
     """The Gluon forward against float64, within the tl kernels' own error on the same inputs
     (their forced config runs tl), output and log-sum-exp; its launch ran."""
@@ -381,6 +408,7 @@ HOPPER_MASK_CASES = [
     ((2, 4, 2, 1000, 1000, 128), fk_mask.Mask(softcap=30.0)),
     ((1, 4, 2, 1000, 1000, 128), fk_mask.Mask(left=255, right=0, softcap=5.0)),
     ((1, 2, 2, 300, 700, 72), fk_mask.Mask(right=0, lower_right=True, softcap=20.0)),
+    ((1, 4, 2, 600, 600, 256), fk_mask.Mask(left=100, right=37)), ((1, 2, 1, 333, 500, 200), fk_mask.Mask(softcap=20.0)),
 ]
 
 
@@ -605,6 +633,7 @@ def test_hopper_forward_gate(monkeypatch, switch):
     assert not hopper.takes(q.float(), q.float(), q.float(), fk_mask.CAUSAL, 0.1)
     assert not hopper.takes(q, q, q, fk_mask.Mask(left=8, right=0), 0.1)
     assert not hopper.takes(q, q, q, fk_mask.CAUSAL, -0.1)
+    assert hopper.forward_tiles(72) == (128, 3) and hopper.forward_tiles(192) == (32, 3)
     # Windows and softcaps only on the releases listed (a Hopper GPU assumed, to reach the gate here).
     monkeypatch.setattr(hopper, "_on_hopper", lambda *tensors: True)
     for releases, taken in (((), False), ((backend.triton_release(),), True), (((0, 1),), False)):

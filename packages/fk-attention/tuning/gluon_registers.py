@@ -101,14 +101,13 @@ def main() -> None:
     common = dict(HEAD_DIM=D, CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS,
                   PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
     print(f"triton {triton.__version__}, sm_90a, bf16, d{D}")
-    fwd_descriptors = [descriptor(q, r) for r in (fk_config.GLUON_ROWS, fk_config.GLUON_BLOCK_N, fk_config.GLUON_BLOCK_N,
-                                                  fk_config.GLUON_ROWS)]
+    block_n, stages = hopper.forward_tiles(D)
+    fwd_descriptors = [descriptor(q, r) for r in (fk_config.GLUON_ROWS, block_n, block_n, fk_config.GLUON_ROWS)]
 
     def forward(mask):
         builds, args = hopper.forward_mask_args(mask, 0.1)
         return hopper.attn_fwd_hopper_kernel.warmup(*fwd_descriptors, rows, *args[:2], N, N, H, 1, 0, *args[2:], H * N, N,
-                                                    **builds, BLOCK_N=fk_config.GLUON_BLOCK_N,
-                                                    STAGES=fk_config.GLUON_STAGES, **common)
+                                                    **builds, BLOCK_N=block_n, STAGES=stages, **common)
 
     for name, mask in (("window", Mask(left=100, right=37)), ("softcap", Mask(softcap=30.0)),
                        ("window + softcap", Mask(left=255, right=0, softcap=5.0))):  # `config.GLUON_FORWARD_MASKS`

@@ -44,13 +44,15 @@ def kernel_ms(fn, calls: int = 5) -> str:
 
 def tl_only(fn):
     """fn's result with the Gluon kernels off (the tl plan, tuned once)."""
-    head_dims, hopper.GLUON_HEAD_DIMS = hopper.GLUON_HEAD_DIMS, ()  # what hopper.serves and takes read
+    head_dims, hopper.GLUON_HEAD_DIMS = hopper.GLUON_HEAD_DIMS, ()  # what hopper.serves reads
     fused, fk_config.GLUON_FUSED_HEAD_DIMS = fk_config.GLUON_FUSED_HEAD_DIMS, ()  # and fused_serves
+    tiles, fk_config.GLUON_FORWARD_TILES = fk_config.GLUON_FORWARD_TILES, ()  # and takes
     plan.BOUND.clear()
     try:
         return fn()
     finally:
         hopper.GLUON_HEAD_DIMS, fk_config.GLUON_FUSED_HEAD_DIMS = head_dims, fused
+        fk_config.GLUON_FORWARD_TILES = tiles
         plan.BOUND.clear()
 
 

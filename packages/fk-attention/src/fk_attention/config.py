@@ -108,15 +108,26 @@ def _configs(*rows: tuple[int, int, int, int]) -> tuple[Config, ...]:
 
 # Defaults (fixed launches on a GPU), by padded head dim then element size: (max head dim,
 # {kind: config}); first match wins.
-# 16-bit head dims 64 and 128: the winners of the H100 sweeps (TUNING.md); the rest are priors.
+# 16-bit head dims 64 and 128: the winners of the H100 sweeps; 256 the H200's on Triton 3.8 (TUNING.md).
 DEFAULTS_16BIT = (
     (64, {Kind.FORWARD: Config(64, 128, 4, 2), Kind.DQ: Config(128, 64, 4, 3),
           Kind.DKDV: Config(64, 64, 4, 3)}),
     (128, {Kind.FORWARD: Config(128, 64, 4, 2), Kind.DQ: Config(128, 64, 8, 3),
            Kind.DKDV: Config(64, 128, 8, 2)}),
-    (256, {Kind.FORWARD: Config(64, 64, 4, 2), Kind.DQ: Config(64, 32, 4, 2),
-           Kind.DKDV: Config(32, 64, 4, 2)}),
+    (256, {Kind.FORWARD: Config(128, 32, 8, 3), Kind.DQ: Config(128, 32, 8, 3),
+           Kind.DKDV: Config(32, 128, 8, 3)}),
 )
+
+# Padded head dims whose dK/dV kernel runs as two launches, dV then dK (`dkdv_parts`): one fp32
+# accumulator a program where both spilled (d256: 5 matmuls for 4, the backward 0.44x the time in
+# 16 bits, 0.78x in fp32, on 3.8; TUNING.md: Head dim 256).
+DKDV_SPLIT_HEAD_DIMS = (256,)
+
+
+def dkdv_parts(head_dim: int) -> tuple[int, ...]:
+    """The dK/dV kernel's PART constexprs, launched in order: (0,) both at once; (1, 2) dV, then dK."""
+    return (1, 2) if layout.padded_head_dim(head_dim) in DKDV_SPLIT_HEAD_DIMS else (0,)
+
 
 # Masked walks, 16-bit, by padded head dim (exact): two-sided windows of at most WINDOW_MAX_SPAN keys
 # (their walks are as long as the window, not the sequence), packed sequences and softcapped scores
@@ -165,9 +176,9 @@ CANDIDATES = (
         Kind.DKDV: _configs((64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)),
     }),
     (256, {
-        Kind.FORWARD: _configs((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)),
-        Kind.DQ: _configs((64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2)),
-        Kind.DKDV: _configs((32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 1)),
+        Kind.FORWARD: _configs((128, 32, 8, 3), (128, 32, 8, 4), (64, 32, 4, 3)),
+        Kind.DQ: _configs((128, 32, 8, 3), (64, 64, 4, 2), (128, 32, 8, 2)),
+        Kind.DKDV: _configs((32, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 2)),
     }),
 )
 
@@ -335,18 +346,20 @@ APPEND_ROWS = 16
 # ---- Hopper kernels in Gluon (hopper.py) -------------------------------------------------------
 
 
-# Padded head dims taken: 128 beat the tl kernels by 7-33%; 64 and 256 lost to them (TUNING.md).
+# Padded head dims whose dK/dV runs here (the forward's are `GLUON_FORWARD_TILES`'): 128.
 GLUON_HEAD_DIMS = (128,)
 # Triton releases whose Gluon forward takes windows and softcaps too, where timed against the tl kernel
 # (window 1024 0.90x / 0.91x, softcap 50 0.76x / 0.80x its time on 3.6 / 3.8, TUNING.md: Hopper
 # forward); 3.7 and 3.9 keep the tl kernel for them until timed there.
 GLUON_FORWARD_MASKS = ((3, 6), (3, 8))
 
-# Query rows per consumer warpgroup (two per program), keys per step, K/V ring stages, the
-# consumers' registers after the producer warp gives its own back (240: no spills at d128).
+# The forward's padded head dims, each with its keys per step and K/V ring stages, (head dim,
+# BLOCK_N, STAGES): d128 beat the tl kernel by 7-33% (d64 lost to it); d256 0.88x its time with 32
+# keys (64: 0.91x; 128 overflows the shared memory), 3 stages (TUNING.md: Hopper forward).
+GLUON_FORWARD_TILES = ((128, 128, 3), (256, 32, 3))
+# Query rows per consumer warpgroup (two per program), the consumers' registers after the producer
+# warp gives its own back (240: no spills at d128).
 GLUON_ROWS = 64
-GLUON_BLOCK_N = 128
-GLUON_STAGES = 3
 GLUON_CONSUMER_REGISTERS = 240
 GLUON_PRODUCER_REGISTERS = 24
 

@@ -21,8 +21,8 @@ dim over all the program's keys and adds it into an fp32 sum with a TMA reduce-a
 
 Taken for what they were built and measured on (TUNING.md: Hopper forward, Hopper backward): an
 H100-class GPU (compute capability 9.x), the Triton versions in `fk_runtime.gluon.VERSIONS` (whose
-names for Gluon's API the kernels use), fp16/bf16, head dims padded to `config.GLUON_HEAD_DIMS` (the
-5-matmul backward: `GLUON_FUSED_HEAD_DIMS`), full or causal masks (either alignment), no softcap,
+names for Gluon's API the kernels use), fp16/bf16, head dims padded to `config.GLUON_FORWARD_TILES`'
+(the forward), `GLUON_HEAD_DIMS` (dK/dV) and `GLUON_FUSED_HEAD_DIMS` (the 5-matmul backward), full or causal masks (either alignment), no softcap,
 dense (B, H, N, D) tensors whose strides a TMA descriptor takes and whose bases are aligned (checked
 per call); the forward only for a positive scale. Everything else, and any Triton where Gluon or
 this API is missing, runs the `tl` kernels (`kernels.py`), which stay the reference the GPU tests
@@ -40,8 +40,8 @@ from fk_runtime.gluon import (fence_async_shared, gl, gluon, mbarrier, reinterpr
 from fk_runtime.launch import Descriptor, Launch
 
 from . import config, kernels
-from .config import (GLUON_BLOCK_N, GLUON_BWD_STAGES, GLUON_CONSUMER_REGISTERS, GLUON_HEAD_DIMS, GLUON_KEYS,
-                     GLUON_PRODUCER_REGISTERS, GLUON_Q_ROWS, GLUON_ROWS, GLUON_STAGES, PREP_ROWS)
+from .config import (GLUON_BWD_STAGES, GLUON_CONSUMER_REGISTERS, GLUON_HEAD_DIMS, GLUON_KEYS,
+                     GLUON_PRODUCER_REGISTERS, GLUON_Q_ROWS, GLUON_ROWS, PREP_ROWS)
 from .layout import descriptor_strides, descriptors_may_serve, padded_head_dim
 from .mask import Mask
 
@@ -57,8 +57,8 @@ def _on_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: tup
 
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
-    """Whether dense attention of these tensors runs here, forward and dK/dV (bases are checked per
-    call): full or causal masks."""
+    """Whether the dK/dV of dense attention of these tensors runs here (bases are checked per call):
+    full or causal masks."""
     return mask.full_or_causal and _on_hopper(q, k, v, GLUON_HEAD_DIMS)
 
 
@@ -66,7 +66,13 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scal
     """Whether the forward of these tensors runs here: the row max is taken on unscaled scores, so
     the scale must be positive; windows and softcaps too on the releases in `config.GLUON_FORWARD_MASKS`."""
     return sm_scale > 0 and (mask.full_or_causal or backend.triton_release() in config.GLUON_FORWARD_MASKS) \
-        and _on_hopper(q, k, v, GLUON_HEAD_DIMS)
+        and _on_hopper(q, k, v, tuple(row[0] for row in config.GLUON_FORWARD_TILES))
+
+
+def forward_tiles(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, STAGES) of the forward at this head dim (`config.GLUON_FORWARD_TILES`)."""
+    padded = padded_head_dim(head_dim)
+    return next((block_n, stages) for dim, block_n, stages in config.GLUON_FORWARD_TILES if dim == padded)
 
 
 def forward_mask_args(mask: Mask, sm_scale: float) -> tuple[dict, tuple]:
@@ -586,12 +592,13 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
-    layouts = _descriptors((q, k, v, out), (GLUON_ROWS, GLUON_BLOCK_N, GLUON_BLOCK_N, GLUON_ROWS), padded, q.dtype)
+    block_n, stages = forward_tiles(d)
+    layouts = _descriptors((q, k, v, out), (GLUON_ROWS, block_n, block_n, GLUON_ROWS), padded, q.dtype)
     builds, (qk_scale, cap_scale, left, right) = forward_mask_args(mask, sm_scale)
     launch = Launch(attn_fwd_hopper_kernel, (sizing.cdiv(n_q, 2 * GLUON_ROWS) * b * hq,),
                     (qk_scale, cap_scale, n_q, n_k, hq, hq // hk, int(mask.lower_right) * (n_k - n_q), left, right,
                      *lse_strides),
-                    {**builds, "BLOCK_N": GLUON_BLOCK_N, "HEAD_DIM": padded, "STAGES": GLUON_STAGES,
+                    {**builds, "BLOCK_N": block_n, "HEAD_DIM": padded, "STAGES": stages,
                      "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "num_warps": 4}, q.device)
 

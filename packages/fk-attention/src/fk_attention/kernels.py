@@ -541,11 +541,12 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, 
                 qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, sdon, sdod,
                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr,
                 BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-                USE_DESC: tl.constexpr, PRECISION: tl.constexpr):
+                USE_DESC: tl.constexpr, PRECISION: tl.constexpr, PART: tl.constexpr):
     """dV += P^T dO and dK += dS^T Q over the query blocks [lo, hi), computed transposed (keys as
-    rows) so that the key block's accumulators never move. MASKED walks apply the window and check
-    rows. Rows past n_q meet the scratch's padding, lse2 = +inf: zero weight, no row mask (dense
-    ones read q = dO = 0 there; packed descriptor tiles read the next sequence's)."""
+    rows) so that the key block's accumulators never move (PART 1: dV alone, 2: dK alone, 0: both).
+    MASKED walks apply the window and check rows. Rows past n_q meet the scratch's padding, lse2 =
+    +inf: zero weight, no row mask (dense ones read q = dO = 0 there; packed descriptor tiles read
+    the next sequence's)."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -567,17 +568,20 @@ def _dkdv_steps(dk, dv, k, v, q_src, do_src, b, h, lse2_row, delta_row, lo, hi, 
         do = _load(do_src, b, h, start_m, n_q, sdon, sdod, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, MASKED)
         if DROPOUT:  # transposed: key j as the row, query i as the column
             kept = dropout_scale(seed, dropout_p, bh, offs_m[None, :], offs_n[:, None])
-            dv = tl.dot((pt * kept).to(do.dtype), do, dv, input_precision=PRECISION)
-        else:
-            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
-        delta = tl.load(delta_row + offs_m)
-        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        if DROPOUT:
-            dpt = dpt * kept
-        dst = pt * (dpt - delta[None, :])
-        if SOFTCAP:
-            dst = dst * (1.0 - tt * tt)
-        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
+        if PART != 2:
+            if DROPOUT:
+                dv = tl.dot((pt * kept).to(do.dtype), do, dv, input_precision=PRECISION)
+            else:
+                dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
+        if PART != 1:
+            delta = tl.load(delta_row + offs_m)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            if DROPOUT:
+                dpt = dpt * kept
+            dst = pt * (dpt - delta[None, :])
+            if SOFTCAP:
+                dst = dst * (1.0 - tt * tt)
+            dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
@@ -588,14 +592,17 @@ def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr
                 sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd, sdvn, sdvd, ssb, ssh,
                 WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
                 HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dK and dV of keys [start_n, start_n + BLOCK_N) of KV head hk, summed over its query heads.
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr):
+    """dK and dV (PART 1: dV alone, 2: dK alone) of keys [start_n, start_n + BLOCK_N) of KV head hk,
+    summed over its query heads.
     Per query head three walks: the window's edges (masked, rows checked) around the blocks
     that see every key (no mask); without a window the last partial block is the masked walk
     (TMA zero-fills it, so the dense descriptor path folds it into the unmasked one). b: the batch
     index; bq, bk: what descriptor loads take (`_fwd_block`)."""
     k = _load(k_src, bk, hk, start_n, n_k, skn, skd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
-    v = _load(v_src, bk, hk, start_n, n_k, svn, svd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
+    v = k  # unread by PART 1
+    if PART != 1:
+        v = _load(v_src, bk, hk, start_n, n_k, svn, svd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, True)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     dk = tl.zeros((BLOCK_N, HEAD_DIM_PADDED), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM_PADDED), tl.float32)
@@ -613,15 +620,17 @@ def _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr
         if WINDOW:
             dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, lo, full_lo, offs_n, n_q,
                                  shift, left, right, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, sdon, sdod, WINDOW,
-                                 SOFTCAP, ALIBI, DROPOUT, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+                                 SOFTCAP, ALIBI, DROPOUT, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, PART)
         dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, full_lo, full_hi, offs_n, n_q,
                              shift, left, right, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, sdon, sdod, WINDOW,
-                             SOFTCAP, ALIBI, DROPOUT, False, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
+                             SOFTCAP, ALIBI, DROPOUT, False, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, PART)
         dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, bq, h, lse2_row, delta_row, full_hi, hi, offs_n, n_q,
                              shift, left, right, qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, sdon, sdod, WINDOW,
-                             SOFTCAP, ALIBI, DROPOUT, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION)
-    _store(dk_dst, dk * sm_scale, bk, hk, start_n, n_k, sdkn, sdkd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
-    _store(dv_dst, dv, bk, hk, start_n, n_k, sdvn, sdvd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
+                             SOFTCAP, ALIBI, DROPOUT, True, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, PART)
+    if PART != 1:
+        _store(dk_dst, dk * sm_scale, bk, hk, start_n, n_k, sdkn, sdkd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
+    if PART != 2:
+        _store(dv_dst, dv, bk, hk, start_n, n_k, sdvn, sdvd, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC)
 
 
 @triton.jit(do_not_specialize=LENGTHS)
@@ -633,10 +642,11 @@ def attn_bwd_dkdv_kernel(
     n_q_key, n_k_key, bh_key, dtype_key,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr, USE_DESC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, REST: tl.constexpr,
+    BLOCK_N: tl.constexpr, REST: tl.constexpr, PART: tl.constexpr = 0,
 ):
     """dK and dV of one key block of one KV head, summed over every query head of its GQA group
-    inside this program: no atomics, the same bits every run. Sequences as in the forward, except
+    inside this program: no atomics, the same bits every run. PART 1 computes dV alone, 2 dK alone:
+    two launches of one accumulator each, where two would not fit the registers (`config.dkdv_parts`). Sequences as in the forward, except
     that a packed sequence longer than the grid's n_k has its further blocks walked by a second
     launch (REST), one program per sequence and KV head looping over them: a loop around the block
     here would cost every call, and a REST grid as large as the first one costs 8-15 us of programs
@@ -665,7 +675,7 @@ def attn_bwd_dkdv_kernel(
                         n_q_b, n_k_b, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
                         alibi_ptr, sab, sah, seed, dropout_p, sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn,
                         sdkd, sdvn, sdvd, ssb, ssh, WINDOW, SOFTCAP, ALIBI, DROPOUT, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
-                        BLOCK_M, BLOCK_N)
+                        BLOCK_M, BLOCK_N, PART)
     elif VARLEN:
         if block * BLOCK_N < n_k_b:
             _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, q_first, k_first, hk,
@@ -673,13 +683,13 @@ def attn_bwd_dkdv_kernel(
                         n_q_b, n_k_b, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
                         alibi_ptr, sab, sah, seed, dropout_p, sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn,
                         sdkd, sdvn, sdvd, ssb, ssh, WINDOW, SOFTCAP, ALIBI, DROPOUT, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION,
-                        BLOCK_M, BLOCK_N)
+                        BLOCK_M, BLOCK_N, PART)
     else:
         _dkdv_block(q_ptr, k_src, v_src, do_ptr, dk_dst, dv_dst, lse2_ptr, delta_ptr, b, b, b, hk, q_first,
                     block * BLOCK_N, n_q, n_k, n_heads_k, group, shift, left, right, sm_scale, qk_scale, cap_scale,
                     alibi_ptr, sab, sah, seed, dropout_p, sqb, sqh, sqn, sqd, skn, skd, svn, svd, sdob, sdoh, sdon, sdod, sdkn, sdkd,
                     sdvn, sdvd, ssb, ssh, WINDOW, SOFTCAP, ALIBI, DROPOUT, VARLEN, HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M,
-                    BLOCK_N)
+                    BLOCK_N, PART)
 
 
 @triton.jit(do_not_specialize=["n_q", "slb", "slh", "sdlb", "sdlh"])

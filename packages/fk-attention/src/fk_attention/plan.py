@@ -44,7 +44,7 @@ from fk_runtime.launch import FP_FUSION, Descriptor, Launch, PlanCache, bind_con
 from . import hopper, kernels
 from .config import (AUTOTUNE_DTYPES, AUTOTUNE_ENV, AUTOTUNE_MIN_SCORES, AUTOTUNE_WARMUP_MS, CACHE_SIZE,
                      KEY_ARGS, KEY_MAX_HEADS, KEY_MAX_LENGTH, KEY_MIN_LENGTH, TAIL_COLS, TAIL_ROWS, Config, Kind,
-                     candidates, default_config, forward_meta, hip_waves_per_eu, launch_options, window_build)
+                     candidates, default_config, dkdv_parts, forward_meta, hip_waves_per_eu, launch_options, window_build)
 from .layout import (FP8_DTYPES, Packing, alibi_strides, bases_aligned, check_alibi, check_backward, check_bounds,
                      check_inputs,
                      descriptor_strides, descriptors_may_serve, fit, fp8_supported, heads_inside_tokens,
@@ -254,7 +254,7 @@ class Kernel:
             descriptors_may_serve(device, operands))
         self.layouts = tuple((list(t.shape), descriptor_strides(t)) for t in operands)
         self.tuning_key = (kind, self.head_dim, meta["WINDOW"], meta["SOFTCAP"], meta["VARLEN"],
-                           meta.get("HAS_DLSE"), tail[-4:], device.index)
+                           meta.get("HAS_DLSE"), meta.get("PART", 0), tail[-4:], device.index)
         self.launches: dict = {}
         self.rest = "REST" in meta and meta["VARLEN"]
 
@@ -588,13 +588,14 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
          *(s for t in (q_, k_, v_, out_, go_) for s in kernel_strides(t, varlen)), *dlse_strides,
          *kernel_strides(dq, varlen), *lse_strides, *scratch_strides, *alibi_strides(alibi), *keys),
         {**meta, "HAS_DLSE": has_dlse, "REST": False}, dtype, tune, descriptors, dq_config, device, mask.span)
-    dkdv_kernel = Kernel(
+    dkdv_kernels = [Kernel(
         kernels.attn_bwd_dkdv_kernel, Kind.DKDV, n_k, b * hk, _inputs_only(DKDV_TILES, (6, 7) if varlen else ()),
         (q_, k_, v_, go_, lse2, delta, dk, dv),
         (sm_scale, softcap, n_q, n_k, hk, hq // hk, lower_right, left, right, *totals,
          *(s for t in (q_, k_, v_, go_, dk, dv) for s in kernel_strides(t, varlen)), *scratch_strides,
          *alibi_strides(alibi), *keys),
-        {**meta, "REST": False}, dtype, tune, descriptors, dkdv_config, device, mask.span)
+        {**meta, "REST": False, "PART": part}, dtype, tune, descriptors, dkdv_config, device, mask.span)
+        for part in dkdv_parts(d)]
 
     as_given = all(oks) and not expanded
     # Packed rows past the last sequence: gradient 0 (their outputs are 0 whatever their inputs).
@@ -634,7 +635,8 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
         if aligned and gluon is not None:
             gluon(q, k, v, grad_out, lse2, delta, dk, dv)
         else:
-            dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k, alibi, *drop)
+            for dkdv_kernel in dkdv_kernels:
+                dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k, alibi, *drop)
         if tails is not None:
             tails[0](grads[0], cu_q)
             tails[1](grads[1], grads[2], cu_k)
