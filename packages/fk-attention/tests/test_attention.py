@@ -275,6 +275,29 @@ def test_split_dkdv_matches_one_launch(monkeypatch, features):
         check(lambda q, k, v: attention(q, k, v, causal=True), inputs, dtype, True)
 
 
+@pytest.mark.skipif(testing.on_gpu(), reason="counts the tuner's runs under a fake timer: the interpreter's")
+def test_split_dkdv_parts_tune_apart(monkeypatch, tmp_path):
+    """Autotuned, the dV and dK launches each time every candidate and keep a pick of their own."""
+    monkeypatch.setenv(plan.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(plan, "_WINNER_FILES", {})
+    monkeypatch.setattr(fk_config, "DKDV_SPLIT_HEAD_DIMS", (64,))
+    monkeypatch.setattr(plan, "should_autotune", lambda *args: True)
+    runs = []
+    real = plan.autotuned
+
+    def with_fake_timer(kernel, kind, head_dim, descriptors, varlen):
+        tuned = real(kernel, kind, head_dim, descriptors, varlen)
+        tuned.__dict__["do_bench"] = lambda call, quantiles: (call(), runs.append(kind), [1.0] * 3)[2]
+        return tuned
+
+    monkeypatch.setattr(plan, "autotuned", with_fake_timer)
+    inputs = make((1, 2, 1, 50, 50, 40), torch.float16)
+    check(lambda q, k, v: attention(q, k, v, causal=True), inputs, torch.float16, True)
+    dkdv = fk_config.Kind.DKDV
+    assert runs.count(dkdv) == 2 * len(fk_config.candidates(dkdv, 40, True))
+    assert sorted(key[0][6] for key in plan.WINNERS if key[0][0] is dkdv) == [1, 2]
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_descriptors_on_odd_strides(causal):
     """Host TMA descriptors: a dim of one entry may carry any stride (the descriptor gets a valid

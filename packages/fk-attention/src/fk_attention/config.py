@@ -42,7 +42,7 @@ AUTOTUNE_WARMUP_MS = 100
 KEY_MIN_LENGTH = 128
 KEY_MAX_LENGTH = 16384
 KEY_MAX_HEADS = 1024
-KEY_ARGS = ["n_q_key", "n_k_key", "bh_key", "dtype_key", "WINDOW", "SOFTCAP", "VARLEN", "HEAD_DIM"]
+KEY_ARGS = ["n_q_key", "n_k_key", "bh_key", "dtype_key", "WINDOW", "SOFTCAP", "VARLEN", "HEAD_DIM", "PART"]
 
 # Windows unbounded on the left (causal's) compile without that side's compares (the kernels'
 # WINDOW 1) from this Triton on: the d64 forward tile then holds 157 registers on 3.8 and 3.9 (181

@@ -89,9 +89,10 @@ def _prune(configs, named_args, **kwargs):
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def autotuned(kernel, kind: Kind, head_dim: int, descriptors: bool, varlen: bool):
     """`kernel` (a @triton.jit function) autotuned over this head dim's candidates. One tuner per
-    (kernel, head dim, descriptors allowed, packed): the candidates differ. The kernel takes the
-    KEY_ARGS; BLOCK_M, BLOCK_N and USE_DESC come from the configs, and with descriptors each
-    config sizes the descriptors' tiles before it runs (`fit_descriptors`)."""
+    (kernel, head dim, descriptors allowed, packed): the candidates differ. Its key: the KEY_ARGS
+    the kernel takes (dK/dV's PART, so that its two launches tune apart); BLOCK_M, BLOCK_N and
+    USE_DESC come from the configs, and with descriptors each config sizes the descriptors' tiles
+    before it runs (`fit_descriptors`)."""
     import triton
 
     configs = []
@@ -101,7 +102,8 @@ def autotuned(kernel, kind: Kind, head_dim: int, descriptors: bool, varlen: bool
             meta["waves_per_eu"] = hip_waves_per_eu(head_dim)
         configs.append(triton.Config(meta, num_warps=c.num_warps, num_stages=c.num_stages,
                                      pre_hook=fit_descriptors if descriptors else None))
-    options = {"configs": configs, "key": KEY_ARGS, "prune_configs_by": {"early_config_prune": _prune}}
+    key = [name for name in KEY_ARGS if name in kernel.arg_names]
+    options = {"configs": configs, "key": key, "prune_configs_by": {"early_config_prune": _prune}}
     if "do_bench" in inspect.signature(triton.autotune).parameters:
         options["do_bench"] = functools.partial(timing.do_bench, warmup_ms=AUTOTUNE_WARMUP_MS)
     # Triton >= 3.3 can keep tuning results on disk, a shape then tuning once across processes:
