@@ -10,10 +10,13 @@ helper returning a float constant on one branch and a tensor on the other. This 
    kernel's `do_not_specialize`). The tiles are the interpreter's, not the GPU's defaults: this
    checks that each constexpr combination compiles, not what it costs.
 
-    bash shared/from-source.sh python e2e/offline_compile.py [--ops attention norms softmax weightedsum]
-        [--registers [KERNEL ...]]
+    bash shared/from-source.sh python e2e/offline_compile.py [--ops attention attention-d256 norms softmax
+        weightedsum] [--registers [KERNEL ...]] [--tiles]
 
-It prints one line per launch and exits 1 if any fails to compile.
+It prints one line per launch and exits 1 if any fails to compile. `--tiles`: the prefill kernels'
+launches compiled at each autotune candidate of their head dim (`fk_attention.config.candidates`,
+pointer loads) instead, each with its registers and spills: what a tile costs in registers before a
+GPU times it (`--ops attention-d256`: a causal fwd+bwd at head dim 256, fp16).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import subprocess
 import sys
 import tempfile
 
-OPS = ("attention", "norms", "softmax", "weightedsum")
+OPS = ("attention", "attention-d256", "norms", "softmax", "weightedsum")
+# The prefill kernels `--tiles` compiles at their candidates, by the config kind that sizes each.
+TILED = {"attn_fwd_kernel": "fwd", "attn_bwd_dq_kernel": "dq", "attn_bwd_dkdv_kernel": "dkdv"}
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "int32": "i32",
           "int64": "i64", "uint8": "u8"}
 
@@ -70,6 +75,10 @@ def _calls(ops) -> None:
             small = [torch.randn(60, 2, 5, 64, dtype=torch.float16) for _ in range(2)]
             fa.attention_varlen(torch.randn(42, 4, 64, dtype=torch.float16), *small, cu_q, cu_k, 40, 90,
                                 block_table=torch.arange(60, dtype=torch.int32).reshape(3, 20), softcap=5.0)
+    if "attention-d256" in ops:
+        import fk_attention as fa
+
+        fa.attention(g(1, 2, 80, 256), g(1, 2, 80, 256), g(1, 2, 80, 256), causal=True).sum().backward()
     x, w, b = g(8, 1000), g(1000), g(1000)
     if "norms" in ops:
         import fk_layernorm
@@ -181,6 +190,21 @@ def _resources(compiled) -> str:
     return "; ".join(usage) or (run.stdout + run.stderr).strip()[-200:]
 
 
+def _at_candidates(spec: str) -> list[str]:
+    """A recorded prefill launch at each autotune candidate of its head dim, through pointers (other
+    launches: none)."""
+    from fk_attention import config
+
+    module, name, args, meta = json.loads(spec)
+    if name not in TILED:
+        return []
+    out = []
+    for c in config.candidates(config.Kind(TILED[name]), meta["HEAD_DIM_PADDED"], False):
+        tiled = dict(meta, **c.meta(), num_warps=c.num_warps, num_stages=c.num_stages)
+        out.append(json.dumps([module, name, args, tiled], sort_keys=True))
+    return out
+
+
 def _child(args: list[str], interpret: bool) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}  # fixed when the kernels are defined
     return subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env, check=False)
@@ -193,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", help=argparse.SUPPRESS)
     parser.add_argument("--registers", nargs="*", metavar="KERNEL",
                         help="print registers, stack (spills) and shared memory of these kernels' launches (none named: all)")
+    parser.add_argument("--tiles", action="store_true",
+                        help="the prefill kernels at each autotune candidate of their head dim, with their registers")
     args = parser.parse_args(argv)
     if args.record:
         print(json.dumps(record(args.ops)))
@@ -201,12 +227,15 @@ def main(argv: list[str] | None = None) -> int:
         import triton
 
         launches, failed = json.loads(open(args.compile).read()), 0
+        if args.tiles:
+            launches = [tiled for spec in launches for tiled in _at_candidates(spec)]
+            args.registers = args.registers if args.registers is not None else []
         for spec in launches:
             _, name, _, meta = json.loads(spec)
             wanted = args.registers is not None and (not args.registers or name in args.registers)
             error = compile_one(spec, wanted)
             failed += error is not None
-            flags = {k: v for k, v in meta.items() if k.isupper()}
+            flags = {k: v for k, v in meta.items() if k.isupper() or k.startswith("num_")}
             print(("ok  " if error is None else "FAIL") + f" {name} {flags}" + ("" if error is None else f": {error}"))
         print(f"triton {triton.__version__}, sm_90: {len(launches)} launches, {failed} failed to compile")
         return 1 if failed else 0
@@ -217,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".json") as launches:
         launches.write(recorded.stdout.strip().splitlines()[-1])
         launches.flush()
-        extra = [] if args.registers is None else ["--registers", *args.registers]
+        extra = ([] if args.registers is None else ["--registers", *args.registers]) + ["--tiles"] * args.tiles
         compiled = _child(["--compile", launches.name, *extra], interpret=False)
     print(compiled.stdout + compiled.stderr[-3000:] * (compiled.returncode not in (0, 1)))
     return compiled.returncode

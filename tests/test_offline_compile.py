@@ -22,3 +22,28 @@ def test_a_launch_the_compiler_refuses_is_reported(e2e_script, tmp_path):
     compiled = script._child(["--compile", str(path)], interpret=False)
     assert compiled.returncode == 1, compiled.stderr[-2000:]
     assert "2 launches, 1 failed to compile" in compiled.stdout and f"FAIL {name}" in compiled.stdout
+
+
+def test_tiles_take_each_candidate_of_the_prefill_kernels(e2e_script):
+    """`--tiles`: each recorded prefill launch (d256 here, dK/dV's two launches among them) at every
+    autotune candidate of its head dim, through pointers; other launches none."""
+    from fk_attention import config
+
+    script = e2e_script("offline_compile")
+    recorded = script._child(["--record", "--ops", "attention-d256"], interpret=True)
+    launches = json.loads(recorded.stdout.strip().splitlines()[-1])
+    assert {json.loads(s)[1] for s in launches} >= set(script.TILED)
+    parts = set()
+    for spec in launches:
+        _, name, _, meta = json.loads(spec)
+        tiled = [json.loads(s)[3] for s in script._at_candidates(spec)]
+        if name not in script.TILED:
+            assert tiled == [], name
+            continue
+        want = config.candidates(config.Kind(script.TILED[name]), 256, False)
+        assert [(m["BLOCK_M"], m["BLOCK_N"], m["num_warps"], m["num_stages"]) for m in tiled] == \
+            [(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in want]
+        assert all(m["USE_DESC"] == 0 and m["HEAD_DIM_PADDED"] == 256 and m.get("PART") == meta.get("PART")
+                   for m in tiled)
+        parts.add(meta.get("PART"))
+    assert {1, 2} <= parts
