@@ -346,7 +346,7 @@ APPEND_ROWS = 16
 # ---- Hopper kernels in Gluon (hopper.py) -------------------------------------------------------
 
 
-# Padded head dims whose dK/dV runs here (the forward's are `GLUON_FORWARD_TILES`'): 128.
+# Padded head dims whose dK/dV runs in Gluon: 128 (the forward's: `GLUON_FORWARD_TILES`).
 GLUON_HEAD_DIMS = (128,)
 # Triton releases whose Gluon forward takes windows and softcaps too, where timed against the tl kernel
 # (window 1024 0.90x / 0.91x, softcap 50 0.76x / 0.80x its time on 3.6 / 3.8, TUNING.md: Hopper

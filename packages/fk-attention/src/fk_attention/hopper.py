@@ -20,13 +20,14 @@ dim over all the program's keys and adds it into an fp32 sum with a TMA reduce-a
 (`kernels.attn_bwd_prep_kernel` writes the row terms and clears the sum first; a cast ends it).
 
 Taken for what they were built and measured on (TUNING.md: Hopper forward, Hopper backward): an
-H100-class GPU (compute capability 9.x), the Triton versions in `fk_runtime.gluon.VERSIONS` (whose
-names for Gluon's API the kernels use), fp16/bf16, head dims padded to `config.GLUON_FORWARD_TILES`'
-(the forward), `GLUON_HEAD_DIMS` (dK/dV) and `GLUON_FUSED_HEAD_DIMS` (the 5-matmul backward), full or causal masks (either alignment), no softcap,
-dense (B, H, N, D) tensors whose strides a TMA descriptor takes and whose bases are aligned (checked
-per call); the forward only for a positive scale. Everything else, and any Triton where Gluon or
-this API is missing, runs the `tl` kernels (`kernels.py`), which stay the reference the GPU tests
-compare with.
+H100-class GPU (compute capability 9.x), the Triton versions in `fk_runtime.gluon.VERSIONS` (whose names
+for Gluon's API the kernels use), fp16/bf16, head dims padded to those of `config.GLUON_FORWARD_TILES`
+(the forward), `GLUON_HEAD_DIMS` (dK/dV) and `GLUON_FUSED_HEAD_DIMS` (the 5-matmul backward), full or
+causal masks (either alignment; the forward also windows and softcaps on the releases in
+`config.GLUON_FORWARD_MASKS`), dense (B, H, N, D) tensors whose strides a TMA descriptor takes and whose
+bases are aligned (checked per call); the forward only for a positive scale. Everything else, and any
+Triton where Gluon or this API is missing, runs the `tl` kernels (`kernels.py`), which stay the
+reference the GPU tests compare with.
 """
 
 from __future__ import annotations

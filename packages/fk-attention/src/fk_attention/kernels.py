@@ -645,12 +645,12 @@ def attn_bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr, REST: tl.constexpr, PART: tl.constexpr = 0,
 ):
     """dK and dV of one key block of one KV head, summed over every query head of its GQA group
-    inside this program: no atomics, the same bits every run. PART 1 computes dV alone, 2 dK alone:
-    two launches of one accumulator each, where two would not fit the registers (`config.dkdv_parts`). Sequences as in the forward, except
-    that a packed sequence longer than the grid's n_k has its further blocks walked by a second
-    launch (REST), one program per sequence and KV head looping over them: a loop around the block
-    here would cost every call, and a REST grid as large as the first one costs 8-15 us of programs
-    that exit at once (TUNING.md)."""
+    inside this program: no atomics, the same bits every run. PART 1 computes dV alone, 2 dK alone: two
+    launches of one accumulator each, where two would not fit the registers (`config.dkdv_parts`).
+    Sequences as in the forward, except that a packed sequence longer than the grid's n_k has its
+    further blocks walked by a second launch (REST), one program per sequence and KV head looping over
+    them: a loop around the block here would cost every call, and a REST grid as large as the first one
+    costs 8-15 us of programs that exit at once (TUNING.md)."""
     if VARLEN:
         tl.static_assert(BLOCK_M <= STATS_ALIGN, "packed dK/dV reads BLOCK_M scratch rows past a sequence")
     n_blocks = tl.cdiv(n_k, BLOCK_N)
