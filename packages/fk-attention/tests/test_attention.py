@@ -657,6 +657,7 @@ def test_hopper_forward_gate(monkeypatch, switch):
     assert not hopper.takes(q, q, q, fk_mask.Mask(left=8, right=0), 0.1)
     assert not hopper.takes(q, q, q, fk_mask.CAUSAL, -0.1)
     assert hopper.forward_tiles(72) == (128, 3) and hopper.forward_tiles(192) == (32, 3)
+    assert all(stages >= 2 for _, _, stages in fk_config.GLUON_FORWARD_TILES)  # one stage deadlocks
     # Windows and softcaps only on the releases listed (a Hopper GPU assumed, to reach the gate here).
     monkeypatch.setattr(hopper, "_on_hopper", lambda *tensors: True)
     for releases, taken in (((), False), ((backend.triton_release(),), True), (((0, 1),), False)):

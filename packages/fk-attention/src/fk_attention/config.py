@@ -355,7 +355,8 @@ GLUON_FORWARD_MASKS = ((3, 6), (3, 8))
 
 # The forward's padded head dims, each with its keys per step and K/V ring stages, (head dim,
 # BLOCK_N, STAGES): d128 beat the tl kernel by 7-33% (d64 lost to it); d256 0.88x its time with 32
-# keys (64: 0.91x; 128 overflows the shared memory), 3 stages (TUNING.md: Hopper forward).
+# keys (64: 0.91x; 128 overflows the shared memory), 3 stages (TUNING.md: Hopper forward). Two
+# stages at least: a consumer still reads step j - 1's V while it waits for step j's K.
 GLUON_FORWARD_TILES = ((128, 128, 3), (256, 32, 3))
 # Query rows per consumer warpgroup (two per program), the consumers' registers after the producer
 # warp gives its own back (240: no spills at d128).
