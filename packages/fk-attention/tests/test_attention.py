@@ -275,13 +275,9 @@ def test_split_dkdv_matches_one_launch(monkeypatch, features):
         check(lambda q, k, v: attention(q, k, v, causal=True), inputs, dtype, True)
 
 
-@pytest.mark.skipif(testing.on_gpu(), reason="counts the tuner's runs under a fake timer: the interpreter's")
-def test_split_dkdv_parts_tune_apart(monkeypatch, tmp_path):
-    """Autotuned, the dV and dK launches each time every candidate and keep a pick of their own."""
-    monkeypatch.setenv(plan.CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(plan, "_WINNER_FILES", {})
-    monkeypatch.setattr(fk_config, "DKDV_SPLIT_HEAD_DIMS", (64,))
-    monkeypatch.setattr(plan, "should_autotune", lambda *args: True)
+def _fake_tuner_timer(monkeypatch) -> list:
+    """The autotuner's timer replaced by one run of the candidate (the interpreter's stand-in):
+    the kinds of the candidates it ran, in order."""
     runs = []
     real = plan.autotuned
 
@@ -291,6 +287,17 @@ def test_split_dkdv_parts_tune_apart(monkeypatch, tmp_path):
         return tuned
 
     monkeypatch.setattr(plan, "autotuned", with_fake_timer)
+    return runs
+
+
+@pytest.mark.skipif(testing.on_gpu(), reason="counts the tuner's runs under a fake timer: the interpreter's")
+def test_split_dkdv_parts_tune_apart(monkeypatch, tmp_path):
+    """Autotuned, the dV and dK launches each time every candidate and keep a pick of their own."""
+    monkeypatch.setenv(plan.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(plan, "_WINNER_FILES", {})
+    monkeypatch.setattr(fk_config, "DKDV_SPLIT_HEAD_DIMS", (64,))
+    monkeypatch.setattr(plan, "should_autotune", lambda *args: True)
+    runs = _fake_tuner_timer(monkeypatch)
     inputs = make((1, 2, 1, 50, 50, 40), torch.float16)
     check(lambda q, k, v: attention(q, k, v, causal=True), inputs, torch.float16, True)
     dkdv = fk_config.Kind.DKDV
@@ -682,16 +689,7 @@ def test_autotuned_launch_runs_every_candidate(monkeypatch, tmp_path):
     monkeypatch.setattr(plan, "WINNERS", {})
     monkeypatch.setattr(plan, "_WINNER_FILES", {})
     plan.BOUND.clear()
-    runs = []
-    if not testing.on_gpu():
-        real = plan.autotuned
-
-        def with_fake_timer(kernel, kind, head_dim, descriptors, varlen):
-            tuned = real(kernel, kind, head_dim, descriptors, varlen)
-            tuned.__dict__["do_bench"] = lambda call, quantiles: (call(), runs.append(kind), [1.0] * 3)[2]
-            return tuned
-
-        monkeypatch.setattr(plan, "autotuned", with_fake_timer)
+    runs = [] if testing.on_gpu() else _fake_tuner_timer(monkeypatch)
     monkeypatch.setattr(plan, "should_autotune", lambda *args: True)
     monkeypatch.setattr(fk_config, "GLUON_FUSED_HEAD_DIMS", ())  # the tl backward, not Hopper's 5-matmul one
     dtype = torch.float16
