@@ -67,14 +67,18 @@ def _timed(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def _grad(*shape, dtype):
+    """A random CUDA tensor that requires grad."""
+    import torch
+
+    return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+
+
 def first_calls(op: str = "attention") -> list[dict]:
     """The first fwd+bwd in this process of attention (each dtype and head dim) or of one of NORM_OPS,
     ms; only the op's own package imported (as a user who needs only it)."""
     import torch
     import torch.nn.functional as F
-
-    def grad(*shape, dtype):
-        return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
 
     rows = []
     if op == "attention":
@@ -83,7 +87,7 @@ def first_calls(op: str = "attention") -> list[dict]:
         for dtype_name in DTYPES:
             dtype = getattr(torch, dtype_name)
             for d in HEAD_DIMS:
-                q, k, v = (grad(2, 8, 1024, d, dtype=dtype) for _ in range(3))
+                q, k, v = (_grad(2, 8, 1024, d, dtype=dtype) for _ in range(3))
                 rows.append({"op": "attention", "case": f"B2 H8 N1024 d{d} causal", "dtype": dtype_name,
                              "fk_ms": _timed(lambda q=q, k=k, v=v: fk_attention.attention(
                                  q, k, v, causal=True).sum().backward())})
@@ -105,8 +109,7 @@ def norm_calls(op: str) -> tuple:
     import torch.nn.functional as F
 
     package = importlib.import_module("fk_softmax" if op == "softmax" else "fk_layernorm")
-    x, w, b = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for shape in ((4096, 4096), (4096,), (4096,)))
+    x, w, b = (_grad(*shape, dtype=torch.bfloat16) for shape in ((4096, 4096), (4096,), (4096,)))
     return {
         "rms_norm": (lambda: package.rms_norm(x, w), lambda: F.rms_norm(x, (4096,), w)),
         "layer_norm": (lambda: package.layer_norm(x, w, b), lambda: F.layer_norm(x, (4096,), w, b)),
@@ -176,8 +179,7 @@ def packed_loop(seed: int = 0) -> dict:
         bounds = torch.cat([torch.tensor([0]), cuts, torch.tensor([TOKENS])]).to(torch.int32)
         longest = int((bounds[1:] - bounds[:-1]).max())
         cu = bounds.cuda()
-        q, k, v = (torch.randn(TOKENS, HEADS, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (_grad(TOKENS, HEADS, 128, dtype=torch.bfloat16) for _ in range(3))
         pauses.clear()
         times.append(_timed(lambda q=q, k=k, v=v, cu=cu, n=longest: fk_attention.attention_varlen(
             q, k, v, cu, cu, n, n, causal=True).sum().backward()))
