@@ -457,6 +457,31 @@ def test_hopper_forward_takes_windows_and_softcaps_where_switched_on(monkeypatch
     _assert_gluon_forward(q, k, v, mask, scale, out, lse)
 
 
+# d <= 128 cases of every mask the forward takes; uneven tile counts a program
+PERSISTENT_CASES = [case for case in HOPPER_CASES + HOPPER_MASK_CASES if case[0][-1] <= 128]
+
+
+@ON_GLUON_HOPPER
+@pytest.mark.parametrize("programs", [0, 1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,mask", PERSISTENT_CASES, ids=str)
+def test_hopper_forward_persistent_grid_runs_many_tiles_a_program(monkeypatch, switch, shape, mask, dtype, programs):
+    """The persistent forward (`config.GLUON_PERSISTENT_SEEN`, causal at any length) as if the GPU
+    had 1 or 3 multiprocessors: each program's K/V rings, Q buffers and output (in a V stage) run on
+    across many tiles, tiles without keys among them; 0: switched off, one tile a program. Against
+    float64 and the tl kernel."""
+    switch("GLUON_FORWARD_MASKS", (backend.triton_release(),))
+    switch("GLUON_PERSISTENT_SEEN", (0, 1, 2) if programs else ())
+    switch("GLUON_PERSISTENT_CAUSAL_N", 1 << 30)
+    monkeypatch.setattr(hopper.backend, "multiprocessor_count", lambda *args: programs)
+    ran = _hopper_launches(monkeypatch)
+    q, k, v = make(shape, dtype, requires_grad=False)
+    scale = 1 / math.sqrt(shape[-1])
+    out, lse = plan.forward(q, k, v, mask, scale)
+    assert len(ran) == 1
+    _assert_gluon_forward(q, k, v, mask, scale, out, lse)
+
+
 def test_forward_mask_args_match_the_tl_kernels_scales():
     """The Gluon forward's mask builds and scales (`hopper.forward_mask_args`): every key, causal, a
     window (an open side as `mask.UNBOUNDED`), a softcap with the tl kernels' `score_scales` (tanh

@@ -106,8 +106,11 @@ def main() -> None:
 
     def forward(mask):
         builds, args = hopper.forward_mask_args(mask, 0.1)
-        return hopper.attn_fwd_hopper_kernel.warmup(*fwd_descriptors, rows, *args[:2], N, N, H, 1, 0, *args[2:], H * N, N,
-                                                    **builds, BLOCK_N=block_n, STAGES=stages, **common)
+        return hopper.attn_fwd_hopper_kernel.warmup(*fwd_descriptors, rows, *args[:2], N, N, H, 1, 0, *args[2:],
+                                                    B * H * N // (2 * fk_config.GLUON_ROWS), H * N, N, **builds,
+                                                    BLOCK_N=block_n, STAGES=stages,
+                                                    PERSISTENT=builds["SEEN"] in fk_config.GLUON_PERSISTENT_SEEN,
+                                                    **common)
 
     for name, mask in (("window", Mask(left=100, right=37)), ("softcap", Mask(softcap=30.0)),
                        ("window + softcap", Mask(left=255, right=0, softcap=5.0))):  # `config.GLUON_FORWARD_MASKS`

@@ -358,6 +358,12 @@ GLUON_FORWARD_MASKS = ((3, 6), (3, 8))
 # keys (64: 0.91x; 128 overflows the shared memory), 3 stages (TUNING.md: Hopper forward). Two
 # stages at least: a consumer still reads step j - 1's V while it waits for step j's K.
 GLUON_FORWARD_TILES = ((128, 128, 3), (256, 32, 3))
+# Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) whose Gluon forward runs on a
+# persistent grid, a program a multiprocessor, where a V stage holds the output tile (d128): the
+# next tile's loads under this one's epilogue, 4-10% at N1024 (TUNING.md: Hopper forward). Causal
+# only up to GLUON_PERSISTENT_CAUSAL_N query rows: past it the static grid's last wave cost more.
+GLUON_PERSISTENT_SEEN = (0, 1, 2)
+GLUON_PERSISTENT_CAUSAL_N = 4096
 # Query rows per consumer warpgroup (two per program), the consumers' registers after the producer
 # warp gives its own back (240: no spills at d128).
 GLUON_ROWS = 64

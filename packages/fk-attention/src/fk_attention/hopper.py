@@ -99,26 +99,108 @@ def fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) 
 if gluon is not None:
 
     @gluon.jit
-    def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, b, hk, step, key_block, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr):
-        stage = step % STAGES
-        bar = ready.index(stage)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [b, hk, key_block * BLOCK_N, 0], bar, k_smem.index(stage))
-        tma_load(v_desc, [b, hk, key_block * BLOCK_N, 0], bar, v_smem.index(stage))
+    def _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left, right, SEEN: gl.constexpr, ROWS: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+        """(b, h, hk, start_m, first, full_lo, full_hi, n_steps) of a tile, 2 ROWS query rows of one
+        (batch, head) (causal: within a head, the blocks that see the most keys come first): key blocks
+        [first, first + n_steps), masked outside [full_lo, full_hi) (`kernels._key_range`'s bounds)."""
+        n_blocks = gl.cdiv(n_q, 2 * ROWS)
+        bh = tile // n_blocks
+        block = tile % n_blocks
+        if SEEN == 1:
+            block = n_blocks - 1 - block
+        b = bh // n_heads
+        h = bh % n_heads
+        start_m = block * 2 * ROWS
+        first = 0
+        full_lo = 0
+        end = n_k
+        full_hi = n_k // BLOCK_N
+        if SEEN == 1:
+            end = gl.minimum(n_k, gl.maximum(start_m + 2 * ROWS + shift, 0))
+            full_hi = gl.minimum(full_hi, gl.maximum(start_m + shift + 1, 0) // BLOCK_N)
+        if SEEN == 2:
+            first = gl.maximum(start_m + shift - left, 0) // BLOCK_N
+            end = gl.maximum(gl.minimum(n_k, start_m + 2 * ROWS + shift + right), first * BLOCK_N)
+            full_lo = gl.cdiv(gl.maximum(start_m + 2 * ROWS - 1 + shift - left, 0), BLOCK_N)
+            full_hi = gl.minimum(full_hi, gl.maximum(start_m + shift + right + 1, 0) // BLOCK_N)
+        return b, h, h // group, start_m, first, full_lo, full_hi, gl.cdiv(end, BLOCK_N) - first
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, b, h, hk, start_m,
-                  first, n_steps, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Both consumers' Q tiles, then K/V blocks first, first + 1, ... into the ring as its stages
-        free up."""
+    def _units(n_q, SEEN: gl.constexpr, ROWS: gl.constexpr):
+        """(query blocks a head, units a head) of a persistent grid's work: causal, a unit is a head's
+        r-th longest block and its r-th shortest, so that every unit holds about the same keys and a
+        static round robin balances the programs; otherwise a unit is a tile."""
+        n_blocks = gl.cdiv(n_q, 2 * ROWS)
+        if SEEN == 1:
+            half = (n_blocks + 1) // 2
+        else:
+            half = n_blocks
+        return n_blocks, half
+
+    @gluon.jit
+    def _unit_size(unit, n_blocks, half, SEEN: gl.constexpr):
+        """Tiles in a unit: 2, or 1 (not causal; the middle block of an odd count)."""
+        if SEEN == 1:
+            size = 2 - (2 * (unit % half) + 1 == n_blocks).to(gl.int32)
+        else:
+            size = 1
+        return size
+
+    @gluon.jit
+    def _unit_tile(unit, m, n_blocks, half):
+        """The m-th tile of a unit in `_fwd_tile`'s numbering (longest first within a head)."""
+        r = unit % half
+        return unit // half * n_blocks + r + m * (n_blocks - 1 - 2 * r)
+
+    @gluon.jit
+    def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, k_ready, k_empty,
+                      v_ready, v_empty, tile, j, step, n_q, n_k, n_heads, group, shift, left, right, SEEN: gl.constexpr,
+                      ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """The program's j-th tile: both consumers' Q tiles once they are done with the last tile's
+        (after its last Q K^T), then its K and V blocks into two rings from position `step` on, as
+        their stages free up; its first V waits until the last tile's output, which a persistent grid
+        puts in a V stage, has left. Returns the ring position after the tile."""
+        b, h, hk, start_m, first, full_lo, full_hi, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left,
+                                                                       right, SEEN, ROWS, BLOCK_N)
+        # a tile without keys: its output must not reach the V stage before the last one's has left
+        mbarrier.wait(o_free, (j & 1) ^ 1, pred=(j > 0) & (n_steps == 0))
         for i in gl.static_range(2):
+            mbarrier.wait(q_free.index(i), (j & 1) ^ 1, pred=j > 0)
             mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
             tma_load(q_desc, [b, h, start_m + i * ROWS, 0], q_bars.index(i), q_smem.index(i))
-        for step in range(n_steps):
-            # the first lap finds every stage free
-            mbarrier.wait(empty.index(step % STAGES), ((step // STAGES) & 1) ^ 1, pred=step >= STAGES)
-            _load_kv(k_desc, v_desc, k_smem, v_smem, ready, b, hk, step, first + step, BLOCK_N, STAGES)
+        for key_block in range(first, first + n_steps):
+            at = step + key_block - first
+            stage = at % STAGES
+            phase = ((at // STAGES) & 1) ^ 1  # the first lap finds every stage free
+            mbarrier.wait(k_empty.index(stage), phase, pred=at >= STAGES)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma_load(k_desc, [b, hk, key_block * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase, pred=at >= STAGES)
+            mbarrier.wait(o_free, (j & 1) ^ 1, pred=(j > 0) & (key_block == first))
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma_load(v_desc, [b, hk, key_block * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+        return step + n_steps
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, k_ready, k_empty, v_ready,
+                  v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN: gl.constexpr,
+                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+        if PERSISTENT:  # the rings run on across tiles
+            step = 0
+            j = 0
+            n_blocks, half = _units(n_q, SEEN, ROWS)
+            for unit in range(gl.program_id(0), n_tiles // n_blocks * half, gl.num_programs(0)):
+                for m in range(_unit_size(unit, n_blocks, half, SEEN)):
+                    step = _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free,
+                                         k_ready, k_empty, v_ready, v_empty, _unit_tile(unit, m, n_blocks, half), j,
+                                         step, n_q, n_k, n_heads, group, shift, left, right, SEEN, ROWS, BLOCK_N,
+                                         STAGES)
+                    j += 1
+        else:  # (no loop: one round spills nothing)
+            _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, k_ready, k_empty,
+                          v_ready, v_empty, gl.program_id(0), 0, 0, n_q, n_k, n_heads, group, shift, left, right, SEEN,
+                          ROWS, BLOCK_N, STAGES)
 
     @gluon.jit
     def _capped(s, cap_scale, SOFTCAP: gl.constexpr):
@@ -161,12 +243,17 @@ if gluon is not None:
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
-    def _consumer(o_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, lse_ptr, qk_scale, cap_scale, n_q, n_k,
-                  shift, left, right, first, full_lo, full_hi, n_steps, b, h, start_m, slb, slh, HALF: gl.constexpr,
-                  SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-        """One warpgroup's 64 rows: S_j = Q K_j^T issued, then P_{j-1} V_{j-1}; the softmax of S_j runs
-        while the latter is on the tensor cores. Output through TMA from Q's own buffer."""
+    def _consume_tile(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, v_done, k_ready, k_empty, v_ready,
+                      v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left,
+                      right, slb, slh, HALF: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr,
+                      ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
+        """One warpgroup's 64 rows of the program's j-th tile, its K/V blocks from ring position
+        `step` on: S_j = Q K_j^T issued, then P_{j-1} V_{j-1}; the softmax of S_j runs while the
+        latter is on the tensor cores. The output leaves through TMA: on a persistent grid from V
+        stage 0 (FlashAttention-3's place: Q's buffer frees after the last Q K^T, so that the next
+        tile's Q and K load under this epilogue), one tile a program from Q's own buffer. Returns the
+        ring position after the tile."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -175,113 +262,147 @@ if gluon is not None:
         dtype: gl.constexpr = q_smem.dtype
         q_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        row0 = start_m + HALF * ROWS
         q_tile = q_smem.index(HALF)
         q = reinterpret(q_tile, dtype, [ROWS, HEAD_DIM], q_2d)
+        if PERSISTENT:  # this warpgroup's half of V stage 0 (2 ROWS <= BLOCK_N: `bind`)
+            o_layout_4d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, ROWS, HEAD_DIM], dtype)
+            o_tile = reinterpret(v_smem, dtype, [2 * STAGES, 1, 1, ROWS, HEAD_DIM], o_layout_4d).index(HALF)
+        else:
+            o_tile = q_tile
+        o_2d = reinterpret(o_tile, dtype, [ROWS, HEAD_DIM], q_2d)
+        b, h, hk, start_m, first, full_lo, full_hi, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift,
+                                                                       left, right, SEEN, ROWS, BLOCK_N)
+        row0 = start_m + HALF * ROWS
         rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-        mbarrier.wait(q_bars.index(HALF), 0)
+        mbarrier.wait(q_bars.index(HALF), j & 1)
         if n_steps > 0:
-            mbarrier.wait(ready.index(0), 0)
-            k_0 = reinterpret(k_smem.index(0), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
+            stage = step % STAGES
+            mbarrier.wait(k_ready.index(stage), (step // STAGES) & 1)
+            k_0 = reinterpret(k_smem.index(stage), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
             s = warpgroup_mma(q, k_0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
-            s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, first, n_k, shift, left, right, full_lo, full_hi,
-                        SEEN, BLOCK_N)
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            mbarrier.arrive(q_free.index(HALF), count=1, pred=n_steps == 1)
+            s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, first, n_k, shift, left, right, full_lo,
+                        full_hi, SEEN, BLOCK_N)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
-            for step in range(1, n_steps):
-                stage = step % STAGES
-                prev = (step - 1) % STAGES
-                mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            for i in range(1, n_steps):
+                at = step + i
+                prev = (at - 1) % STAGES
+                stage = at % STAGES
+                mbarrier.wait(k_ready.index(stage), (at // STAGES) & 1)
                 k_j = reinterpret(k_smem.index(stage), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
-                v_prev = reinterpret(v_smem.index(prev), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
                 s = warpgroup_mma(q, k_j.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((at - 1) // STAGES) & 1)
+                v_prev = reinterpret(v_smem.index(prev), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=[s])  # S_j is done; P V may still run
-                s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, first + step, n_k, shift, left, right,
+                mbarrier.arrive(k_empty.index(stage), count=1)
+                mbarrier.arrive(q_free.index(HALF), count=1, pred=i == n_steps - 1)
+                s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, first + i, n_k, shift, left, right,
                             full_lo, full_hi, SEEN, BLOCK_N)
                 p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
-                mbarrier.arrive(empty.index(prev), count=1)
+                mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            last = (n_steps - 1) % STAGES
+            at = step + n_steps - 1
+            last = at % STAGES
+            mbarrier.wait(v_ready.index(last), (at // STAGES) & 1)
             v_last = reinterpret(v_smem.index(last), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
-            mbarrier.arrive(empty.index(last), count=1)
+            mbarrier.arrive(v_empty.index(last), count=1)
+        else:
+            mbarrier.arrive(q_free.index(HALF), count=1)
         seen = l_i > 0.0  # rows that see no key: output 0, log-sum-exp -inf
         l_safe = gl.where(seen, l_i, 1.0)
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
         lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
         gl.store(lse_ptr + b.to(gl.int64) * slb + h.to(gl.int64) * slh + rows, lse, mask=rows < n_q)
-        q.store(out.to(dtype))
+        if PERSISTENT:  # the other warpgroup may still read V stage 0
+            mbarrier.arrive(v_done, count=1)
+            mbarrier.wait(v_done, j & 1)
+        o_2d.store(out.to(dtype))
         fence_async_shared()
-        tma_store(o_desc, [b, h, row0, 0], q_tile)
+        tma_store(o_desc, [b, h, row0, 0], o_tile)
         store_wait(0)
+        mbarrier.arrive(o_free, count=1)
+        return step + n_steps
 
-    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "slb", "slh"])
+    @gluon.jit
+    def _consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, v_done, k_ready, k_empty, v_ready, v_empty,
+                  lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles, slb, slh,
+                  HALF: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+        if PERSISTENT:  # the rings run on across tiles
+            step = 0
+            j = 0
+            n_blocks, half = _units(n_q, SEEN, ROWS)
+            for unit in range(gl.program_id(0), n_tiles // n_blocks * half, gl.num_programs(0)):
+                for m in range(_unit_size(unit, n_blocks, half, SEEN)):
+                    step = _consume_tile(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, v_done, k_ready,
+                                         k_empty, v_ready, v_empty, lse_ptr, _unit_tile(unit, m, n_blocks, half), j,
+                                         step, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, slb,
+                                         slh, HALF, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, True)
+                    j += 1
+        else:
+            _consume_tile(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, v_done, k_ready, k_empty, v_ready,
+                          v_empty, lse_ptr, gl.program_id(0), 0, 0, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift,
+                          left, right, slb, slh, HALF, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, False)
+
+    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "n_tiles", "slb", "slh"])
     def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads,
-                               group, shift, left, right, slb, slh, SEEN: gl.constexpr, SOFTCAP: gl.constexpr,
-                               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                               CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
-        """128 query rows of one (batch, head) against every key they see (SEEN 0 all, 1 causal: the
-        blocks that see the most keys start first, 2 a window of `left` and `right` keys, key blocks
-        outside it skipped, as `kernels._key_range` bounds them); out and the row log-sum-exp
-        (natural log), as `kernels.attn_fwd_kernel` gives them."""
+                               group, shift, left, right, n_tiles, slb, slh, SEEN: gl.constexpr,
+                               SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                               STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+                               PRODUCER_REGISTERS: gl.constexpr):
+        """Tiles of 128 query rows of one (batch, head) against every key they see (SEEN 0 all, 1
+        causal, 2 a window of `left` and `right` keys, key blocks outside it skipped; `_fwd_tile`):
+        tiles pid, pid + programs, ... < n_tiles (PERSISTENT: a program a multiprocessor; else one
+        tile a program); out and the row log-sum-exp (natural log), as `kernels.attn_fwd_kernel`
+        gives them."""
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
-        n_blocks = gl.cdiv(n_q, 2 * ROWS)
-        pid = gl.program_id(0)
-        bh = pid // n_blocks
-        block = pid % n_blocks
-        if SEEN == 1:
-            block = n_blocks - 1 - block
-        b = bh // n_heads
-        h = bh % n_heads
-        hk = h // group
-        start_m = block * 2 * ROWS
-        first = 0  # key blocks [first, first + n_steps); masks outside [full_lo, full_hi)
-        full_lo = 0
-        end = n_k
-        full_hi = n_k // BLOCK_N
-        if SEEN == 1:
-            end = gl.minimum(n_k, gl.maximum(start_m + 2 * ROWS + shift, 0))
-            full_hi = gl.minimum(full_hi, gl.maximum(start_m + shift + 1, 0) // BLOCK_N)
-        if SEEN == 2:
-            first = gl.maximum(start_m + shift - left, 0) // BLOCK_N
-            end = gl.maximum(gl.minimum(n_k, start_m + 2 * ROWS + shift + right), first * BLOCK_N)
-            full_lo = gl.cdiv(gl.maximum(start_m + 2 * ROWS - 1 + shift - left, 0), BLOCK_N)
-            full_hi = gl.minimum(full_hi, gl.maximum(start_m + shift + right + 1, 0) // BLOCK_N)
-        n_steps = gl.cdiv(end, BLOCK_N) - first
         q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        o_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        v_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(q_bars.index(i), count=1)
+            mbarrier.init(q_free.index(i), count=1)
+        mbarrier.init(o_free, count=2)  # both consumers' outputs have left
+        mbarrier.init(v_done, count=2)
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
+            mbarrier.init(v_empty.index(i), count=2)
         # (literal 0 / 1: a constexpr name in these tuples reaches the partition as a plain int)
         gl.warp_specialize([
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, lse_ptr, qk_scale, cap_scale, n_q, n_k,
-                         shift, left, right, first, full_lo, full_hi, n_steps, b, h, start_m, slb, slh, 0, SEEN,
-                         SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, lse_ptr, qk_scale, cap_scale, n_q, n_k,
-                         shift, left, right, first, full_lo, full_hi, n_steps, b, h, start_m, slb, slh, 1, SEEN,
-                         SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, ready, empty, b, h, hk, start_m,
-                         first, n_steps, ROWS, BLOCK_N, STAGES)),
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, v_done, k_ready, k_empty, v_ready,
+                         v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles,
+                         slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, v_done, k_ready, k_empty, v_ready,
+                         v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles,
+                         slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, k_ready, k_empty,
+                         v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN, ROWS, BLOCK_N,
+                         STAGES, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
-
 
 if gluon is not None:
 
@@ -589,17 +710,24 @@ def _descriptors(tensors, rows, padded: int, dtype: torch.dtype, layouts=None) -
 def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float):
     """launch(q, k, v, out, lse) of the forward for tensors laid out like these (`takes` holds), out
     like q and lse (B, H, N) fp32 with strides (*lse_strides, 1); the caller checks
-    `bases_aligned` per call."""
+    `bases_aligned` per call. A persistent grid where `config.GLUON_PERSISTENT_SEEN` takes the mask
+    and a V stage holds the output's tile (2 `GLUON_ROWS` <= BLOCK_N), else one tile a program."""
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
     block_n, stages = forward_tiles(d)
     layouts = _descriptors((q, k, v, out), (GLUON_ROWS, block_n, block_n, GLUON_ROWS), padded, q.dtype)
     builds, (qk_scale, cap_scale, left, right) = forward_mask_args(mask, sm_scale)
-    launch = Launch(attn_fwd_hopper_kernel, (sizing.cdiv(n_q, 2 * GLUON_ROWS) * b * hq,),
+    n_blocks = sizing.cdiv(n_q, 2 * GLUON_ROWS)
+    n_tiles = n_blocks * b * hq
+    persistent = (builds["SEEN"] in config.GLUON_PERSISTENT_SEEN and 2 * GLUON_ROWS <= block_n
+                  and (builds["SEEN"] != 1 or n_q <= config.GLUON_PERSISTENT_CAUSAL_N))
+    units = b * hq * (sizing.cdiv(n_blocks, 2) if builds["SEEN"] == 1 else n_blocks)  # `_units`
+    programs = min(units, backend.multiprocessor_count(q.device.index or 0)) if persistent else n_tiles
+    launch = Launch(attn_fwd_hopper_kernel, (programs,),
                     (qk_scale, cap_scale, n_q, n_k, hq, hq // hk, int(mask.lower_right) * (n_k - n_q), left, right,
-                     *lse_strides),
-                    {**builds, "BLOCK_N": block_n, "HEAD_DIM": padded, "STAGES": stages,
+                     n_tiles, *lse_strides),
+                    {**builds, "BLOCK_N": block_n, "HEAD_DIM": padded, "STAGES": stages, "PERSISTENT": persistent,
                      "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "num_warps": 4}, q.device)
 
