@@ -154,17 +154,15 @@ if gluon is not None:
         return unit // half * n_blocks + r + m * (n_blocks - 1 - 2 * r)
 
     @gluon.jit
-    def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, k_ready, k_empty,
+    def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                       v_ready, v_empty, tile, j, step, n_q, n_k, n_heads, group, shift, left, right, SEEN: gl.constexpr,
                       ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """The program's j-th tile: both consumers' Q tiles once they are done with the last tile's
-        (after its last Q K^T), then its K and V blocks into two rings from position `step` on, as
-        their stages free up; its first V waits until the last tile's output, which a persistent grid
-        puts in a V stage, has left. Returns the ring position after the tile."""
+        (after its last Q K^T), then its K and V blocks into their rings (STAGES and as many V stages
+        as v_smem holds) from position `step` on, as stages free up. Returns the position after."""
+        V_STAGES: gl.constexpr = v_smem.shape[0]
         b, h, hk, start_m, first, full_lo, full_hi, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left,
                                                                        right, SEEN, ROWS, BLOCK_N)
-        # a tile without keys: its output must not reach the V stage before the last one's has left
-        mbarrier.wait(o_free, (j & 1) ^ 1, pred=(j > 0) & (n_steps == 0))
         for i in gl.static_range(2):
             mbarrier.wait(q_free.index(i), (j & 1) ^ 1, pred=j > 0)
             mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
@@ -176,14 +174,14 @@ if gluon is not None:
             mbarrier.wait(k_empty.index(stage), phase, pred=at >= STAGES)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
             tma_load(k_desc, [b, hk, key_block * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
-            mbarrier.wait(v_empty.index(stage), phase, pred=at >= STAGES)
-            mbarrier.wait(o_free, (j & 1) ^ 1, pred=(j > 0) & (key_block == first))
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma_load(v_desc, [b, hk, key_block * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+            v_stage = at % V_STAGES
+            mbarrier.wait(v_empty.index(v_stage), ((at // V_STAGES) & 1) ^ 1, pred=at >= V_STAGES)
+            mbarrier.expect(v_ready.index(v_stage), v_desc.block_type.nbytes)
+            tma_load(v_desc, [b, hk, key_block * BLOCK_N, 0], v_ready.index(v_stage), v_smem.index(v_stage))
         return step + n_steps
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, k_ready, k_empty, v_ready,
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                   v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN: gl.constexpr,
                   ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
         if PERSISTENT:  # the rings run on across tiles
@@ -192,13 +190,13 @@ if gluon is not None:
             n_blocks, half = _units(n_q, SEEN, ROWS)
             for unit in range(gl.program_id(0), n_tiles // n_blocks * half, gl.num_programs(0)):
                 for m in range(_unit_size(unit, n_blocks, half, SEEN)):
-                    step = _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free,
+                    step = _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free,
                                          k_ready, k_empty, v_ready, v_empty, _unit_tile(unit, m, n_blocks, half), j,
                                          step, n_q, n_k, n_heads, group, shift, left, right, SEEN, ROWS, BLOCK_N,
                                          STAGES)
                     j += 1
         else:  # (no loop: one round spills nothing)
-            _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, k_ready, k_empty,
+            _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                           v_ready, v_empty, gl.program_id(0), 0, 0, n_q, n_k, n_heads, group, shift, left, right, SEEN,
                           ROWS, BLOCK_N, STAGES)
 
@@ -243,17 +241,17 @@ if gluon is not None:
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
-    def _consume_tile(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, v_done, k_ready, k_empty, v_ready,
+    def _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                       v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left,
                       right, slb, slh, HALF: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr,
                       ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       PERSISTENT: gl.constexpr):
         """One warpgroup's 64 rows of the program's j-th tile, its K/V blocks from ring position
         `step` on: S_j = Q K_j^T issued, then P_{j-1} V_{j-1}; the softmax of S_j runs while the
-        latter is on the tensor cores. The output leaves through TMA: on a persistent grid from V
-        stage 0 (FlashAttention-3's place: Q's buffer frees after the last Q K^T, so that the next
-        tile's Q and K load under this epilogue), one tile a program from Q's own buffer. Returns the
-        ring position after the tile."""
+        latter is on the tensor cores. The output leaves through TMA from o_smem: on a persistent grid
+        a buffer of its own, left to drain while the next tile runs (Q's buffer frees after the last
+        Q K^T, so that the next tile's Q and K load under this epilogue); one tile a program, Q's own
+        buffer. Returns the ring position after the tile."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -264,11 +262,8 @@ if gluon is not None:
         kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         q_tile = q_smem.index(HALF)
         q = reinterpret(q_tile, dtype, [ROWS, HEAD_DIM], q_2d)
-        if PERSISTENT:  # this warpgroup's half of V stage 0 (2 ROWS <= BLOCK_N: `bind`)
-            o_layout_4d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, ROWS, HEAD_DIM], dtype)
-            o_tile = reinterpret(v_smem, dtype, [2 * STAGES, 1, 1, ROWS, HEAD_DIM], o_layout_4d).index(HALF)
-        else:
-            o_tile = q_tile
+        V_STAGES: gl.constexpr = v_smem.shape[0]
+        o_tile = o_smem.index(HALF)
         o_2d = reinterpret(o_tile, dtype, [ROWS, HEAD_DIM], q_2d)
         b, h, hk, start_m, first, full_lo, full_hi, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift,
                                                                        left, right, SEEN, ROWS, BLOCK_N)
@@ -293,12 +288,12 @@ if gluon is not None:
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
             for i in range(1, n_steps):
                 at = step + i
-                prev = (at - 1) % STAGES
+                prev = (at - 1) % V_STAGES
                 stage = at % STAGES
                 mbarrier.wait(k_ready.index(stage), (at // STAGES) & 1)
                 k_j = reinterpret(k_smem.index(stage), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
                 s = warpgroup_mma(q, k_j.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(prev), ((at - 1) // STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), ((at - 1) // V_STAGES) & 1)
                 v_prev = reinterpret(v_smem.index(prev), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
@@ -312,8 +307,8 @@ if gluon is not None:
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             at = step + n_steps - 1
-            last = at % STAGES
-            mbarrier.wait(v_ready.index(last), (at // STAGES) & 1)
+            last = at % V_STAGES
+            mbarrier.wait(v_ready.index(last), (at // V_STAGES) & 1)
             v_last = reinterpret(v_smem.index(last), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
@@ -326,18 +321,17 @@ if gluon is not None:
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
         lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
         gl.store(lse_ptr + b.to(gl.int64) * slb + h.to(gl.int64) * slh + rows, lse, mask=rows < n_q)
-        if PERSISTENT:  # the other warpgroup may still read V stage 0
-            mbarrier.arrive(v_done, count=1)
-            mbarrier.wait(v_done, j & 1)
+        if PERSISTENT:
+            store_wait(0)  # the last tile's output has left the buffer
         o_2d.store(out.to(dtype))
         fence_async_shared()
         tma_store(o_desc, [b, h, row0, 0], o_tile)
-        store_wait(0)
-        mbarrier.arrive(o_free, count=1)
+        if not PERSISTENT:
+            store_wait(0)
         return step + n_steps
 
     @gluon.jit
-    def _consumer(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, v_done, k_ready, k_empty, v_ready, v_empty,
+    def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready, v_empty,
                   lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles, slb, slh,
                   HALF: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
@@ -347,13 +341,14 @@ if gluon is not None:
             n_blocks, half = _units(n_q, SEEN, ROWS)
             for unit in range(gl.program_id(0), n_tiles // n_blocks * half, gl.num_programs(0)):
                 for m in range(_unit_size(unit, n_blocks, half, SEEN)):
-                    step = _consume_tile(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, v_done, k_ready,
+                    step = _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready,
                                          k_empty, v_ready, v_empty, lse_ptr, _unit_tile(unit, m, n_blocks, half), j,
                                          step, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, slb,
                                          slh, HALF, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, True)
                     j += 1
+            store_wait(0)  # before the program's shared memory goes
         else:
-            _consume_tile(o_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, v_done, k_ready, k_empty, v_ready,
+            _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                           v_empty, lse_ptr, gl.program_id(0), 0, 0, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift,
                           left, right, slb, slh, HALF, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, False)
 
@@ -372,11 +367,14 @@ if gluon is not None:
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        if PERSISTENT:  # the output's own buffer in place of a V stage (a V is needed a step after its K)
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES - 1] + v_desc.block_type.shape, v_desc.layout)
+            o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        else:
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+            o_smem = q_smem
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        o_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        v_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -384,8 +382,6 @@ if gluon is not None:
         for i in gl.static_range(2):
             mbarrier.init(q_bars.index(i), count=1)
             mbarrier.init(q_free.index(i), count=1)
-        mbarrier.init(o_free, count=2)  # both consumers' outputs have left
-        mbarrier.init(v_done, count=2)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -393,13 +389,13 @@ if gluon is not None:
             mbarrier.init(v_empty.index(i), count=2)
         # (literal 0 / 1: a constexpr name in these tuples reaches the partition as a plain int)
         gl.warp_specialize([
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, v_done, k_ready, k_empty, v_ready,
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                          v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles,
                          slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, v_done, k_ready, k_empty, v_ready,
+            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                          v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles,
                          slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, o_free, k_ready, k_empty,
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                          v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN, ROWS, BLOCK_N,
                          STAGES, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
