@@ -2,12 +2,13 @@
 kernel and launch, then the backward's dK/dV kernel and launch, each bound once per plan.
 
 The forward is FlashAttention-3's design, written with Triton's Gluon (`triton.experimental.gluon`):
-each program takes 128 query rows of one (batch, head) as two 4-warp consumer warpgroups of 64
-rows each, and one producer warp that moves Q and a ring of K/V blocks into shared memory through
-TMA (mbarriers: `ready` when a stage has landed, `empty` when both consumers are done with it).
-A consumer issues the next block's Q K^T on the tensor cores before the softmax of this one, so
-that softmax runs under the P V matmul (asynchronous wgmma); the producer's registers go to the
-consumers (`setmaxnreg`).
+each tile is 128 query rows of one (batch, head), taken by two 4-warp consumer warpgroups of 64
+rows each, with one producer warp that moves Q and rings of K and V blocks into shared memory
+through TMA (mbarriers: `ready` when a stage has landed, `empty` when both consumers are done with
+it). A consumer issues the next block's Q K^T on the tensor cores before the softmax of this one,
+so that softmax runs under the P V matmul (asynchronous wgmma); the producer's registers go to the
+consumers (`setmaxnreg`). At d128 a program takes tile after tile (a persistent grid), the next
+tile's Q and K loading while this one's output drains.
 
 The backward's dK/dV kernel has the same shape: two consumer warpgroups of 64 keys each keep their
 K, V and dK, dV accumulators while a producer warp streams Q and dO blocks of every query head of
@@ -707,7 +708,8 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
     """launch(q, k, v, out, lse) of the forward for tensors laid out like these (`takes` holds), out
     like q and lse (B, H, N) fp32 with strides (*lse_strides, 1); the caller checks
     `bases_aligned` per call. A persistent grid where `config.GLUON_PERSISTENT_SEEN` takes the mask
-    and a V stage holds the output's tile (2 `GLUON_ROWS` <= BLOCK_N), else one tile a program."""
+    (causal up to `GLUON_PERSISTENT_CAUSAL_N` rows) and the output tile fits in place of a V stage
+    (2 `GLUON_ROWS` <= BLOCK_N), a program a multiprocessor; else one tile a program."""
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
