@@ -429,6 +429,16 @@ def _assert_gluon_forward(q, k, v, mask, scale, out, lse):
         assert err <= 1.1 * tl_err + 1e-6, f"{name}: Gluon {err:.2e} against tl {tl_err:.2e}"
 
 
+def _check_gluon_forward(monkeypatch, shape, mask, dtype):
+    """One forward of fresh inputs: the Gluon launch ran, and `_assert_gluon_forward` holds."""
+    ran = _hopper_launches(monkeypatch)
+    q, k, v = make(shape, dtype, requires_grad=False)
+    scale = 1 / math.sqrt(shape[-1])
+    out, lse = plan.forward(q, k, v, mask, scale)
+    assert len(ran) == 1
+    _assert_gluon_forward(q, k, v, mask, scale, out, lse)
+
+
 # Windows (two-sided, one side, either alignment, rows that see no key) and softcaps, GQA.
 HOPPER_MASK_CASES = [
     ((1, 4, 2, 1000, 1000, 128), fk_mask.Mask(left=300, right=0)),
@@ -449,12 +459,7 @@ def test_hopper_forward_takes_windows_and_softcaps_where_switched_on(monkeypatch
     """`config.GLUON_FORWARD_MASKS` (on for this release): the Gluon forward's windows and softcaps
     against float64 and the tl kernel (`_assert_gluon_forward`); its launch ran."""
     switch("GLUON_FORWARD_MASKS", (backend.triton_release(),))
-    ran = _hopper_launches(monkeypatch)
-    q, k, v = make(shape, dtype, requires_grad=False)
-    scale = 1 / math.sqrt(shape[-1])
-    out, lse = plan.forward(q, k, v, mask, scale)
-    assert len(ran) == 1
-    _assert_gluon_forward(q, k, v, mask, scale, out, lse)
+    _check_gluon_forward(monkeypatch, shape, mask, dtype)
 
 
 # d <= 128 cases of every mask the forward takes; uneven tile counts a program
@@ -467,19 +472,14 @@ PERSISTENT_CASES = [case for case in HOPPER_CASES + HOPPER_MASK_CASES if case[0]
 @pytest.mark.parametrize("shape,mask", PERSISTENT_CASES, ids=str)
 def test_hopper_forward_persistent_grid_runs_many_tiles_a_program(monkeypatch, switch, shape, mask, dtype, programs):
     """The persistent forward (`config.GLUON_PERSISTENT_SEEN`, causal at any length) as if the GPU
-    had 1 or 3 multiprocessors: each program's K/V rings, Q buffers and output (in a V stage) run on
-    across many tiles, tiles without keys among them; 0: switched off, one tile a program. Against
+    had 1 or 3 multiprocessors: each program's K/V rings and Q and output buffers run on across many
+    tiles, tiles without keys among them; 0: switched off, one tile a program. Against
     float64 and the tl kernel."""
     switch("GLUON_FORWARD_MASKS", (backend.triton_release(),))
     switch("GLUON_PERSISTENT_SEEN", (0, 1, 2) if programs else ())
     switch("GLUON_PERSISTENT_CAUSAL_N", 1 << 30)
     monkeypatch.setattr(hopper.backend, "multiprocessor_count", lambda *args: programs)
-    ran = _hopper_launches(monkeypatch)
-    q, k, v = make(shape, dtype, requires_grad=False)
-    scale = 1 / math.sqrt(shape[-1])
-    out, lse = plan.forward(q, k, v, mask, scale)
-    assert len(ran) == 1
-    _assert_gluon_forward(q, k, v, mask, scale, out, lse)
+    _check_gluon_forward(monkeypatch, shape, mask, dtype)
 
 
 def test_forward_mask_args_match_the_tl_kernels_scales():
