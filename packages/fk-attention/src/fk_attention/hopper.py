@@ -360,10 +360,10 @@ if gluon is not None:
                                STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
                                PRODUCER_REGISTERS: gl.constexpr):
         """Tiles of 128 query rows of one (batch, head) against every key they see (SEEN 0 all, 1
-        causal, 2 a window of `left` and `right` keys, key blocks outside it skipped; `_fwd_tile`):
-        tiles pid, pid + programs, ... < n_tiles (PERSISTENT: a program a multiprocessor; else one
-        tile a program); out and the row log-sum-exp (natural log), as `kernels.attn_fwd_kernel`
-        gives them."""
+        causal, 2 a window of `left` and `right` keys, key blocks outside it skipped; `_fwd_tile`);
+        PERSISTENT: a program a multiprocessor takes units pid, pid + programs, ... of the n_tiles
+        tiles (`_units`), else one tile a program. Out and the row log-sum-exp (natural log), as
+        `kernels.attn_fwd_kernel` gives them."""
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -400,6 +400,7 @@ if gluon is not None:
                          v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN, ROWS, BLOCK_N,
                          STAGES, PERSISTENT)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+
 
 if gluon is not None:
 
