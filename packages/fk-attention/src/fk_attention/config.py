@@ -360,9 +360,9 @@ GLUON_FORWARD_MASKS = ((3, 6), (3, 8))
 GLUON_FORWARD_TILES = ((128, 128, 3), (256, 32, 3))
 # Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) whose Gluon forward runs on a
 # persistent grid, a program a multiprocessor, where the output tile fits in place of a V stage
-# (d128): the next tile's loads under this one's epilogue, 1.10x at N1024 (TUNING.md: Forward on a
-# persistent grid). Causal up to GLUON_PERSISTENT_CAUSAL_N query rows: past it the static grid's
-# last wave cost more than the starts saved.
+# (d128): the next tile's loads under this one's epilogue, about 9% less time at N1024 (TUNING.md:
+# Forward on a persistent grid). Causal up to GLUON_PERSISTENT_CAUSAL_N query rows: past it the
+# static grid's last wave cost more than the starts saved.
 GLUON_PERSISTENT_SEEN = (0, 1, 2)
 GLUON_PERSISTENT_CAUSAL_N = 4096
 # Query rows per consumer warpgroup (two per program), the consumers' registers after the producer
