@@ -4,6 +4,7 @@ from fk_runtime.harness import testing
 
 from fk_attention import attention, attention_varlen, hopper, kernels, warmup
 from fk_attention import config as fk_config
+from fk_attention import mask as fk_mask
 from fk_attention import warm as warmup_module
 
 
@@ -32,6 +33,34 @@ def test_warmup_command_line(capsys):
     warmup_module.main(["--heads", "2", "--head-dim", "16", "--dtype", "float32", "--no-backward", "--rows", "80",
                         "--kvcache", "--max-batch", "3", "--cache-rows", "200"])
     assert f"{3 + len(steps)} warm-up calls" in capsys.readouterr().out
+
+
+def test_warmup_calls_past_each_length_bucket(monkeypatch):
+    """Where the dense forward compiles another variant past a length (`hopper.length_buckets`: the
+    causal Gluon forward's persistent-grid limit), the warm-up makes one forward past it."""
+    from fk_attention import ops
+
+    lengths = []
+    real = ops.attention
+    monkeypatch.setattr(ops, "attention", lambda q, *a, **kw: (lengths.append(q.shape[2]), real(q, *a, **kw))[1])
+    monkeypatch.setattr(hopper, "length_buckets", lambda *args: (130,))
+    assert warmup(2, 1, head_dim=16, dtypes=torch.float32, causal=True, backward=False, rows=80) == 2
+    assert lengths == [80, 131]
+
+
+def test_length_buckets_name_the_causal_grid_limit(monkeypatch):
+    """On the Gluon forward (`hopper.takes`), the causal d128 forward changes grid past
+    `config.GLUON_PERSISTENT_CAUSAL_N` query rows; full masks, d256 and causal kept off the
+    persistent grid compile one variant at every length."""
+    monkeypatch.setattr(hopper, "takes", lambda *args: True)
+    q = torch.empty(1, 2, 8, 128)
+    q256 = torch.empty(1, 2, 8, 256)
+    causal = fk_mask.Mask(right=0)
+    assert hopper.length_buckets(q, q, q, causal, 0.1) == (fk_config.GLUON_PERSISTENT_CAUSAL_N,)
+    assert hopper.length_buckets(q, q, q, fk_mask.FULL, 0.1) == ()
+    assert hopper.length_buckets(q256, q256, q256, causal, 0.1) == ()
+    monkeypatch.setattr(fk_config, "GLUON_PERSISTENT_SEEN", (0,))
+    assert hopper.length_buckets(q, q, q, causal, 0.1) == ()
 
 
 def test_autotuning_only_when_asked(monkeypatch):

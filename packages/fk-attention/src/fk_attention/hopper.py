@@ -88,6 +88,24 @@ def forward_mask_args(mask: Mask, sm_scale: float) -> tuple[dict, tuple]:
     return {"SEEN": seen, "SOFTCAP": False}, (sm_scale * LOG2E, 1.0, left, right)
 
 
+def _persistent(seen: int, block_n: int, n_q: int) -> bool:
+    """Whether the forward runs on a persistent grid: its mask in `config.GLUON_PERSISTENT_SEEN`
+    (causal up to `GLUON_PERSISTENT_CAUSAL_N` query rows), the output tile fitting in place of a V
+    stage (2 `GLUON_ROWS` <= BLOCK_N)."""
+    return (seen in config.GLUON_PERSISTENT_SEEN and 2 * GLUON_ROWS <= block_n
+            and (seen != 1 or n_q <= config.GLUON_PERSISTENT_CAUSAL_N))
+
+
+def length_buckets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> tuple:
+    """Query lengths past which the forward of tensors like these compiles another variant (the
+    causal grid's limit where the Gluon forward takes them), for `warm.warmup` to call past each."""
+    if not takes(q, k, v, mask, sm_scale):
+        return ()
+    seen = forward_mask_args(mask, sm_scale)[0]["SEEN"]
+    block_n, limit = forward_tiles(q.shape[-1])[0], config.GLUON_PERSISTENT_CAUSAL_N
+    return (limit,) if _persistent(seen, block_n, limit) != _persistent(seen, block_n, limit + 1) else ()
+
+
 def fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
     """Whether the backward binds the 5-matmul kernel (bases are checked per call): full or causal
     masks, its own head dims, switched on in config (both read at bind time, so that a variant may
@@ -708,9 +726,8 @@ def _descriptors(tensors, rows, padded: int, dtype: torch.dtype, layouts=None) -
 def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float):
     """launch(q, k, v, out, lse) of the forward for tensors laid out like these (`takes` holds), out
     like q and lse (B, H, N) fp32 with strides (*lse_strides, 1); the caller checks
-    `bases_aligned` per call. A persistent grid where `config.GLUON_PERSISTENT_SEEN` takes the mask
-    (causal up to `GLUON_PERSISTENT_CAUSAL_N` rows) and the output tile fits in place of a V stage
-    (2 `GLUON_ROWS` <= BLOCK_N), a program a multiprocessor; else one tile a program."""
+    `bases_aligned` per call. A program a multiprocessor where `_persistent` holds, else one tile a
+    program."""
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
@@ -719,8 +736,7 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
     builds, (qk_scale, cap_scale, left, right) = forward_mask_args(mask, sm_scale)
     n_blocks = sizing.cdiv(n_q, 2 * GLUON_ROWS)
     n_tiles = n_blocks * b * hq
-    persistent = (builds["SEEN"] in config.GLUON_PERSISTENT_SEEN and 2 * GLUON_ROWS <= block_n
-                  and (builds["SEEN"] != 1 or n_q <= config.GLUON_PERSISTENT_CAUSAL_N))
+    persistent = _persistent(builds["SEEN"], block_n, n_q)
     units = b * hq * (sizing.cdiv(n_blocks, 2) if builds["SEEN"] == 1 else n_blocks)  # `_units`
     programs = min(units, backend.multiprocessor_count(q.device.index or 0)) if persistent else n_tiles
     launch = Launch(attn_fwd_hopper_kernel, (programs,),

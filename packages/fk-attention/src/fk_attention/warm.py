@@ -3,7 +3,9 @@ starts warm: one small call per (dtype, mask, path) on the device puts every ker
 launch into Triton's cache (in this process, and on disk for the next one). Launches take fixed
 configs (config.py) and the prefill kernels do not specialize on lengths (kernels.py), so later
 prefill calls of any length compile nothing more; what compiles apart is the dtype, head dim, head
-counts, mask, and each path (dense, packed, KV cache), as `warmup`'s arguments name them. A decode
+counts, mask, and each path (dense, packed, KV cache), as `warmup`'s arguments name them, and on
+Hopper the causal forward past `config.GLUON_PERSISTENT_CAUSAL_N` query rows (one tile a program
+there: `hopper.length_buckets`), which the warm-up calls too. A decode
 step's launches also follow the batch size and the cache's length (split-KV slices, tiles, pages
 preloaded: `decode.split_plan`): `max_batch` and `cache_rows` name the range, and one step per
 compiled variant in it is made.
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 
 import torch
 from fk_runtime import ahead, backend, checks, sizing
 
-from . import decode, ops
+from . import decode, hopper, ops
+from . import mask as fk_mask
 from .config import DECODE_MAX_QUERIES
 
 # Rows per warm-up sequence: past config.DECODE_MAX_QUERIES (the prefill kernels, not decode) and
@@ -63,7 +67,7 @@ def warmup(heads: int, kv_heads: int | None = None, head_dim: int = 128, dtypes=
         mask = {"causal": c, "window": window, "softcap": softcap}
         grad = backward and dtype.itemsize > 1
 
-        def new(h, grad=grad, dtype=dtype):
+        def new(h, grad=grad, dtype=dtype, rows=rows):
             return torch.randn(1, rows, h, head_dim, device=device, dtype=dtype).requires_grad_(grad)
 
         q, k, v = new(heads), new(kv_heads), new(kv_heads)
@@ -71,6 +75,7 @@ def warmup(heads: int, kv_heads: int | None = None, head_dim: int = 128, dtypes=
         if grad:
             out.sum().backward()
         calls += 1
+        calls += _past_buckets(q, k, v, mask, new)
         if varlen:
             cu = torch.tensor([0, rows // 2, rows], device=device, dtype=torch.int32)
             out = ops.attention_varlen(q[0], k[0], v[0], cu, cu, rows - rows // 2, rows - rows // 2, **mask)
@@ -80,6 +85,19 @@ def warmup(heads: int, kv_heads: int | None = None, head_dim: int = 128, dtypes=
         if kvcache:
             calls += _kvcache(q, k, v, kv_heads, page_size, mask)
             calls += _decode_steps(q, kv_heads, page_size or 0, max_batch, cache_rows, mask)
+    return calls
+
+
+def _past_buckets(q, k, v, mask, new) -> int:
+    """A forward past each length at which the dense forward of these inputs compiles another
+    variant (`hopper.length_buckets`: the causal persistent grid's limit on Hopper)."""
+    views = [t.detach().transpose(1, 2) for t in (q, k, v)]
+    as_mask = fk_mask.from_op_args(fk_mask.op_args(mask["causal"], mask["window"], mask["softcap"]))
+    calls = 0
+    for bound in hopper.length_buckets(*views, as_mask, 1 / math.sqrt(q.shape[-1])):
+        longer = [new(t.shape[2], grad=False, rows=bound + 1).transpose(1, 2) for t in (q, k, v)]
+        ops.attention(*longer, **mask)
+        calls += 1
     return calls
 
 
