@@ -109,7 +109,7 @@ def main() -> None:
         return hopper.attn_fwd_hopper_kernel.warmup(*fwd_descriptors, rows, *args[:2], N, N, H, 1, 0, *args[2:],
                                                     B * H * N // (2 * fk_config.GLUON_ROWS), H * N, N, **builds,
                                                     BLOCK_N=block_n, STAGES=stages,
-                                                    PERSISTENT=builds["SEEN"] in fk_config.GLUON_PERSISTENT_SEEN,
+                                                    PERSISTENT=hopper.persistent_grid(builds["SEEN"], block_n, N),
                                                     **common)
 
     for name, mask in (("window", Mask(left=100, right=37)), ("softcap", Mask(softcap=30.0)),

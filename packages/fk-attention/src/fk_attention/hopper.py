@@ -88,7 +88,7 @@ def forward_mask_args(mask: Mask, sm_scale: float) -> tuple[dict, tuple]:
     return {"SEEN": seen, "SOFTCAP": False}, (sm_scale * LOG2E, 1.0, left, right)
 
 
-def _persistent(seen: int, block_n: int, n_q: int) -> bool:
+def persistent_grid(seen: int, block_n: int, n_q: int) -> bool:
     """Whether the forward runs on a persistent grid: its mask in `config.GLUON_PERSISTENT_SEEN`
     (causal up to `GLUON_PERSISTENT_CAUSAL_N` query rows), the output tile fitting in place of a V
     stage (2 `GLUON_ROWS` <= BLOCK_N)."""
@@ -103,7 +103,7 @@ def length_buckets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask
         return ()
     seen = forward_mask_args(mask, sm_scale)[0]["SEEN"]
     block_n, limit = forward_tiles(q.shape[-1])[0], config.GLUON_PERSISTENT_CAUSAL_N
-    return (limit,) if _persistent(seen, block_n, limit) != _persistent(seen, block_n, limit + 1) else ()
+    return (limit,) if persistent_grid(seen, block_n, limit) != persistent_grid(seen, block_n, limit + 1) else ()
 
 
 def fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
@@ -726,7 +726,7 @@ def _descriptors(tensors, rows, padded: int, dtype: torch.dtype, layouts=None) -
 def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float):
     """launch(q, k, v, out, lse) of the forward for tensors laid out like these (`takes` holds), out
     like q and lse (B, H, N) fp32 with strides (*lse_strides, 1); the caller checks
-    `bases_aligned` per call. A program a multiprocessor where `_persistent` holds, else one tile a
+    `bases_aligned` per call. A program a multiprocessor where `persistent_grid` holds, else one tile a
     program."""
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
@@ -736,7 +736,7 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
     builds, (qk_scale, cap_scale, left, right) = forward_mask_args(mask, sm_scale)
     n_blocks = sizing.cdiv(n_q, 2 * GLUON_ROWS)
     n_tiles = n_blocks * b * hq
-    persistent = _persistent(builds["SEEN"], block_n, n_q)
+    persistent = persistent_grid(builds["SEEN"], block_n, n_q)
     units = b * hq * (sizing.cdiv(n_blocks, 2) if builds["SEEN"] == 1 else n_blocks)  # `_units`
     programs = min(units, backend.multiprocessor_count(q.device.index or 0)) if persistent else n_tiles
     launch = Launch(attn_fwd_hopper_kernel, (programs,),
