@@ -375,8 +375,13 @@ HOPPER_CASES = [
     ((1, 2, 2, 300, 700, 72), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 128), fk_mask.CAUSAL),
     ((1, 2, 1, 4096, 4096, 128), fk_mask.CAUSAL),
 ]
-# The forward's d256 build too (`config.GLUON_FORWARD_TILES`: 32 keys a step), padded from 192.
-HOPPER_FORWARD_CASES = HOPPER_CASES + [
+# The forward's d64 build (three consumers, full masks only: `config.GLUON_FORWARD_FULL_ONLY`), padded
+# from 40 too, and its d256 build (`config.GLUON_FORWARD_TILES`: 32 keys a step), padded from 192.
+FORWARD_64_CASES = [
+    ((2, 4, 2, 1000, 1000, 64), fk_mask.FULL), ((1, 4, 1, 333, 1025, 40), fk_mask.FULL),
+    ((1, 2, 2, 77, 77, 64), fk_mask.FULL), ((2, 2, 1, 200, 64, 64), fk_mask.FULL),
+]
+HOPPER_FORWARD_CASES = HOPPER_CASES + FORWARD_64_CASES + [
     ((1, 4, 2, 600, 600, 256), fk_mask.CAUSAL), ((1, 2, 1, 333, 700, 192), fk_mask.Mask(right=0, lower_right=True)),
     ((1, 2, 2, 129, 77, 256), fk_mask.FULL),
 ]
@@ -463,7 +468,7 @@ def test_hopper_forward_takes_windows_and_softcaps_where_switched_on(monkeypatch
 
 
 # d <= 128 cases of every mask the forward takes; uneven tile counts a program
-PERSISTENT_CASES = [case for case in HOPPER_CASES + HOPPER_MASK_CASES if case[0][-1] <= 128]
+PERSISTENT_CASES = [case for case in HOPPER_CASES + FORWARD_64_CASES + HOPPER_MASK_CASES if case[0][-1] <= 128]
 
 
 @ON_GLUON_HOPPER
@@ -652,7 +657,7 @@ def test_backward_prep_kernel_writes_the_row_terms_and_clears_the_dq_sum():
 @ON_GLUON_HOPPER
 def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch, switch):
     """A base off the 16-byte grid, a window, a softcap (no release in `config.GLUON_FORWARD_MASKS`),
-    d64, a negative scale (the registered op takes one): the tl kernels, right answers."""
+    causal d64, a negative scale (the registered op takes one): the tl kernels, right answers."""
     switch("GLUON_FORWARD_MASKS", ())
     ran = _hopper_launches(monkeypatch)
     storage = testing.randn((1, 2, 300, 128 + 8), torch.bfloat16)
@@ -688,8 +693,9 @@ def test_hopper_forward_gate(monkeypatch, switch):
     assert not hopper.takes(q.float(), q.float(), q.float(), fk_mask.CAUSAL, 0.1)
     assert not hopper.takes(q, q, q, fk_mask.Mask(left=8, right=0), 0.1)
     assert not hopper.takes(q, q, q, fk_mask.CAUSAL, -0.1)
-    assert hopper.forward_tiles(72) == (128, 3) and hopper.forward_tiles(192) == (32, 3)
-    assert all(stages >= 2 for _, _, stages in fk_config.GLUON_FORWARD_TILES)  # one stage deadlocks
+    assert hopper.forward_tiles(72) == (128, 3, 2) and hopper.forward_tiles(192) == (32, 3, 2)
+    assert hopper.forward_tiles(40) == (128, 3, 3)
+    assert all(stages >= 2 and consumers in (2, 3) for _, _, stages, consumers in fk_config.GLUON_FORWARD_TILES)
     # Windows and softcaps only on the releases listed (a Hopper GPU assumed, to reach the gate here).
     monkeypatch.setattr(hopper, "_on_hopper", lambda *tensors: True)
     for releases, taken in (((), False), ((backend.triton_release(),), True), (((0, 1),), False)):
@@ -697,6 +703,12 @@ def test_hopper_forward_gate(monkeypatch, switch):
         for mask in (fk_mask.Mask(left=8, right=0), fk_mask.Mask(softcap=5.0)):
             assert hopper.takes(q, q, q, mask, 0.1) == taken, (releases, mask)
         assert hopper.takes(q, q, q, fk_mask.CAUSAL, 0.1)
+        # d64 (`config.GLUON_FORWARD_FULL_ONLY`): every key, no softcap, only
+        q64 = q[..., :40]
+        assert hopper.takes(q64, q64, q64, fk_mask.FULL, 0.1)
+        for mask in (fk_mask.CAUSAL, fk_mask.Mask(right=0, lower_right=True), fk_mask.Mask(left=8, right=0),
+                     fk_mask.Mask(softcap=5.0)):
+            assert not hopper.takes(q64, q64, q64, mask, 0.1), mask
     if hopper.gluon is not None:
         from fk_runtime.launch import Descriptor
 

@@ -6,7 +6,7 @@ on any machine: no GPU, Triton's bundled ptxas
         python packages/fk-attention/tuning/gluon_registers.py
 
 A consumer warpgroup's registers are set by `setmaxnreg` at run time; ptxas reports the launch's
-count (168 with 12 warps) and the spills it had to place at the registers the code asks for.
+count (168 with 12 warps, 128 with 16) and the spills it had to place at the registers the code asks for.
 """
 
 import os
@@ -95,33 +95,38 @@ def usage(compiled) -> str:
     return f"shared {compiled.metadata.shared}; {spills}" + (f"; {dict(atomics)}" if atomics else "")
 
 
+def forward(d: int, mask):
+    """The forward at padded head dim d as `hopper.bind` launches it on a length-N query."""
+    q = torch.empty(B, H, N, d, dtype=torch.bfloat16)
+    block_n, stages, consumers = hopper.forward_tiles(d)
+    builds, args = hopper.forward_mask_args(mask, 0.1)
+    tiles = [descriptor(q, r) for r in (fk_config.GLUON_ROWS, block_n, block_n, fk_config.GLUON_ROWS)]
+    n_tiles = B * H * N // (consumers * fk_config.GLUON_ROWS)
+    return hopper.attn_fwd_hopper_kernel.warmup(
+        *tiles, torch.empty(B, H, N), *args[:2], N, N, H, 1, 0, *args[2:], n_tiles, H * N, N, **builds,
+        BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CONSUMERS=consumers,
+        PERSISTENT=hopper.persistent_grid(builds["SEEN"], d, N),
+        CONSUMER_REGISTERS=hopper.consumer_registers(consumers),
+        PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
+
+
 def main() -> None:
     q = torch.empty(B, H, N, D, dtype=torch.bfloat16)
     rows = torch.empty(B, H, N)
     common = dict(HEAD_DIM=D, CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS,
                   PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
-    print(f"triton {triton.__version__}, sm_90a, bf16, d{D}")
-    block_n, stages = hopper.forward_tiles(D)
-    fwd_descriptors = [descriptor(q, r) for r in (fk_config.GLUON_ROWS, block_n, block_n, fk_config.GLUON_ROWS)]
-
-    def forward(mask):
-        builds, args = hopper.forward_mask_args(mask, 0.1)
-        return hopper.attn_fwd_hopper_kernel.warmup(*fwd_descriptors, rows, *args[:2], N, N, H, 1, 0, *args[2:],
-                                                    B * H * N // (2 * fk_config.GLUON_ROWS), H * N, N, **builds,
-                                                    BLOCK_N=block_n, STAGES=stages,
-                                                    PERSISTENT=hopper.persistent_grid(builds["SEEN"], block_n, N),
-                                                    **common)
-
-    for name, mask in (("window", Mask(left=100, right=37)), ("softcap", Mask(softcap=30.0)),
-                       ("window + softcap", Mask(left=255, right=0, softcap=5.0))):  # `config.GLUON_FORWARD_MASKS`
-        print(f"forward {name}: {usage(forward(mask))}")
+    print(f"triton {triton.__version__}, sm_90a, bf16")
+    for d, *_ in fk_config.GLUON_FORWARD_TILES:  # the masks `hopper.takes` gives it (on a release that takes all)
+        for name, mask in (("full", FULL), ("causal", CAUSAL), ("window", Mask(left=100, right=37)),
+                           ("softcap", Mask(softcap=30.0)), ("window + softcap", Mask(left=255, right=0, softcap=5.0))):
+            if name == "full" or d not in fk_config.GLUON_FORWARD_FULL_ONLY:
+                print(f"forward d{d} {name}: {usage(forward(d, mask))}")
     for causal in (False, True):
-        fwd = forward(CAUSAL if causal else FULL)
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]
         dkdv = hopper.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1,
                                                          0, CAUSAL=causal, STAGES=fk_config.GLUON_BWD_STAGES, **common)
-        kernels = [("forward", fwd), ("dK/dV", dkdv)]
+        kernels = [(f"dK/dV d{D}", dkdv)]
         if hopper.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8), its head dims
             kernels += [(f"5-matmul backward d{d}", fused_backward(d, causal)) for d in fk_config.GLUON_FUSED_HEAD_DIMS]
         for name, compiled in kernels:

@@ -353,23 +353,32 @@ GLUON_HEAD_DIMS = (128,)
 # forward); 3.7 and 3.9 keep the tl kernel for them until timed there.
 GLUON_FORWARD_MASKS = ((3, 6), (3, 8))
 
-# The forward's padded head dims, each with its keys per step and K/V ring stages, (head dim,
-# BLOCK_N, STAGES): d128 beat the tl kernel by 7-33% (d64 lost to it); d256 0.88x its time with 32
-# keys (64: 0.91x; 128 overflows the shared memory), 3 stages (TUNING.md: Hopper forward). Two
-# stages at least: a consumer still reads step j - 1's V while it waits for step j's K.
-GLUON_FORWARD_TILES = ((128, 128, 3), (256, 32, 3))
-# Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) whose Gluon forward runs on a
-# persistent grid, a program a multiprocessor, where the output tile fits in place of a V stage
-# (d128): the next tile's loads under this one's epilogue, about 9% less time at N1024 (TUNING.md:
-# Forward on a persistent grid). Causal up to GLUON_PERSISTENT_CAUSAL_N query rows: past it the
-# static grid's last wave cost more than the starts saved.
+# The forward's padded head dims, each with its keys per step, K/V ring stages and consumer warpgroups
+# of GLUON_ROWS query rows, (head dim, BLOCK_N, STAGES, CONSUMERS): d128 beat the tl kernel by 7-33%;
+# d256 0.88x its time with 32 keys (64: 0.91x; 128 overflows the shared memory), 3 stages; d64 with
+# three consumers (192-row tiles) 0.88-0.93x its time at N >= 4096, level at N1024 (two: 3-10%
+# slower at N >= 4096, 2-6% faster at N1024). TUNING.md: Hopper forward. Two stages at least: a consumer still reads step
+# j - 1's V while it waits for step j's K.
+GLUON_FORWARD_TILES = ((64, 128, 3, 3), (128, 128, 3, 2), (256, 32, 3, 2))
+# Padded head dims whose Gluon forward takes full masks only (every key, no softcap): d64's causal
+# forward with three consumers took 1.74-1.80x the tl kernel's time at N1024 (TUNING.md: Hopper forward).
+GLUON_FORWARD_FULL_ONLY = (64,)
+# Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) and padded head dims whose Gluon
+# forward runs on a persistent grid, a program a multiprocessor: the next tile's loads under this
+# one's epilogue, about 9% less time at d128 N1024, 7-12% at d64 N1024 (TUNING.md: Forward on a
+# persistent grid); d256 keeps one tile a program (not timed on the persistent grid).
+# Causal up to GLUON_PERSISTENT_CAUSAL_N query rows: past it the static grid's last wave cost more
+# than the starts saved.
 GLUON_PERSISTENT_SEEN = (0, 1, 2)
+GLUON_PERSISTENT_HEAD_DIMS = (64, 128)
 GLUON_PERSISTENT_CAUSAL_N = 4096
-# Query rows per consumer warpgroup (two per program), the consumers' registers after the producer
-# warp gives its own back (240: no spills at d128).
+# Query rows per consumer warpgroup, the consumers' registers after the producer warp gives its own
+# back: two consumers 240 (no spills at d128), three 160 (16 warps share the 64K registers: Triton
+# gives the first consumer, its default partition, what is left, 168; the producer's warpgroup 24).
 GLUON_ROWS = 64
 GLUON_CONSUMER_REGISTERS = 240
 GLUON_PRODUCER_REGISTERS = 24
+GLUON_THREE_CONSUMER_REGISTERS = 160
 
 # ---- backward: dK and dV (the dQ kernel, which also writes the row terms, stays tl) ----------
 #

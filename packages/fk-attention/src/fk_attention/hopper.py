@@ -3,12 +3,12 @@ kernel and launch, then the backward's dK/dV kernel and launch, each bound once 
 
 The forward is FlashAttention-3's design, written with Triton's Gluon (`triton.experimental.gluon`):
 each tile is 128 query rows of one (batch, head), taken by two 4-warp consumer warpgroups of 64
-rows each, with one producer warp that moves Q and rings of K and V blocks into shared memory
-through TMA (mbarriers: `ready` when a stage has landed, `empty` when both consumers are done with
-it). A consumer issues the next block's Q K^T on the tensor cores before the softmax of this one,
-so that softmax runs under the P V matmul (asynchronous wgmma); the producer's registers go to the
-consumers (`setmaxnreg`). At d128 a program takes tile after tile (a persistent grid), the next
-tile's Q and K loading while this one's output drains.
+rows each (at d64 192 rows, three), with one producer warp that moves Q and rings of K and V blocks
+into shared memory through TMA (mbarriers: `ready` when a stage has landed, `empty` when every
+consumer is done with it). A consumer issues the next block's Q K^T on the tensor cores before the
+softmax of this one, so that softmax runs under the P V matmul (asynchronous wgmma); the producer's
+registers go to the consumers (`setmaxnreg`). At d64 and d128 a program takes tile after tile (a
+persistent grid), the next tile's Q and K loading while this one's output drains.
 
 The backward's dK/dV kernel has the same shape: two consumer warpgroups of 64 keys each keep their
 K, V and dK, dV accumulators while a producer warp streams Q and dO blocks of every query head of
@@ -25,8 +25,9 @@ H100-class GPU (compute capability 9.x), the Triton versions in `fk_runtime.gluo
 for Gluon's API the kernels use), fp16/bf16, head dims padded to those of `config.GLUON_FORWARD_TILES`
 (the forward), `GLUON_HEAD_DIMS` (dK/dV) and `GLUON_FUSED_HEAD_DIMS` (the 5-matmul backward), full or
 causal masks (either alignment; the forward also windows and softcaps on the releases in
-`config.GLUON_FORWARD_MASKS`), dense (B, H, N, D) tensors whose strides a TMA descriptor takes and whose
-bases are aligned (checked per call); the forward only for a positive scale. Everything else, and any
+`config.GLUON_FORWARD_MASKS`, but at d64 full masks only: `config.GLUON_FORWARD_FULL_ONLY`), dense
+(B, H, N, D) tensors whose strides a TMA descriptor takes and whose bases are aligned (checked per
+call); the forward only for a positive scale. Everything else, and any
 Triton where Gluon or this API is missing, runs the `tl` kernels (`kernels.py`), which stay the
 reference the GPU tests compare with.
 """
@@ -66,15 +67,25 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> boo
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> bool:
     """Whether the forward of these tensors runs here: the row max is taken on unscaled scores, so
-    the scale must be positive; windows and softcaps too on the releases in `config.GLUON_FORWARD_MASKS`."""
-    return sm_scale > 0 and (mask.full_or_causal or backend.triton_release() in config.GLUON_FORWARD_MASKS) \
-        and _on_hopper(q, k, v, tuple(row[0] for row in config.GLUON_FORWARD_TILES))
+    the scale must be positive; windows and softcaps too on the releases in `config.GLUON_FORWARD_MASKS`;
+    at the head dims in `config.GLUON_FORWARD_FULL_ONLY` every key, no softcap, only."""
+    if padded_head_dim(q.shape[-1]) in config.GLUON_FORWARD_FULL_ONLY:
+        masks = not mask.windowed and mask.softcap is None
+    else:
+        masks = mask.full_or_causal or backend.triton_release() in config.GLUON_FORWARD_MASKS
+    return sm_scale > 0 and masks and _on_hopper(q, k, v, tuple(row[0] for row in config.GLUON_FORWARD_TILES))
 
 
-def forward_tiles(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_N, STAGES) of the forward at this head dim (`config.GLUON_FORWARD_TILES`)."""
+def forward_tiles(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, STAGES, CONSUMERS) of the forward at this head dim (`config.GLUON_FORWARD_TILES`)."""
     padded = padded_head_dim(head_dim)
-    return next((block_n, stages) for dim, block_n, stages in config.GLUON_FORWARD_TILES if dim == padded)
+    return next(tuple(row[1:]) for row in config.GLUON_FORWARD_TILES if row[0] == padded)
+
+
+def consumer_registers(consumers: int) -> int:
+    """Registers a consumer warpgroup asks for (`setmaxnreg`): two share what the producer warp
+    leaves, three fit 16 warps' 64K (`config.GLUON_CONSUMER_REGISTERS`, `GLUON_THREE_CONSUMER_REGISTERS`)."""
+    return config.GLUON_THREE_CONSUMER_REGISTERS if consumers == 3 else GLUON_CONSUMER_REGISTERS
 
 
 def forward_mask_args(mask: Mask, sm_scale: float) -> tuple[dict, tuple]:
@@ -88,11 +99,11 @@ def forward_mask_args(mask: Mask, sm_scale: float) -> tuple[dict, tuple]:
     return {"SEEN": seen, "SOFTCAP": False}, (sm_scale * LOG2E, 1.0, left, right)
 
 
-def persistent_grid(seen: int, block_n: int, n_q: int) -> bool:
-    """Whether the forward runs on a persistent grid: its mask in `config.GLUON_PERSISTENT_SEEN`
-    (causal up to `GLUON_PERSISTENT_CAUSAL_N` query rows), the output tile fitting in place of a V
-    stage (2 `GLUON_ROWS` <= BLOCK_N)."""
-    return (seen in config.GLUON_PERSISTENT_SEEN and 2 * GLUON_ROWS <= block_n
+def persistent_grid(seen: int, head_dim: int, n_q: int) -> bool:
+    """Whether the forward runs on a persistent grid: its padded head dim in
+    `config.GLUON_PERSISTENT_HEAD_DIMS`, its mask in `GLUON_PERSISTENT_SEEN` (causal up to
+    `GLUON_PERSISTENT_CAUSAL_N` query rows)."""
+    return (seen in config.GLUON_PERSISTENT_SEEN and padded_head_dim(head_dim) in config.GLUON_PERSISTENT_HEAD_DIMS
             and (seen != 1 or n_q <= config.GLUON_PERSISTENT_CAUSAL_N))
 
 
@@ -102,8 +113,8 @@ def length_buckets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask
     if not takes(q, k, v, mask, sm_scale):
         return ()
     seen = forward_mask_args(mask, sm_scale)[0]["SEEN"]
-    block_n, limit = forward_tiles(q.shape[-1])[0], config.GLUON_PERSISTENT_CAUSAL_N
-    return (limit,) if persistent_grid(seen, block_n, limit) != persistent_grid(seen, block_n, limit + 1) else ()
+    d, limit = q.shape[-1], config.GLUON_PERSISTENT_CAUSAL_N
+    return (limit,) if persistent_grid(seen, d, limit) != persistent_grid(seen, d, limit + 1) else ()
 
 
 def fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
@@ -118,39 +129,39 @@ def fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) 
 if gluon is not None:
 
     @gluon.jit
-    def _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left, right, SEEN: gl.constexpr, ROWS: gl.constexpr,
+    def _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left, right, SEEN: gl.constexpr, TILE: gl.constexpr,
                   BLOCK_N: gl.constexpr):
-        """(b, h, hk, start_m, first, full_lo, full_hi, n_steps) of a tile, 2 ROWS query rows of one
+        """(b, h, hk, start_m, first, full_lo, full_hi, n_steps) of a tile, TILE query rows of one
         (batch, head) (causal: within a head, the blocks that see the most keys come first): key blocks
         [first, first + n_steps), masked outside [full_lo, full_hi) (`kernels._key_range`'s bounds)."""
-        n_blocks = gl.cdiv(n_q, 2 * ROWS)
+        n_blocks = gl.cdiv(n_q, TILE)
         bh = tile // n_blocks
         block = tile % n_blocks
         if SEEN == 1:
             block = n_blocks - 1 - block
         b = bh // n_heads
         h = bh % n_heads
-        start_m = block * 2 * ROWS
+        start_m = block * TILE
         first = 0
         full_lo = 0
         end = n_k
         full_hi = n_k // BLOCK_N
         if SEEN == 1:
-            end = gl.minimum(n_k, gl.maximum(start_m + 2 * ROWS + shift, 0))
+            end = gl.minimum(n_k, gl.maximum(start_m + TILE + shift, 0))
             full_hi = gl.minimum(full_hi, gl.maximum(start_m + shift + 1, 0) // BLOCK_N)
         if SEEN == 2:
             first = gl.maximum(start_m + shift - left, 0) // BLOCK_N
-            end = gl.maximum(gl.minimum(n_k, start_m + 2 * ROWS + shift + right), first * BLOCK_N)
-            full_lo = gl.cdiv(gl.maximum(start_m + 2 * ROWS - 1 + shift - left, 0), BLOCK_N)
+            end = gl.maximum(gl.minimum(n_k, start_m + TILE + shift + right), first * BLOCK_N)
+            full_lo = gl.cdiv(gl.maximum(start_m + TILE - 1 + shift - left, 0), BLOCK_N)
             full_hi = gl.minimum(full_hi, gl.maximum(start_m + shift + right + 1, 0) // BLOCK_N)
         return b, h, h // group, start_m, first, full_lo, full_hi, gl.cdiv(end, BLOCK_N) - first
 
     @gluon.jit
-    def _units(n_q, SEEN: gl.constexpr, ROWS: gl.constexpr):
+    def _units(n_q, SEEN: gl.constexpr, TILE: gl.constexpr):
         """(query blocks a head, units a head) of a persistent grid's work: causal, a unit is a head's
         r-th longest block and its r-th shortest, so that every unit holds about the same keys and a
         static round robin balances the programs; otherwise a unit is a tile."""
-        n_blocks = gl.cdiv(n_q, 2 * ROWS)
+        n_blocks = gl.cdiv(n_q, TILE)
         if SEEN == 1:
             half = (n_blocks + 1) // 2
         else:
@@ -176,13 +187,14 @@ if gluon is not None:
     def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                       v_ready, v_empty, tile, j, step, n_q, n_k, n_heads, group, shift, left, right, SEEN: gl.constexpr,
                       ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The program's j-th tile: both consumers' Q tiles once they are done with the last tile's
+        """The program's j-th tile: every consumer's Q tile once it is done with the last tile's
         (after its last Q K^T), then its K and V blocks into their rings (STAGES and as many V stages
         as v_smem holds) from position `step` on, as stages free up. Returns the position after."""
         V_STAGES: gl.constexpr = v_smem.shape[0]
+        CONSUMERS: gl.constexpr = q_smem.shape[0]
         b, h, hk, start_m, first, full_lo, full_hi, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left,
-                                                                       right, SEEN, ROWS, BLOCK_N)
-        for i in gl.static_range(2):
+                                                                       right, SEEN, CONSUMERS * ROWS, BLOCK_N)
+        for i in gl.static_range(CONSUMERS):
             mbarrier.wait(q_free.index(i), (j & 1) ^ 1, pred=j > 0)
             mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
             tma_load(q_desc, [b, h, start_m + i * ROWS, 0], q_bars.index(i), q_smem.index(i))
@@ -206,7 +218,7 @@ if gluon is not None:
         if PERSISTENT:  # the rings run on across tiles
             step = 0
             j = 0
-            n_blocks, half = _units(n_q, SEEN, ROWS)
+            n_blocks, half = _units(n_q, SEEN, q_smem.shape[0] * ROWS)
             for unit in range(gl.program_id(0), n_tiles // n_blocks * half, gl.num_programs(0)):
                 for m in range(_unit_size(unit, n_blocks, half, SEEN)):
                     step = _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free,
@@ -262,12 +274,13 @@ if gluon is not None:
     @gluon.jit
     def _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                       v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left,
-                      right, slb, slh, HALF: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr,
+                      right, slb, slh, PART: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr,
                       ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                       PERSISTENT: gl.constexpr):
-        """One warpgroup's 64 rows of the program's j-th tile, its K/V blocks from ring position
-        `step` on: S_j = Q K_j^T issued, then P_{j-1} V_{j-1}; the softmax of S_j runs while the
-        latter is on the tensor cores. The output leaves through TMA from o_smem: on a persistent grid
+        """One warpgroup's ROWS rows (the tile's PART-th) of the program's j-th tile, its K/V blocks from
+        ring position `step` on: S_j = Q K_j^T issued, then P_{j-1} V_{j-1}; the softmax of S_j runs while
+        the latter is on the tensor cores, and P_j, cast to the operand P V takes, is what the next step
+        carries (not P_j in fp32 beside S_{j+1}: three consumers fit 160 registers). The output leaves through TMA from o_smem: on a persistent grid
         a buffer of its own, left to drain while the next tile runs (Q's buffer frees after the last
         Q K^T, so that the next tile's Q and K load under this epilogue); one tile a program, Q's own
         buffer. Returns the ring position after the tile."""
@@ -279,21 +292,22 @@ if gluon is not None:
         dtype: gl.constexpr = q_smem.dtype
         q_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_tile = q_smem.index(HALF)
+        q_tile = q_smem.index(PART)
         q = reinterpret(q_tile, dtype, [ROWS, HEAD_DIM], q_2d)
         V_STAGES: gl.constexpr = v_smem.shape[0]
-        o_tile = o_smem.index(HALF)
+        o_tile = o_smem.index(PART)
         o_2d = reinterpret(o_tile, dtype, [ROWS, HEAD_DIM], q_2d)
         b, h, hk, start_m, first, full_lo, full_hi, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift,
-                                                                       left, right, SEEN, ROWS, BLOCK_N)
-        row0 = start_m + HALF * ROWS
+                                                                       left, right, SEEN, q_smem.shape[0] * ROWS,
+                                                                       BLOCK_N)
+        row0 = start_m + PART * ROWS
         rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
         m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        mbarrier.wait(q_bars.index(HALF), j & 1)
+        mbarrier.wait(q_bars.index(PART), j & 1)
         if n_steps > 0:
             stage = step % STAGES
             mbarrier.wait(k_ready.index(stage), (step // STAGES) & 1)
@@ -301,10 +315,11 @@ if gluon is not None:
             s = warpgroup_mma(q, k_0.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(stage), count=1)
-            mbarrier.arrive(q_free.index(HALF), count=1, pred=n_steps == 1)
+            mbarrier.arrive(q_free.index(PART), count=1, pred=n_steps == 1)
             s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, first, n_k, shift, left, right, full_lo,
                         full_hi, SEEN, BLOCK_N)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)  # carried as the operand: half p's registers
             for i in range(1, n_steps):
                 at = step + i
                 prev = (at - 1) % V_STAGES
@@ -314,27 +329,26 @@ if gluon is not None:
                 s = warpgroup_mma(q, k_j.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), ((at - 1) // V_STAGES) & 1)
                 v_prev = reinterpret(v_smem.index(prev), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=[s])  # S_j is done; P V may still run
                 mbarrier.arrive(k_empty.index(stage), count=1)
-                mbarrier.arrive(q_free.index(HALF), count=1, pred=i == n_steps - 1)
+                mbarrier.arrive(q_free.index(PART), count=1, pred=i == n_steps - 1)
                 s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, first + i, n_k, shift, left, right,
                             full_lo, full_hi, SEEN, BLOCK_N)
                 p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
             at = step + n_steps - 1
             last = at % V_STAGES
             mbarrier.wait(v_ready.index(last), (at // V_STAGES) & 1)
             v_last = reinterpret(v_smem.index(last), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(last), count=1)
         else:
-            mbarrier.arrive(q_free.index(HALF), count=1)
+            mbarrier.arrive(q_free.index(PART), count=1)
         seen = l_i > 0.0  # rows that see no key: output 0, log-sum-exp -inf
         l_safe = gl.where(seen, l_i, 1.0)
         out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
@@ -352,73 +366,89 @@ if gluon is not None:
     @gluon.jit
     def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready, v_empty,
                   lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles, slb, slh,
-                  HALF: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr,
+                  PART: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
         if PERSISTENT:  # the rings run on across tiles
             step = 0
             j = 0
-            n_blocks, half = _units(n_q, SEEN, ROWS)
+            n_blocks, half = _units(n_q, SEEN, q_smem.shape[0] * ROWS)
             for unit in range(gl.program_id(0), n_tiles // n_blocks * half, gl.num_programs(0)):
                 for m in range(_unit_size(unit, n_blocks, half, SEEN)):
                     step = _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready,
                                          k_empty, v_ready, v_empty, lse_ptr, _unit_tile(unit, m, n_blocks, half), j,
                                          step, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, slb,
-                                         slh, HALF, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, True)
+                                         slh, PART, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, True)
                     j += 1
             store_wait(0)  # before the program's shared memory goes
         else:
             _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                           v_empty, lse_ptr, gl.program_id(0), 0, 0, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift,
-                          left, right, slb, slh, HALF, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, False)
+                          left, right, slb, slh, PART, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, False)
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "n_tiles", "slb", "slh"])
     def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads,
                                group, shift, left, right, n_tiles, slb, slh, SEEN: gl.constexpr,
                                SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                               STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
-                               PRODUCER_REGISTERS: gl.constexpr):
-        """Tiles of 128 query rows of one (batch, head) against every key they see (SEEN 0 all, 1
-        causal, 2 a window of `left` and `right` keys, key blocks outside it skipped; `_fwd_tile`);
-        PERSISTENT: a program a multiprocessor takes units pid, pid + programs, ... of the n_tiles
-        tiles (`_units`), else one tile a program. Out and the row log-sum-exp (natural log), as
+                               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
+                               CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
+        """Tiles of CONSUMERS (2 or 3) x 64 query rows of one (batch, head) against every key they see
+        (SEEN 0 all, 1 causal, 2 a window of `left` and `right` keys, key blocks outside it skipped;
+        `_fwd_tile`); PERSISTENT: a program a multiprocessor takes units pid, pid + programs, ... of the
+        n_tiles tiles (`_units`), else one tile a program. Out and the row log-sum-exp (natural log), as
         `kernels.attn_fwd_kernel` gives them."""
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         if PERSISTENT:  # the output's own buffer in place of a V stage (a V is needed a step after its K)
             v_smem = gl.allocate_shared_memory(dtype, [STAGES - 1] + v_desc.block_type.shape, v_desc.layout)
-            o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+            o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
         else:
             v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
             o_smem = q_smem
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        for i in gl.static_range(CONSUMERS):
             mbarrier.init(q_bars.index(i), count=1)
             mbarrier.init(q_free.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a stage
-            mbarrier.init(v_empty.index(i), count=2)
-        # (literal 0 / 1: a constexpr name in these tuples reaches the partition as a plain int)
-        gl.warp_specialize([
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
-                         v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles,
-                         slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
-            (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
-                         v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles,
-                         slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
-                         v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN, ROWS, BLOCK_N,
-                         STAGES, PERSISTENT)),
-        ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
-
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)  # every consumer releases a stage
+            mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        # (literal tuples, literal 0 / 1 / 2: a constexpr name, or a tuple built by +, reaches the partition as
+        # a plain value)
+        if CONSUMERS == 3:
+            gl.warp_specialize([
+                (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
+                             v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
+                             n_tiles, slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
+                (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
+                             v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
+                             n_tiles, slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
+                (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
+                             v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
+                             n_tiles, slb, slh, 2, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
+                             v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN, ROWS,
+                             BLOCK_N, STAGES, PERSISTENT)),
+            ], [4, 4, 1], [CONSUMER_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
+                             v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
+                             n_tiles, slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
+                (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
+                             v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
+                             n_tiles, slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
+                             v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN, ROWS,
+                             BLOCK_N, STAGES, PERSISTENT)),
+            ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 if gluon is not None:
 
@@ -731,20 +761,20 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
-    block_n, stages = forward_tiles(d)
+    block_n, stages, consumers = forward_tiles(d)
     layouts = _descriptors((q, k, v, out), (GLUON_ROWS, block_n, block_n, GLUON_ROWS), padded, q.dtype)
     builds, (qk_scale, cap_scale, left, right) = forward_mask_args(mask, sm_scale)
-    n_blocks = sizing.cdiv(n_q, 2 * GLUON_ROWS)
+    n_blocks = sizing.cdiv(n_q, consumers * GLUON_ROWS)
     n_tiles = n_blocks * b * hq
-    persistent = persistent_grid(builds["SEEN"], block_n, n_q)
+    persistent = persistent_grid(builds["SEEN"], padded, n_q)
     units = b * hq * (sizing.cdiv(n_blocks, 2) if builds["SEEN"] == 1 else n_blocks)  # `_units`
     programs = min(units, backend.multiprocessor_count(q.device.index or 0)) if persistent else n_tiles
     launch = Launch(attn_fwd_hopper_kernel, (programs,),
                     (qk_scale, cap_scale, n_q, n_k, hq, hq // hk, int(mask.lower_right) * (n_k - n_q), left, right,
                      n_tiles, *lse_strides),
-                    {**builds, "BLOCK_N": block_n, "HEAD_DIM": padded, "STAGES": stages, "PERSISTENT": persistent,
-                     "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
-                     "num_warps": 4}, q.device)
+                    {**builds, "BLOCK_N": block_n, "HEAD_DIM": padded, "STAGES": stages, "CONSUMERS": consumers,
+                     "PERSISTENT": persistent, "CONSUMER_REGISTERS": consumer_registers(consumers),
+                     "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS, "num_warps": 4}, q.device)
 
     def run(q, k, v, out, lse):
         launch(*(Descriptor(t, shape, strides, block, layout=layout)
