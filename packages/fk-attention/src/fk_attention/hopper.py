@@ -279,10 +279,10 @@ if gluon is not None:
         """One warpgroup's ROWS rows (the tile's PART-th) of the program's j-th tile, its K/V blocks from
         ring position `step` on: S_j = Q K_j^T issued, then P_{j-1} V_{j-1}; the softmax of S_j runs while
         the latter is on the tensor cores, and P_j, cast to the operand P V takes, is what the next step
-        carries (not P_j in fp32 beside S_{j+1}: three consumers fit 160 registers). The output leaves through TMA from o_smem: on a persistent grid
-        a buffer of its own, left to drain while the next tile runs (Q's buffer frees after the last
-        Q K^T, so that the next tile's Q and K load under this epilogue); one tile a program, Q's own
-        buffer. Returns the ring position after the tile."""
+        carries (not P_j in fp32 beside S_{j+1}: three consumers fit 160 registers). The output leaves
+        through TMA from o_smem: on a persistent grid a buffer of its own, left to drain while the next
+        tile runs (Q's buffer frees after the last Q K^T, so that the next tile's Q and K load under this
+        epilogue); one tile a program, Q's own buffer. Returns the ring position after the tile."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 
 import torch
 from fk_runtime import ahead, backend, checks, sizing
@@ -25,6 +24,7 @@ from fk_runtime import ahead, backend, checks, sizing
 from . import decode, hopper, ops
 from . import mask as fk_mask
 from .config import DECODE_MAX_QUERIES
+from .layout import softmax_scale
 
 # Rows per warm-up sequence: past config.DECODE_MAX_QUERIES (the prefill kernels, not decode) and
 # two key blocks of every default tile.
@@ -94,7 +94,7 @@ def _past_buckets(q, k, v, mask, new) -> int:
     views = [t.detach().transpose(1, 2) for t in (q, k, v)]
     as_mask = fk_mask.from_op_args(fk_mask.op_args(mask["causal"], mask["window"], mask["softcap"]))
     calls = 0
-    for bound in hopper.length_buckets(*views, as_mask, 1 / math.sqrt(q.shape[-1])):
+    for bound in hopper.length_buckets(*views, as_mask, softmax_scale(None, q.shape[-1])):
         longer = [new(t.shape[2], grad=False, rows=bound + 1).transpose(1, 2) for t in (q, k, v)]
         ops.attention(*longer, **mask)
         calls += 1
