@@ -375,11 +375,13 @@ HOPPER_CASES = [
     ((1, 2, 2, 300, 700, 72), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 128), fk_mask.CAUSAL),
     ((1, 2, 1, 4096, 4096, 128), fk_mask.CAUSAL),
 ]
-# The forward's d64 build (three consumers, full masks only: `config.GLUON_FORWARD_FULL_ONLY`), padded
-# from 40 too, and its d256 build (`config.GLUON_FORWARD_TILES`: 32 keys a step), padded from 192.
+# The forward's d64 build (three consumers; full masks, causal past 4096 query rows:
+# `config.GLUON_FORWARD_CAUSAL_PAST`), padded from 40 too, and its d256 build (`config.GLUON_FORWARD_TILES`:
+# 32 keys a step), padded from 192.
 FORWARD_64_CASES = [
     ((2, 4, 2, 1000, 1000, 64), fk_mask.FULL), ((1, 4, 1, 333, 1025, 40), fk_mask.FULL),
     ((1, 2, 2, 77, 77, 64), fk_mask.FULL), ((2, 2, 1, 200, 64, 64), fk_mask.FULL),
+    ((1, 2, 1, 4200, 4200, 64), fk_mask.CAUSAL), ((1, 2, 2, 4500, 4200, 40), fk_mask.Mask(right=0, lower_right=True)),
 ]
 HOPPER_FORWARD_CASES = HOPPER_CASES + FORWARD_64_CASES + [
     ((1, 4, 2, 600, 600, 256), fk_mask.CAUSAL), ((1, 2, 1, 333, 700, 192), fk_mask.Mask(right=0, lower_right=True)),
@@ -480,6 +482,33 @@ def test_hopper_forward_persistent_grid_runs_many_tiles_a_program(monkeypatch, s
     had 1 or 3 multiprocessors: each program's K/V rings and Q and output buffers run on across many
     tiles, tiles without keys among them; 0: switched off, one tile a program. Against
     float64 and the tl kernel."""
+    switch("GLUON_FORWARD_MASKS", (backend.triton_release(),))
+    switch("GLUON_PERSISTENT_SEEN", (0, 1, 2) if programs else ())
+    switch("GLUON_PERSISTENT_CAUSAL_N", 1 << 30)
+    monkeypatch.setattr(hopper.backend, "multiprocessor_count", lambda *args: programs)
+    _check_gluon_forward(monkeypatch, shape, mask, dtype)
+
+
+# d64's other masks (causal either alignment, rows without keys, windows, a softcap; GQA; padded from 40),
+# which `config.GLUON_FORWARD_CAUSAL_PAST` leaves to tl (causal at up to 4096 query rows).
+FORWARD_64_MASK_CASES = [
+    ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL), ((1, 4, 1, 333, 1025, 40), fk_mask.CAUSAL),
+    ((1, 4, 1, 1025, 333, 64), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 64), fk_mask.CAUSAL),
+    ((1, 4, 2, 777, 1300, 64), fk_mask.Mask(left=100, right=37, lower_right=True)),
+    ((1, 2, 2, 500, 500, 64), fk_mask.Mask(left=64)), ((1, 2, 1, 1300, 777, 40), fk_mask.Mask(right=200, lower_right=True)),
+    ((1, 4, 2, 1000, 1000, 64), fk_mask.Mask(left=255, right=0, softcap=5.0)), ((1, 2, 1, 4096, 4096, 64), fk_mask.CAUSAL),
+]
+
+
+@ON_GLUON_HOPPER
+@pytest.mark.parametrize("programs", [0, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,mask", FORWARD_64_MASK_CASES, ids=str)
+def test_hopper_forward_d64_masks_where_switched_on(monkeypatch, switch, shape, mask, dtype, programs):
+    """d64's Gluon forward (three consumers) with every mask at any length once
+    `config.GLUON_FORWARD_CAUSAL_PAST` lets it, on a persistent grid of 3 programs and one tile a
+    program: against float64 and the tl kernel."""
+    switch("GLUON_FORWARD_CAUSAL_PAST", ())
     switch("GLUON_FORWARD_MASKS", (backend.triton_release(),))
     switch("GLUON_PERSISTENT_SEEN", (0, 1, 2) if programs else ())
     switch("GLUON_PERSISTENT_CAUSAL_N", 1 << 30)
@@ -703,12 +732,15 @@ def test_hopper_forward_gate(monkeypatch, switch):
         for mask in (fk_mask.Mask(left=8, right=0), fk_mask.Mask(softcap=5.0)):
             assert hopper.takes(q, q, q, mask, 0.1) == taken, (releases, mask)
         assert hopper.takes(q, q, q, fk_mask.CAUSAL, 0.1)
-        # d64 (`config.GLUON_FORWARD_FULL_ONLY`): every key, no softcap, only
-        q64 = q[..., :40]
+        # d64 (`config.GLUON_FORWARD_CAUSAL_PAST`): every key, or causal past 4096 query rows, only
+        q64, long64 = q[..., :40], testing.randn((1, 2, 4097, 40), torch.bfloat16)
         assert hopper.takes(q64, q64, q64, fk_mask.FULL, 0.1)
-        for mask in (fk_mask.CAUSAL, fk_mask.Mask(right=0, lower_right=True), fk_mask.Mask(left=8, right=0),
-                     fk_mask.Mask(softcap=5.0)):
+        for mask in (fk_mask.CAUSAL, fk_mask.Mask(right=0, lower_right=True)):
             assert not hopper.takes(q64, q64, q64, mask, 0.1), mask
+            assert hopper.takes(long64, long64, long64, mask, 0.1), mask
+        for mask in (fk_mask.Mask(left=8, right=0), fk_mask.Mask(softcap=5.0), fk_mask.Mask(right=0, softcap=5.0)):
+            assert not hopper.takes(q64, q64, q64, mask, 0.1), mask
+            assert not hopper.takes(long64, long64, long64, mask, 0.1), mask
     if hopper.gluon is not None:
         from fk_runtime.launch import Descriptor
 

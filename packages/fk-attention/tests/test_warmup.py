@@ -49,18 +49,25 @@ def test_warmup_calls_past_each_length_bucket(monkeypatch):
 
 
 def test_length_buckets_name_the_causal_grid_limit(monkeypatch):
-    """On the Gluon forward (`hopper.takes`), the causal d128 forward changes grid past
-    `config.GLUON_PERSISTENT_CAUSAL_N` query rows; full masks, d256 and causal kept off the
-    persistent grid compile one variant at every length."""
-    monkeypatch.setattr(hopper, "takes", lambda *args: True)
-    q = torch.empty(1, 2, 8, 128)
-    q256 = torch.empty(1, 2, 8, 256)
+    """On the Gluon forward's tensors (`hopper._on_hopper`), the causal d128 forward changes grid past
+    `config.GLUON_PERSISTENT_CAUSAL_N` query rows, the causal d64 one leaves tl past its
+    `config.GLUON_FORWARD_CAUSAL_PAST` rows (at any length of the tensors asked about); full masks,
+    d256, causal kept off the persistent grid and masks d64 never takes compile one variant at every length."""
+    monkeypatch.setattr(hopper, "_on_hopper", lambda *args: True)
+    q, q64, q256 = (torch.empty(1, 2, 8, d) for d in (128, 40, 256))
     causal = fk_mask.Mask(right=0)
     assert hopper.length_buckets(q, q, q, causal, 0.1) == (fk_config.GLUON_PERSISTENT_CAUSAL_N,)
     assert hopper.length_buckets(q, q, q, fk_mask.FULL, 0.1) == ()
     assert hopper.length_buckets(q256, q256, q256, causal, 0.1) == ()
+    assert hopper.length_buckets(q64, q64, q64, causal, 0.1) == (4096,)
+    assert hopper.length_buckets(q64, q64, q64, fk_mask.FULL, 0.1) == ()
+    assert hopper.length_buckets(q64, q64, q64, fk_mask.Mask(left=8, right=0), 0.1) == ()
+    assert hopper.length_buckets(q, q, q, causal, -0.1) == ()
+    monkeypatch.setattr(fk_config, "GLUON_FORWARD_CAUSAL_PAST", ((64, 1000),))
+    assert hopper.length_buckets(q64, q64, q64, causal, 0.1) == (1000, fk_config.GLUON_PERSISTENT_CAUSAL_N)
     monkeypatch.setattr(fk_config, "GLUON_PERSISTENT_SEEN", (0,))
     assert hopper.length_buckets(q, q, q, causal, 0.1) == ()
+    assert hopper.length_buckets(q64, q64, q64, causal, 0.1) == (1000,)
 
 
 def test_autotuning_only_when_asked(monkeypatch):

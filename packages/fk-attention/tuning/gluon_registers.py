@@ -119,7 +119,7 @@ def main() -> None:
     for d, *_ in fk_config.GLUON_FORWARD_TILES:  # the masks `hopper.takes` gives it (on a release that takes all)
         for name, mask in (("full", FULL), ("causal", CAUSAL), ("window", Mask(left=100, right=37)),
                            ("softcap", Mask(softcap=30.0)), ("window + softcap", Mask(left=255, right=0, softcap=5.0))):
-            if name == "full" or d not in fk_config.GLUON_FORWARD_FULL_ONLY:
+            if name in ("full", "causal") or d not in dict(fk_config.GLUON_FORWARD_CAUSAL_PAST):
                 print(f"forward d{d} {name}: {usage(forward(d, mask))}")
     for causal in (False, True):
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,

@@ -360,9 +360,11 @@ GLUON_FORWARD_MASKS = ((3, 6), (3, 8))
 # slower at N >= 4096, 2-6% faster at N1024). TUNING.md: Hopper forward. Two stages at least: a
 # consumer still reads step j - 1's V while it waits for step j's K.
 GLUON_FORWARD_TILES = ((64, 128, 3, 3), (128, 128, 3, 2), (256, 32, 3, 2))
-# Padded head dims whose Gluon forward takes full masks only (every key, no softcap): d64's causal
-# forward with three consumers took 1.74-1.80x the tl kernel's time at N1024 (TUNING.md: Hopper forward).
-GLUON_FORWARD_FULL_ONLY = (64,)
+# (padded head dim, rows): where the Gluon forward takes full masks (every key, no softcap), and causal
+# ones past `rows` query rows only, no windows or softcaps. d64 causal (three consumers): 1.57-1.80x the tl
+# kernel's time at N1024 and 1.01-1.03x at N4096 (persistent grid), 0.91-0.95x at N16384 (one tile a
+# program) (TUNING.md: Hopper forward).
+GLUON_FORWARD_CAUSAL_PAST = ((64, 4096),)
 # Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) and padded head dims whose Gluon
 # forward runs on a persistent grid, a program a multiprocessor: the next tile's loads under this
 # one's epilogue, about 9% less time at d128 N1024, 7-12% at d64 N1024 (TUNING.md: Forward on a

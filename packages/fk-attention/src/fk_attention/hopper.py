@@ -25,9 +25,9 @@ H100-class GPU (compute capability 9.x), the Triton versions in `fk_runtime.gluo
 for Gluon's API the kernels use), fp16/bf16, head dims padded to those of `config.GLUON_FORWARD_TILES`
 (the forward), `GLUON_HEAD_DIMS` (dK/dV) and `GLUON_FUSED_HEAD_DIMS` (the 5-matmul backward), full or
 causal masks (either alignment; the forward also windows and softcaps on the releases in
-`config.GLUON_FORWARD_MASKS`, but at d64 full masks only: `config.GLUON_FORWARD_FULL_ONLY`), dense
-(B, H, N, D) tensors whose strides a TMA descriptor takes and whose bases are aligned (checked per
-call); the forward only for a positive scale. Everything else, and any Triton where Gluon or this API
+`config.GLUON_FORWARD_MASKS`, but at d64 full masks, and causal past 4096 query rows, only:
+`config.GLUON_FORWARD_CAUSAL_PAST`), dense (B, H, N, D) tensors whose strides a TMA descriptor takes
+and whose bases are aligned (checked per call); the forward only for a positive scale. Everything else, and any Triton where Gluon or this API
 is missing, runs the `tl` kernels (`kernels.py`), which stay the reference the GPU tests compare with.
 """
 
@@ -64,15 +64,24 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> boo
     return mask.full_or_causal and _on_hopper(q, k, v, GLUON_HEAD_DIMS)
 
 
+def _masks_taken(mask: Mask, head_dim: int, n_q: int) -> bool:
+    """Whether the forward takes this mask at this head dim and query length: full or causal, windows
+    and softcaps too on the releases in `config.GLUON_FORWARD_MASKS`; at the head dims in
+    `config.GLUON_FORWARD_CAUSAL_PAST` every key, or causal past its rows, only."""
+    past = dict(config.GLUON_FORWARD_CAUSAL_PAST).get(padded_head_dim(head_dim))
+    if past is not None:
+        return not mask.windowed and mask.softcap is None or mask.full_or_causal and n_q > past
+    return mask.full_or_causal or backend.triton_release() in config.GLUON_FORWARD_MASKS
+
+
+def _forward_on_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> bool:
+    """The forward's tensors and scale (the row max is taken on unscaled scores: a positive scale)."""
+    return sm_scale > 0 and _on_hopper(q, k, v, tuple(row[0] for row in config.GLUON_FORWARD_TILES))
+
+
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> bool:
-    """Whether the forward of these tensors runs here: the row max is taken on unscaled scores, so
-    the scale must be positive; windows and softcaps too on the releases in `config.GLUON_FORWARD_MASKS`;
-    at the head dims in `config.GLUON_FORWARD_FULL_ONLY` every key, no softcap, only."""
-    if padded_head_dim(q.shape[-1]) in config.GLUON_FORWARD_FULL_ONLY:
-        masks = not mask.windowed and mask.softcap is None
-    else:
-        masks = mask.full_or_causal or backend.triton_release() in config.GLUON_FORWARD_MASKS
-    return sm_scale > 0 and masks and _on_hopper(q, k, v, tuple(row[0] for row in config.GLUON_FORWARD_TILES))
+    """Whether the forward of these tensors runs here (`_masks_taken`, `_forward_on_hopper`)."""
+    return _masks_taken(mask, q.shape[-1], q.shape[2]) and _forward_on_hopper(q, k, v, sm_scale)
 
 
 def forward_tiles(head_dim: int) -> tuple[int, int, int]:
@@ -107,13 +116,19 @@ def persistent_grid(seen: int, head_dim: int, n_q: int) -> bool:
 
 
 def length_buckets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> tuple:
-    """Query lengths past which the forward of tensors like these compiles another variant (the
-    causal grid's limit where the Gluon forward takes them), for `warm.warmup` to call past each."""
-    if not takes(q, k, v, mask, sm_scale):
+    """Query lengths past which the forward of tensors like these (any length) compiles another
+    variant: where the Gluon forward's causal grid changes, or it starts to take the mask
+    (`config.GLUON_FORWARD_CAUSAL_PAST`), for `warm.warmup` to call past each."""
+    if not _forward_on_hopper(q, k, v, sm_scale):
         return ()
-    seen = forward_mask_args(mask, sm_scale)[0]["SEEN"]
-    d, limit = q.shape[-1], config.GLUON_PERSISTENT_CAUSAL_N
-    return (limit,) if persistent_grid(seen, d, limit) != persistent_grid(seen, d, limit + 1) else ()
+    seen, d = forward_mask_args(mask, sm_scale)[0]["SEEN"], q.shape[-1]
+
+    def variant(n_q: int) -> tuple[bool, bool]:
+        taken = _masks_taken(mask, d, n_q)
+        return taken, taken and persistent_grid(seen, d, n_q)
+
+    bounds = {config.GLUON_PERSISTENT_CAUSAL_N, *(rows for _, rows in config.GLUON_FORWARD_CAUSAL_PAST)}
+    return tuple(sorted(n for n in bounds if variant(n) != variant(n + 1)))
 
 
 def fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
