@@ -381,7 +381,8 @@ HOPPER_CASES = [
 FORWARD_64_CASES = [
     ((2, 4, 2, 1000, 1000, 64), fk_mask.FULL), ((1, 4, 1, 333, 1025, 40), fk_mask.FULL),
     ((1, 2, 2, 77, 77, 64), fk_mask.FULL), ((2, 2, 1, 200, 64, 64), fk_mask.FULL),
-    ((1, 2, 1, 4200, 4200, 64), fk_mask.CAUSAL), ((1, 2, 2, 4500, 4200, 40), fk_mask.Mask(right=0, lower_right=True)),
+    ((1, 2, 1, 4200, 4200, 64), fk_mask.CAUSAL),
+    ((1, 2, 2, 4500, 4200, 40), fk_mask.Mask(right=0, lower_right=True)),
 ]
 HOPPER_FORWARD_CASES = HOPPER_CASES + FORWARD_64_CASES + [
     ((1, 4, 2, 600, 600, 256), fk_mask.CAUSAL), ((1, 2, 1, 333, 700, 192), fk_mask.Mask(right=0, lower_right=True)),
@@ -495,8 +496,10 @@ FORWARD_64_MASK_CASES = [
     ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL), ((1, 4, 1, 333, 1025, 40), fk_mask.CAUSAL),
     ((1, 4, 1, 1025, 333, 64), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 64), fk_mask.CAUSAL),
     ((1, 4, 2, 777, 1300, 64), fk_mask.Mask(left=100, right=37, lower_right=True)),
-    ((1, 2, 2, 500, 500, 64), fk_mask.Mask(left=64)), ((1, 2, 1, 1300, 777, 40), fk_mask.Mask(right=200, lower_right=True)),
-    ((1, 4, 2, 1000, 1000, 64), fk_mask.Mask(left=255, right=0, softcap=5.0)), ((1, 2, 1, 4096, 4096, 64), fk_mask.CAUSAL),
+    ((1, 2, 2, 500, 500, 64), fk_mask.Mask(left=64)),
+    ((1, 2, 1, 1300, 777, 40), fk_mask.Mask(right=200, lower_right=True)),
+    ((1, 4, 2, 1000, 1000, 64), fk_mask.Mask(left=255, right=0, softcap=5.0)),
+    ((1, 2, 1, 4096, 4096, 64), fk_mask.CAUSAL),
 ]
 
 
@@ -738,7 +741,8 @@ def test_hopper_forward_gate(monkeypatch, switch):
         for mask in (fk_mask.CAUSAL, fk_mask.Mask(right=0, lower_right=True)):
             assert not hopper.takes(q64, q64, q64, mask, 0.1), mask
             assert hopper.takes(long64, long64, long64, mask, 0.1), mask
-        for mask in (fk_mask.Mask(left=8, right=0), fk_mask.Mask(softcap=5.0), fk_mask.Mask(right=0, softcap=5.0)):
+        for mask in (fk_mask.Mask(left=8, right=0), fk_mask.Mask(softcap=5.0),
+                     fk_mask.Mask(right=0, softcap=5.0)):
             assert not hopper.takes(q64, q64, q64, mask, 0.1), mask
             assert not hopper.takes(long64, long64, long64, mask, 0.1), mask
     if hopper.gluon is not None:

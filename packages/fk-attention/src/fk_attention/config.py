@@ -361,8 +361,8 @@ GLUON_FORWARD_MASKS = ((3, 6), (3, 8))
 # consumer still reads step j - 1's V while it waits for step j's K.
 GLUON_FORWARD_TILES = ((64, 128, 3, 3), (128, 128, 3, 2), (256, 32, 3, 2))
 # (padded head dim, rows): where the Gluon forward takes full masks (every key, no softcap), and causal
-# ones past `rows` query rows only, no windows or softcaps. d64 causal (three consumers): 1.57-1.80x the tl
-# kernel's time at N1024 and 1.01-1.03x at N4096 (persistent grid), 0.91-0.95x at N16384 (one tile a
+# ones past `rows` query rows only, no windows or softcaps. d64 causal (three consumers): 1.74-1.80x the tl
+# kernel's time at N1024 and 0.99-1.01x at N4096 (persistent grid), 0.91-0.94x at N16384 (one tile a
 # program) (TUNING.md: Hopper forward).
 GLUON_FORWARD_CAUSAL_PAST = ((64, 4096),)
 # Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) and padded head dims whose Gluon

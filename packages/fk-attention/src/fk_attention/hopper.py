@@ -27,8 +27,9 @@ for Gluon's API the kernels use), fp16/bf16, head dims padded to those of `confi
 causal masks (either alignment; the forward also windows and softcaps on the releases in
 `config.GLUON_FORWARD_MASKS`, but at d64 full masks, and causal past 4096 query rows, only:
 `config.GLUON_FORWARD_CAUSAL_PAST`), dense (B, H, N, D) tensors whose strides a TMA descriptor takes
-and whose bases are aligned (checked per call); the forward only for a positive scale. Everything else, and any Triton where Gluon or this API
-is missing, runs the `tl` kernels (`kernels.py`), which stay the reference the GPU tests compare with.
+and whose bases are aligned (checked per call); the forward only for a positive scale. Everything
+else, and any Triton where Gluon or this API is missing, runs the `tl` kernels (`kernels.py`), which
+stay the reference the GPU tests compare with.
 """
 
 from __future__ import annotations
