@@ -95,17 +95,17 @@ def usage(compiled) -> str:
     return f"shared {compiled.metadata.shared}; {spills}" + (f"; {dict(atomics)}" if atomics else "")
 
 
-def forward(d: int, mask):
-    """The forward at padded head dim d as `hopper.bind` launches it on a length-N query."""
-    q = torch.empty(B, H, N, d, dtype=torch.bfloat16)
+def forward(d: int, mask, n: int = N):
+    """The forward at padded head dim d as `hopper.bind` launches it on a length-n query."""
+    q = torch.empty(B, H, n, d, dtype=torch.bfloat16)
     block_n, stages, consumers = hopper.forward_tiles(d)
     builds, args = hopper.forward_mask_args(mask, 0.1)
     tiles = [descriptor(q, r) for r in (fk_config.GLUON_ROWS, block_n, block_n, fk_config.GLUON_ROWS)]
-    n_tiles = B * H * N // (consumers * fk_config.GLUON_ROWS)
+    n_tiles = B * H * n // (consumers * fk_config.GLUON_ROWS)
     return hopper.attn_fwd_hopper_kernel.warmup(
-        *tiles, torch.empty(B, H, N), *args[:2], N, N, H, 1, 0, *args[2:], n_tiles, H * N, N, **builds,
+        *tiles, torch.empty(B, H, n), *args[:2], n, n, H, 1, 0, *args[2:], n_tiles, H * n, n, **builds,
         BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CONSUMERS=consumers,
-        PERSISTENT=hopper.persistent_grid(builds["SEEN"], d, N),
+        PERSISTENT=hopper.persistent_grid(builds["SEEN"], d, n),
         CONSUMER_REGISTERS=hopper.consumer_registers(consumers),
         PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
 
@@ -119,8 +119,11 @@ def main() -> None:
     for d, *_ in fk_config.GLUON_FORWARD_TILES:  # the masks `hopper.takes` gives it (on a release that takes all)
         for name, mask in (("full", FULL), ("causal", CAUSAL), ("window", Mask(left=100, right=37)),
                            ("softcap", Mask(softcap=30.0)), ("window + softcap", Mask(left=255, right=0, softcap=5.0))):
-            if name in ("full", "causal") or d not in dict(fk_config.GLUON_FORWARD_CAUSAL_PAST):
+            past = dict(fk_config.GLUON_FORWARD_CAUSAL_PAST).get(d)
+            if past is None or name == "full":
                 print(f"forward d{d} {name}: {usage(forward(d, mask))}")
+            elif name == "causal":  # taken past `past` rows only: the build there
+                print(f"forward d{d} {name} (N {past + 1}): {usage(forward(d, mask, past + 1))}")
     for causal in (False, True):
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]
