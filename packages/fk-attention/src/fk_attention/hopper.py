@@ -71,7 +71,7 @@ def _masks_taken(mask: Mask, head_dim: int, n_q: int) -> bool:
     `config.GLUON_FORWARD_CAUSAL_PAST` every key, or causal past its rows, only."""
     past = dict(config.GLUON_FORWARD_CAUSAL_PAST).get(padded_head_dim(head_dim))
     if past is not None:
-        return not mask.windowed and mask.softcap is None or mask.full_or_causal and n_q > past
+        return mask.full_or_causal and (not mask.windowed or n_q > past)
     return mask.full_or_causal or backend.triton_release() in config.GLUON_FORWARD_MASKS
 
 
