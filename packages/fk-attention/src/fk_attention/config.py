@@ -357,8 +357,9 @@ GLUON_FORWARD_MASKS = ((3, 6), (3, 8))
 # of GLUON_ROWS query rows, (head dim, BLOCK_N, STAGES, CONSUMERS): d128 beat the tl kernel by 7-33%;
 # d256 0.88x its time with 32 keys (64: 0.91x; 128 overflows the shared memory), 3 stages; d64 with
 # three consumers (192-row tiles) 0.88-0.93x its time at N >= 4096, level at N1024 (two: 3-10%
-# slower at N >= 4096, 2-6% faster at N1024). TUNING.md: Hopper forward. Two stages at least: a
-# consumer still reads step j - 1's V while it waits for step j's K.
+# slower at N >= 4096, 2-6% faster at N1024; since a tile's consumers without rows skip it, 4-6% less
+# time at N1024 on 3.8, level on 3.6). TUNING.md: Hopper forward. Two stages at least: a consumer
+# still reads step j - 1's V while it waits for step j's K.
 GLUON_FORWARD_TILES = ((64, 128, 3, 3), (128, 128, 3, 2), (256, 32, 3, 2))
 # (padded head dim, rows): where the Gluon forward takes full masks (every key, no softcap), and causal
 # ones past `rows` query rows only, no windows or softcaps. d64 causal (three consumers): 1.74-1.80x the tl

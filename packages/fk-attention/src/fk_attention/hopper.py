@@ -193,10 +193,20 @@ if gluon is not None:
         return size
 
     @gluon.jit
-    def _unit_tile(unit, m, n_blocks, half):
-        """The m-th tile of a unit in `_fwd_tile`'s numbering (longest first within a head)."""
+    def _unit_tile(unit, m, n_blocks, half, SEEN: gl.constexpr, CONSUMERS: gl.constexpr):
+        """The m-th tile of a unit in `_fwd_tile`'s numbering: causal, longest first within a head.
+        Three consumers, other masks: a head's blocks rotated by the wave its first block falls in, so
+        that a program's tiles take every block in turn: wherever the block count divides the program
+        count, the cheap last blocks (spare consumers idle there, `_consume_tile`) went to the same programs."""
         r = unit % half
-        return unit // half * n_blocks + r + m * (n_blocks - 1 - 2 * r)
+        if SEEN == 1:
+            tile = unit // half * n_blocks + r + m * (n_blocks - 1 - 2 * r)
+        elif CONSUMERS == 3:
+            head_start = unit // n_blocks * n_blocks
+            tile = head_start + (r + head_start // gl.num_programs(0)) % n_blocks
+        else:
+            tile = unit
+        return tile
 
     @gluon.jit
     def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
@@ -236,10 +246,10 @@ if gluon is not None:
             n_blocks, half = _units(n_q, SEEN, q_smem.shape[0] * ROWS)
             for unit in range(gl.program_id(0), n_tiles // n_blocks * half, gl.num_programs(0)):
                 for m in range(_unit_size(unit, n_blocks, half, SEEN)):
+                    tile = _unit_tile(unit, m, n_blocks, half, SEEN, q_smem.shape[0])
                     step = _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free,
-                                         k_ready, k_empty, v_ready, v_empty, _unit_tile(unit, m, n_blocks, half), j,
-                                         step, n_q, n_k, n_heads, group, shift, left, right, SEEN, ROWS, BLOCK_N,
-                                         STAGES)
+                                         k_ready, k_empty, v_ready, v_empty, tile, j, step, n_q, n_k, n_heads, group,
+                                         shift, left, right, SEEN, ROWS, BLOCK_N, STAGES)
                     j += 1
         else:  # (no loop: one round spills nothing)
             _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
@@ -298,7 +308,8 @@ if gluon is not None:
         carries (not P_j in fp32 beside S_{j+1}: three consumers fit 160 registers). The output leaves
         through TMA from o_smem: on a persistent grid a buffer of its own, left to drain while the next
         tile runs (Q's buffer frees after the last Q K^T, so that the next tile's Q and K load under this
-        epilogue); one tile a program, Q's own buffer. Returns the ring position after the tile."""
+        epilogue); one tile a program, Q's own buffer. Three consumers: one whose rows all lie past n_q
+        passes the tile's blocks on, no matmul, no epilogue. Returns the ring position after the tile."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -310,6 +321,9 @@ if gluon is not None:
         q_tile = q_smem.index(PART)
         q = reinterpret(q_tile, dtype, [ROWS, HEAD_DIM], q_2d)
         V_STAGES: gl.constexpr = v_smem.shape[0]
+        # three consumers only: 192-row tiles leave consumers without rows at most lengths, 128-row ones at
+        # few (and there the branch cost the step loops 3-4% at d128 B16 N1024 causal)
+        SKIP_EMPTY: gl.constexpr = q_smem.shape[0] == 3
         o_tile = o_smem.index(PART)
         o_2d = reinterpret(o_tile, dtype, [ROWS, HEAD_DIM], q_2d)
         b, h, hk, start_m, first, full_lo, full_hi, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift,
@@ -323,7 +337,15 @@ if gluon is not None:
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         mbarrier.wait(q_bars.index(PART), j & 1)
-        if n_steps > 0:
+        if SKIP_EMPTY and row0 >= n_q:  # no row here (a length's last tile): pass the blocks on
+            mbarrier.arrive(q_free.index(PART), count=1)
+            for i in range(n_steps):
+                at = step + i
+                mbarrier.wait(k_ready.index(at % STAGES), (at // STAGES) & 1)
+                mbarrier.arrive(k_empty.index(at % STAGES), count=1)
+                mbarrier.wait(v_ready.index(at % V_STAGES), (at // V_STAGES) & 1)
+                mbarrier.arrive(v_empty.index(at % V_STAGES), count=1)
+        elif n_steps > 0:
             stage = step % STAGES
             mbarrier.wait(k_ready.index(stage), (step // STAGES) & 1)
             k_0 = reinterpret(k_smem.index(stage), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
@@ -364,18 +386,19 @@ if gluon is not None:
             mbarrier.arrive(v_empty.index(last), count=1)
         else:
             mbarrier.arrive(q_free.index(PART), count=1)
-        seen = l_i > 0.0  # rows that see no key: output 0, log-sum-exp -inf
-        l_safe = gl.where(seen, l_i, 1.0)
-        out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
-        lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
-        gl.store(lse_ptr + b.to(gl.int64) * slb + h.to(gl.int64) * slh + rows, lse, mask=rows < n_q)
-        if PERSISTENT:
-            store_wait(0)  # the last tile's output has left the buffer
-        o_2d.store(out.to(dtype))
-        fence_async_shared()
-        tma_store(o_desc, [b, h, row0, 0], o_tile)
-        if not PERSISTENT:
-            store_wait(0)
+        if not SKIP_EMPTY or row0 < n_q:
+            seen = l_i > 0.0  # rows that see no key: output 0, log-sum-exp -inf
+            l_safe = gl.where(seen, l_i, 1.0)
+            out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+            lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
+            gl.store(lse_ptr + b.to(gl.int64) * slb + h.to(gl.int64) * slh + rows, lse, mask=rows < n_q)
+            if PERSISTENT:
+                store_wait(0)  # the last tile's output has left the buffer
+            o_2d.store(out.to(dtype))
+            fence_async_shared()
+            tma_store(o_desc, [b, h, row0, 0], o_tile)
+            if not PERSISTENT:
+                store_wait(0)
         return step + n_steps
 
     @gluon.jit
@@ -389,10 +412,11 @@ if gluon is not None:
             n_blocks, half = _units(n_q, SEEN, q_smem.shape[0] * ROWS)
             for unit in range(gl.program_id(0), n_tiles // n_blocks * half, gl.num_programs(0)):
                 for m in range(_unit_size(unit, n_blocks, half, SEEN)):
+                    tile = _unit_tile(unit, m, n_blocks, half, SEEN, q_smem.shape[0])
                     step = _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready,
-                                         k_empty, v_ready, v_empty, lse_ptr, _unit_tile(unit, m, n_blocks, half), j,
-                                         step, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, slb,
-                                         slh, PART, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, True)
+                                         k_empty, v_ready, v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale, n_q,
+                                         n_k, n_heads, group, shift, left, right, slb, slh, PART, SEEN, SOFTCAP, ROWS,
+                                         BLOCK_N, HEAD_DIM, STAGES, True)
                     j += 1
             store_wait(0)  # before the program's shared memory goes
         else:
