@@ -197,7 +197,8 @@ if gluon is not None:
         """The m-th tile of a unit in `_fwd_tile`'s numbering: causal, longest first within a head.
         Three consumers, other masks: a head's blocks rotated by the wave its first block falls in, so
         that a program's tiles take every block in turn: wherever the block count divides the program
-        count, the cheap last blocks (spare consumers idle there, `_consume_tile`) went to the same programs."""
+        count, the cheap last blocks (spare consumers idle there, `_consume_tile`) went to the same
+        programs."""
         r = unit % half
         if SEEN == 1:
             tile = unit // half * n_blocks + r + m * (n_blocks - 1 - 2 * r)
@@ -248,8 +249,8 @@ if gluon is not None:
                 for m in range(_unit_size(unit, n_blocks, half, SEEN)):
                     tile = _unit_tile(unit, m, n_blocks, half, SEEN, q_smem.shape[0])
                     step = _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free,
-                                         k_ready, k_empty, v_ready, v_empty, tile, j, step, n_q, n_k, n_heads, group,
-                                         shift, left, right, SEEN, ROWS, BLOCK_N, STAGES)
+                                         k_ready, k_empty, v_ready, v_empty, tile, j, step, n_q, n_k, n_heads,
+                                         group, shift, left, right, SEEN, ROWS, BLOCK_N, STAGES)
                     j += 1
         else:  # (no loop: one round spills nothing)
             _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
@@ -414,9 +415,9 @@ if gluon is not None:
                 for m in range(_unit_size(unit, n_blocks, half, SEEN)):
                     tile = _unit_tile(unit, m, n_blocks, half, SEEN, q_smem.shape[0])
                     step = _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready,
-                                         k_empty, v_ready, v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale, n_q,
-                                         n_k, n_heads, group, shift, left, right, slb, slh, PART, SEEN, SOFTCAP, ROWS,
-                                         BLOCK_N, HEAD_DIM, STAGES, True)
+                                         k_empty, v_ready, v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale,
+                                         n_q, n_k, n_heads, group, shift, left, right, slb, slh, PART, SEEN,
+                                         SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, True)
                     j += 1
             store_wait(0)  # before the program's shared memory goes
         else:
