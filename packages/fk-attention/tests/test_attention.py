@@ -375,14 +375,16 @@ HOPPER_CASES = [
     ((1, 2, 2, 300, 700, 72), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 128), fk_mask.CAUSAL),
     ((1, 2, 1, 4096, 4096, 128), fk_mask.CAUSAL),
 ]
-# The forward's d64 build (three consumers; full masks, causal past 4096 query rows:
-# `config.GLUON_FORWARD_CAUSAL_PAST`), padded from 40 too, and its d256 build (`config.GLUON_FORWARD_TILES`:
-# 32 keys a step), padded from 192.
+# The forward's d64 builds (three consumers: full masks, causal past 4096 query rows; two: causal up to
+# them, `config.GLUON_FORWARD_CAUSAL_TWO`), padded from 40 too, and its d256 build
+# (`config.GLUON_FORWARD_TILES`: 64 keys a step, V's ring a stage shorter), padded from 192.
 FORWARD_64_CASES = [
     ((2, 4, 2, 1000, 1000, 64), fk_mask.FULL), ((1, 4, 1, 333, 1025, 40), fk_mask.FULL),
     ((1, 2, 2, 77, 77, 64), fk_mask.FULL), ((2, 2, 1, 200, 64, 64), fk_mask.FULL),
     ((1, 2, 1, 4200, 4200, 64), fk_mask.CAUSAL),
     ((1, 2, 2, 4500, 4200, 40), fk_mask.Mask(right=0, lower_right=True)),
+    ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL),
+    ((1, 4, 1, 1025, 333, 40), fk_mask.Mask(right=0, lower_right=True)),
 ]
 HOPPER_FORWARD_CASES = HOPPER_CASES + FORWARD_64_CASES + [
     ((1, 4, 2, 600, 600, 256), fk_mask.CAUSAL), ((1, 2, 1, 333, 700, 192), fk_mask.Mask(right=0, lower_right=True)),
@@ -490,8 +492,9 @@ def test_hopper_forward_persistent_grid_runs_many_tiles_a_program(monkeypatch, s
     _check_gluon_forward(monkeypatch, shape, mask, dtype)
 
 
-# d64's other masks (causal either alignment, rows without keys, windows, a softcap; GQA; padded from 40),
-# which `config.GLUON_FORWARD_CAUSAL_PAST` leaves to tl (causal at up to 4096 query rows).
+# d64's masks on three consumers (causal either alignment, rows without keys, windows, a softcap; GQA;
+# padded from 40): causal up to 4096 query rows takes two (`config.GLUON_FORWARD_CAUSAL_TWO`), windows and
+# softcaps tl (`config.GLUON_FORWARD_FULL_OR_CAUSAL`).
 FORWARD_64_MASK_CASES = [
     ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL), ((1, 4, 1, 333, 1025, 40), fk_mask.CAUSAL),
     ((1, 4, 1, 1025, 333, 64), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 64), fk_mask.CAUSAL),
@@ -508,10 +511,11 @@ FORWARD_64_MASK_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,mask", FORWARD_64_MASK_CASES, ids=str)
 def test_hopper_forward_d64_masks_where_switched_on(monkeypatch, switch, shape, mask, dtype, programs):
-    """d64's Gluon forward (three consumers) with every mask at any length once
-    `config.GLUON_FORWARD_CAUSAL_PAST` lets it, on a persistent grid of 3 programs and one tile a
-    program: against float64 and the tl kernel."""
-    switch("GLUON_FORWARD_CAUSAL_PAST", ())
+    """d64's Gluon forward on three consumers with every mask at any length once
+    `config.GLUON_FORWARD_FULL_OR_CAUSAL` and `GLUON_FORWARD_CAUSAL_TWO` let it, on a persistent grid of
+    3 programs and one tile a program: against float64 and the tl kernel."""
+    switch("GLUON_FORWARD_FULL_OR_CAUSAL", ())
+    switch("GLUON_FORWARD_CAUSAL_TWO", ())
     switch("GLUON_FORWARD_MASKS", (backend.triton_release(),))
     switch("GLUON_PERSISTENT_SEEN", (0, 1, 2) if programs else ())
     switch("GLUON_PERSISTENT_CAUSAL_N", 1 << 30)
@@ -689,7 +693,7 @@ def test_backward_prep_kernel_writes_the_row_terms_and_clears_the_dq_sum():
 @ON_GLUON_HOPPER
 def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch, switch):
     """A base off the 16-byte grid, a window, a softcap (no release in `config.GLUON_FORWARD_MASKS`),
-    causal d64, a negative scale (the registered op takes one): the tl kernels, right answers."""
+    a negative scale (the registered op takes one): the tl kernels, right answers."""
     switch("GLUON_FORWARD_MASKS", ())
     ran = _hopper_launches(monkeypatch)
     storage = testing.randn((1, 2, 300, 128 + 8), torch.bfloat16)
@@ -704,7 +708,6 @@ def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch
     assert len(ran) == 1
     for kwargs in (dict(window=(64, 0)), dict(softcap=30.0)):
         attention(q, k, v, **kwargs)
-    attention(*(t[..., :64].contiguous() for t in (q, k, v)), causal=True)
     out, _ = plan.forward(q, k, v, fk_mask.CAUSAL, -0.1)
     scores = (q.double() @ k.double().transpose(-1, -2) * -0.1).masked_fill(
         torch.ones(300, 300, dtype=torch.bool, device=q.device).triu(1), -math.inf)
@@ -725,8 +728,10 @@ def test_hopper_forward_gate(monkeypatch, switch):
     assert not hopper.takes(q.float(), q.float(), q.float(), fk_mask.CAUSAL, 0.1)
     assert not hopper.takes(q, q, q, fk_mask.Mask(left=8, right=0), 0.1)
     assert not hopper.takes(q, q, q, fk_mask.CAUSAL, -0.1)
-    assert hopper.forward_tiles(72) == (128, 3, 2) and hopper.forward_tiles(192) == (32, 3, 2)
-    assert hopper.forward_tiles(40) == (128, 3, 3)
+    assert hopper.forward_tiles(72, 1, 64) == (128, 3, 2) and hopper.forward_tiles(192, 0, 64) == (64, 3, 2)
+    # d64 (padded from 40): three consumers, but two for causal masks up to 4096 query rows
+    assert hopper.forward_tiles(40, 0, 64) == hopper.forward_tiles(40, 1, 4097) == (128, 3, 3)
+    assert hopper.forward_tiles(40, 1, 4096) == (128, 3, 2) and hopper.forward_tiles(40, 2, 64) == (128, 3, 3)
     assert all(stages >= 2 and consumers in (2, 3) for _, _, stages, consumers in fk_config.GLUON_FORWARD_TILES)
     # Windows and softcaps only on the releases listed (a Hopper GPU assumed, to reach the gate here).
     monkeypatch.setattr(hopper, "_on_hopper", lambda *tensors: True)
@@ -735,11 +740,11 @@ def test_hopper_forward_gate(monkeypatch, switch):
         for mask in (fk_mask.Mask(left=8, right=0), fk_mask.Mask(softcap=5.0)):
             assert hopper.takes(q, q, q, mask, 0.1) == taken, (releases, mask)
         assert hopper.takes(q, q, q, fk_mask.CAUSAL, 0.1)
-        # d64 (`config.GLUON_FORWARD_CAUSAL_PAST`): every key, or causal past 4096 query rows, only
+        # d64 (`config.GLUON_FORWARD_FULL_OR_CAUSAL`): every key, or causal, only, at any length
         q64, long64 = q[..., :40], testing.randn((1, 2, 4097, 40), torch.bfloat16)
         assert hopper.takes(q64, q64, q64, fk_mask.FULL, 0.1)
         for mask in (fk_mask.CAUSAL, fk_mask.Mask(right=0, lower_right=True)):
-            assert not hopper.takes(q64, q64, q64, mask, 0.1), mask
+            assert hopper.takes(q64, q64, q64, mask, 0.1), mask
             assert hopper.takes(long64, long64, long64, mask, 0.1), mask
         for mask in (fk_mask.Mask(left=8, right=0), fk_mask.Mask(softcap=5.0),
                      fk_mask.Mask(right=0, softcap=5.0)):
@@ -765,6 +770,9 @@ def test_autotuned_launch_runs_every_candidate(monkeypatch, tmp_path):
     runs = [] if testing.on_gpu() else _fake_tuner_timer(monkeypatch)
     monkeypatch.setattr(plan, "should_autotune", lambda *args: True)
     monkeypatch.setattr(fk_config, "GLUON_FUSED_HEAD_DIMS", ())  # the tl backward, not Hopper's 5-matmul one
+    # and the tl forward, not Hopper's Gluon one
+    monkeypatch.setattr(fk_config, "GLUON_FORWARD_TILES",
+                        tuple(tiles for tiles in fk_config.GLUON_FORWARD_TILES if tiles[0] != 64))
     dtype = torch.float16
     inputs = make((1, 2, 1, 150, 130, 40), dtype)
     check(lambda q, k, v: attention(q, k, v, causal=True), inputs, dtype, True)

@@ -98,8 +98,8 @@ def usage(compiled) -> str:
 def forward(d: int, mask, n: int = N):
     """The forward at padded head dim d as `hopper.bind` launches it on a length-n query."""
     q = torch.empty(B, H, n, d, dtype=torch.bfloat16)
-    block_n, stages, consumers = hopper.forward_tiles(d)
     builds, args = hopper.forward_mask_args(mask, 0.1)
+    block_n, stages, consumers = hopper.forward_tiles(d, builds["SEEN"], n)
     tiles = [descriptor(q, r) for r in (fk_config.GLUON_ROWS, block_n, block_n, fk_config.GLUON_ROWS)]
     n_tiles = B * H * n // (consumers * fk_config.GLUON_ROWS)
     return hopper.attn_fwd_hopper_kernel.warmup(
@@ -119,11 +119,12 @@ def main() -> None:
     for d, *_ in fk_config.GLUON_FORWARD_TILES:  # the masks `hopper.takes` gives it (on a release that takes all)
         for name, mask in (("full", FULL), ("causal", CAUSAL), ("window", Mask(left=100, right=37)),
                            ("softcap", Mask(softcap=30.0)), ("window + softcap", Mask(left=255, right=0, softcap=5.0))):
-            past = dict(fk_config.GLUON_FORWARD_CAUSAL_PAST).get(d)
-            if past is None or name == "full":
+            two = dict(fk_config.GLUON_FORWARD_CAUSAL_TWO).get(d)
+            if name == "causal" and two is not None:  # two consumers up to `two` rows, then its own count
+                for n in (two, two + 1):
+                    print(f"forward d{d} {name} (N {n}): {usage(forward(d, mask, n))}")
+            elif d not in fk_config.GLUON_FORWARD_FULL_OR_CAUSAL or name == "full":
                 print(f"forward d{d} {name}: {usage(forward(d, mask))}")
-            elif name == "causal":  # taken past `past` rows only: the build there
-                print(f"forward d{d} {name} (N {past + 1}): {usage(forward(d, mask, past + 1))}")
     for causal in (False, True):
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]

@@ -354,18 +354,20 @@ GLUON_HEAD_DIMS = (128,)
 GLUON_FORWARD_MASKS = ((3, 6), (3, 8))
 
 # The forward's padded head dims, each with its keys per step, K/V ring stages and consumer warpgroups
-# of GLUON_ROWS query rows, (head dim, BLOCK_N, STAGES, CONSUMERS): d128 beat the tl kernel by 7-33%;
-# d256 0.88x its time with 32 keys (64: 0.91x; 128 overflows the shared memory), 3 stages; d64 with
+# of GLUON_ROWS query rows, (head dim, BLOCK_N, STAGES, CONSUMERS; V's ring a stage shorter): d128 beat
+# the tl kernel by 7-33%; d256 0.82x the time of 32 keys with 64 (128 overflows the shared memory); d64 with
 # three consumers (192-row tiles) 0.88-0.93x its time at N >= 4096, level at N1024 (two: 3-10%
 # slower at N >= 4096, 2-6% faster at N1024; since a tile's consumers without rows skip it, 4-6% less
 # time at N1024 on 3.8, level on 3.6). TUNING.md: Hopper forward. Two stages at least: a consumer
 # still reads step j - 1's V while it waits for step j's K.
-GLUON_FORWARD_TILES = ((64, 128, 3, 3), (128, 128, 3, 2), (256, 32, 3, 2))
-# (padded head dim, rows): where the Gluon forward takes full masks (every key, no softcap), and causal
-# ones past `rows` query rows only, no windows or softcaps. d64 causal (three consumers): 1.74-1.80x the tl
-# kernel's time at N1024 and 0.99-1.01x at N4096 (persistent grid), 0.91-0.94x at N16384 (one tile a
-# program) (TUNING.md: Hopper forward).
-GLUON_FORWARD_CAUSAL_PAST = ((64, 4096),)
+GLUON_FORWARD_TILES = ((64, 128, 3, 3), (128, 128, 3, 2), (256, 64, 3, 2))
+# Padded head dims whose Gluon forward takes full and causal masks only (d64: windows and softcaps not
+# timed there; they run tl).
+GLUON_FORWARD_FULL_OR_CAUSAL = (64,)
+# (padded head dim, rows): causal masks up to `rows` query rows take two consumers (128-row tiles) where
+# GLUON_FORWARD_TILES has three: d64 causal on three took 1.47-1.50x the tl kernel's time at N1024, on two
+# 0.95-0.97x (N4096 0.95-0.96x); past 4096 rows three, 0.94x (TUNING.md: Hopper forward).
+GLUON_FORWARD_CAUSAL_TWO = ((64, 4096),)
 # Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) and padded head dims whose Gluon
 # forward runs on a persistent grid, a program a multiprocessor: the next tile's loads under this
 # one's epilogue, about 9% less time at d128 N1024, 7-12% at d64 N1024 (TUNING.md: Forward on a

@@ -3,12 +3,13 @@ kernel and launch, then the backward's dK/dV kernel and launch, each bound once 
 
 The forward is FlashAttention-3's design, written with Triton's Gluon (`triton.experimental.gluon`):
 each tile is 128 query rows of one (batch, head), taken by two 4-warp consumer warpgroups of 64
-rows each (at d64 192 rows, three), with one producer warp that moves Q and rings of K and V blocks
-into shared memory through TMA (mbarriers: `ready` when a stage has landed, `empty` when every
-consumer is done with it). A consumer issues the next block's Q K^T on the tensor cores before the
-softmax of this one, so that softmax runs under the P V matmul (asynchronous wgmma); the producer's
-registers go to the consumers (`setmaxnreg`). At d64 and d128 a program takes tile after tile (a
-persistent grid), the next tile's Q and K loading while this one's output drains.
+rows each (at d64 192 rows, three, but for causal masks up to 4096 rows), with one producer warp that
+moves Q and rings of K and V blocks into shared memory through TMA (mbarriers: `ready` when a stage
+has landed, `empty` when every consumer is done with it). A consumer issues the next block's Q K^T on
+the tensor cores before the softmax of this one, so that softmax runs under the P V matmul
+(asynchronous wgmma); the producer's registers go to the consumers (`setmaxnreg`). At d64 and d128 a
+program takes tile after tile (a persistent grid), the next tile's Q and K loading while this one's
+output drains.
 
 The backward's dK/dV kernel has the same shape: two consumer warpgroups of 64 keys each keep their
 K, V and dK, dV accumulators while a producer warp streams Q and dO blocks of every query head of
@@ -25,8 +26,8 @@ H100-class GPU (compute capability 9.x), the Triton versions in `fk_runtime.gluo
 for Gluon's API the kernels use), fp16/bf16, head dims padded to those of `config.GLUON_FORWARD_TILES`
 (the forward), `GLUON_HEAD_DIMS` (dK/dV) and `GLUON_FUSED_HEAD_DIMS` (the 5-matmul backward), full or
 causal masks (either alignment; the forward also windows and softcaps on the releases in
-`config.GLUON_FORWARD_MASKS`, but at d64 full masks, and causal past 4096 query rows, only:
-`config.GLUON_FORWARD_CAUSAL_PAST`), dense (B, H, N, D) tensors whose strides a TMA descriptor takes
+`config.GLUON_FORWARD_MASKS`, but at d64 full and causal masks only:
+`config.GLUON_FORWARD_FULL_OR_CAUSAL`), dense (B, H, N, D) tensors whose strides a TMA descriptor takes
 and whose bases are aligned (checked per call); the forward only for a positive scale. Everything
 else, and any Triton where Gluon or this API is missing, runs the `tl` kernels (`kernels.py`), which
 stay the reference the GPU tests compare with.
@@ -65,13 +66,12 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> boo
     return mask.full_or_causal and _on_hopper(q, k, v, GLUON_HEAD_DIMS)
 
 
-def _masks_taken(mask: Mask, head_dim: int, n_q: int) -> bool:
-    """Whether the forward takes this mask at this head dim and query length: full or causal, windows
-    and softcaps too on the releases in `config.GLUON_FORWARD_MASKS`; at the head dims in
-    `config.GLUON_FORWARD_CAUSAL_PAST` every key, or causal past its rows, only."""
-    past = dict(config.GLUON_FORWARD_CAUSAL_PAST).get(padded_head_dim(head_dim))
-    if past is not None:
-        return mask.full_or_causal and (not mask.windowed or n_q > past)
+def _masks_taken(mask: Mask, head_dim: int) -> bool:
+    """Whether the forward takes this mask at this head dim: full or causal, windows and softcaps too
+    on the releases in `config.GLUON_FORWARD_MASKS`, but not at the head dims in
+    `config.GLUON_FORWARD_FULL_OR_CAUSAL`."""
+    if padded_head_dim(head_dim) in config.GLUON_FORWARD_FULL_OR_CAUSAL:
+        return mask.full_or_causal
     return mask.full_or_causal or backend.triton_release() in config.GLUON_FORWARD_MASKS
 
 
@@ -82,13 +82,20 @@ def _forward_on_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_sca
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> bool:
     """Whether the forward of these tensors runs here (`_masks_taken`, `_forward_on_hopper`)."""
-    return _masks_taken(mask, q.shape[-1], q.shape[2]) and _forward_on_hopper(q, k, v, sm_scale)
+    return _masks_taken(mask, q.shape[-1]) and _forward_on_hopper(q, k, v, sm_scale)
 
 
-def forward_tiles(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, STAGES, CONSUMERS) of the forward at this head dim (`config.GLUON_FORWARD_TILES`)."""
+def forward_tiles(head_dim: int, seen: int, n_q: int) -> tuple[int, int, int]:
+    """(BLOCK_N, STAGES, CONSUMERS) of the forward at this head dim (`config.GLUON_FORWARD_TILES`) for
+    the mask build `seen` (`forward_mask_args`) on n_q query rows: two consumers where
+    `config.GLUON_FORWARD_CAUSAL_TWO` names causal masks up to as many rows."""
     padded = padded_head_dim(head_dim)
-    return next(tuple(row[1:]) for row in config.GLUON_FORWARD_TILES if row[0] == padded)
+    block_n, stages, consumers = next(tuple(tiles[1:]) for tiles in config.GLUON_FORWARD_TILES
+                                      if tiles[0] == padded)
+    rows = dict(config.GLUON_FORWARD_CAUSAL_TWO).get(padded)
+    if seen == 1 and rows is not None and n_q <= rows:
+        consumers = 2
+    return block_n, stages, consumers
 
 
 def consumer_registers(consumers: int) -> int:
@@ -118,17 +125,16 @@ def persistent_grid(seen: int, head_dim: int, n_q: int) -> bool:
 
 def length_buckets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> tuple:
     """Query lengths past which the forward of tensors like these (any length) compiles another
-    variant: where the Gluon forward's causal grid changes, or it starts to take the mask
-    (`config.GLUON_FORWARD_CAUSAL_PAST`), for `warm.warmup` to call past each."""
-    if not _forward_on_hopper(q, k, v, sm_scale):
+    variant: where the Gluon forward's causal grid or consumer count changes
+    (`config.GLUON_PERSISTENT_CAUSAL_N`, `GLUON_FORWARD_CAUSAL_TWO`), for `warm.warmup` to call past each."""
+    if not (_forward_on_hopper(q, k, v, sm_scale) and _masks_taken(mask, q.shape[-1])):
         return ()
     seen, d = forward_mask_args(mask, sm_scale)[0]["SEEN"], q.shape[-1]
 
-    def variant(n_q: int) -> tuple[bool, bool]:
-        taken = _masks_taken(mask, d, n_q)
-        return taken, taken and persistent_grid(seen, d, n_q)
+    def variant(n_q: int) -> tuple[bool, int]:
+        return persistent_grid(seen, d, n_q), forward_tiles(d, seen, n_q)[2]
 
-    bounds = {config.GLUON_PERSISTENT_CAUSAL_N, *(rows for _, rows in config.GLUON_FORWARD_CAUSAL_PAST)}
+    bounds = {config.GLUON_PERSISTENT_CAUSAL_N, *(rows for _, rows in config.GLUON_FORWARD_CAUSAL_TWO)}
     return tuple(sorted(n for n in bounds if variant(n) != variant(n + 1)))
 
 
@@ -146,9 +152,9 @@ if gluon is not None:
     @gluon.jit
     def _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left, right, SEEN: gl.constexpr, TILE: gl.constexpr,
                   BLOCK_N: gl.constexpr):
-        """(b, h, hk, start_m, first, full_lo, full_hi, n_steps) of a tile, TILE query rows of one
-        (batch, head) (causal: within a head, the blocks that see the most keys come first): key blocks
-        [first, first + n_steps), masked outside [full_lo, full_hi) (`kernels._key_range`'s bounds)."""
+        """(b, h, hk, start_m, first, n_steps) of a tile, TILE query rows of one (batch, head) (causal:
+        within a head, the blocks that see the most keys come first): key blocks [first, first + n_steps)
+        (`kernels._key_range`'s bounds)."""
         n_blocks = gl.cdiv(n_q, TILE)
         bh = tile // n_blocks
         block = tile % n_blocks
@@ -158,18 +164,27 @@ if gluon is not None:
         h = bh % n_heads
         start_m = block * TILE
         first = 0
-        full_lo = 0
         end = n_k
-        full_hi = n_k // BLOCK_N
         if SEEN == 1:
             end = gl.minimum(n_k, gl.maximum(start_m + TILE + shift, 0))
-            full_hi = gl.minimum(full_hi, gl.maximum(start_m + shift + 1, 0) // BLOCK_N)
         if SEEN == 2:
             first = gl.maximum(start_m + shift - left, 0) // BLOCK_N
             end = gl.maximum(gl.minimum(n_k, start_m + TILE + shift + right), first * BLOCK_N)
-            full_lo = gl.cdiv(gl.maximum(start_m + TILE - 1 + shift - left, 0), BLOCK_N)
-            full_hi = gl.minimum(full_hi, gl.maximum(start_m + shift + right + 1, 0) // BLOCK_N)
-        return b, h, h // group, start_m, first, full_lo, full_hi, gl.cdiv(end, BLOCK_N) - first
+        return b, h, h // group, start_m, first, gl.cdiv(end, BLOCK_N) - first
+
+    @gluon.jit
+    def _full_blocks(row0, n_k, shift, left, right, SEEN: gl.constexpr, ROWS: gl.constexpr,
+                     BLOCK_N: gl.constexpr):
+        """[full_lo, full_hi): the key blocks that all ROWS query rows from row0 see in full, a consumer's
+        own rows, not its tile's (three consumers: a 192-row tile's later rows mask fewer blocks)."""
+        full_lo = 0
+        full_hi = n_k // BLOCK_N
+        if SEEN == 1:
+            full_hi = gl.minimum(full_hi, gl.maximum(row0 + shift + 1, 0) // BLOCK_N)
+        if SEEN == 2:
+            full_lo = gl.cdiv(gl.maximum(row0 + ROWS - 1 + shift - left, 0), BLOCK_N)
+            full_hi = gl.minimum(full_hi, gl.maximum(row0 + shift + right + 1, 0) // BLOCK_N)
+        return full_lo, full_hi
 
     @gluon.jit
     def _units(n_q, SEEN: gl.constexpr, TILE: gl.constexpr):
@@ -218,8 +233,8 @@ if gluon is not None:
         as v_smem holds) from position `step` on, as stages free up. Returns the position after."""
         V_STAGES: gl.constexpr = v_smem.shape[0]
         CONSUMERS: gl.constexpr = q_smem.shape[0]
-        b, h, hk, start_m, first, full_lo, full_hi, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left,
-                                                                       right, SEEN, CONSUMERS * ROWS, BLOCK_N)
+        b, h, hk, start_m, first, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left, right,
+                                                     SEEN, CONSUMERS * ROWS, BLOCK_N)
         for i in gl.static_range(CONSUMERS):
             mbarrier.wait(q_free.index(i), (j & 1) ^ 1, pred=j > 0)
             mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
@@ -277,12 +292,14 @@ if gluon is not None:
             edge = key_block >= full_hi
         if edge:
             keys = gl.expand_dims(cols + key_block * BLOCK_N, 0)
-            keep = keys < n_k
+            # n_k folded into each row's bound: one compare and one select a score
+            if SEEN == 0:
+                keep = keys < n_k
             if SEEN == 1:
-                keep = keep & (keys <= gl.expand_dims(rows, 1) + shift)
+                keep = keys < gl.expand_dims(gl.minimum(rows + shift + 1, n_k), 1)
             if SEEN == 2:
-                d = keys - gl.expand_dims(rows + shift, 1)
-                keep = keep & (d <= right) & (d >= -left)
+                keep = keys < gl.expand_dims(gl.minimum(rows + shift + right + 1, n_k), 1)
+                keep = keep & (keys >= gl.expand_dims(rows + shift - left, 1))
             s = gl.where(keep, s, -float("inf"))
         return s
 
@@ -327,10 +344,10 @@ if gluon is not None:
         SKIP_EMPTY: gl.constexpr = q_smem.shape[0] == 3
         o_tile = o_smem.index(PART)
         o_2d = reinterpret(o_tile, dtype, [ROWS, HEAD_DIM], q_2d)
-        b, h, hk, start_m, first, full_lo, full_hi, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift,
-                                                                       left, right, SEEN, q_smem.shape[0] * ROWS,
-                                                                       BLOCK_N)
+        b, h, hk, start_m, first, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left, right,
+                                                     SEEN, q_smem.shape[0] * ROWS, BLOCK_N)
         row0 = start_m + PART * ROWS
+        full_lo, full_hi = _full_blocks(row0, n_k, shift, left, right, SEEN, ROWS, BLOCK_N)
         rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -440,11 +457,11 @@ if gluon is not None:
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        if PERSISTENT:  # the output's own buffer in place of a V stage (a V is needed a step after its K)
-            v_smem = gl.allocate_shared_memory(dtype, [STAGES - 1] + v_desc.block_type.shape, v_desc.layout)
+        # a V is read a step after its K: a stage fewer (on a persistent grid, room for the output's buffer)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES - 1] + v_desc.block_type.shape, v_desc.layout)
+        if PERSISTENT:
             o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
         else:
-            v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
             o_smem = q_smem
         q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -801,9 +818,9 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
-    block_n, stages, consumers = forward_tiles(d)
-    layouts = _descriptors((q, k, v, out), (GLUON_ROWS, block_n, block_n, GLUON_ROWS), padded, q.dtype)
     builds, (qk_scale, cap_scale, left, right) = forward_mask_args(mask, sm_scale)
+    block_n, stages, consumers = forward_tiles(d, builds["SEEN"], n_q)
+    layouts = _descriptors((q, k, v, out), (GLUON_ROWS, block_n, block_n, GLUON_ROWS), padded, q.dtype)
     n_blocks = sizing.cdiv(n_q, consumers * GLUON_ROWS)
     n_tiles = n_blocks * b * hq
     persistent = persistent_grid(builds["SEEN"], padded, n_q)
