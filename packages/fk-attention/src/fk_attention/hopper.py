@@ -66,23 +66,15 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> boo
     return mask.full_or_causal and _on_hopper(q, k, v, GLUON_HEAD_DIMS)
 
 
-def _masks_taken(mask: Mask, head_dim: int) -> bool:
-    """Whether the forward takes this mask at this head dim: full or causal, windows and softcaps too
-    on the releases in `config.GLUON_FORWARD_MASKS`, but not at the head dims in
-    `config.GLUON_FORWARD_FULL_OR_CAUSAL`."""
-    if padded_head_dim(head_dim) in config.GLUON_FORWARD_FULL_OR_CAUSAL:
-        return mask.full_or_causal
-    return mask.full_or_causal or backend.triton_release() in config.GLUON_FORWARD_MASKS
-
-
-def _forward_on_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> bool:
-    """The forward's tensors and scale (the row max is taken on unscaled scores: a positive scale)."""
-    return sm_scale > 0 and _on_hopper(q, k, v, tuple(row[0] for row in config.GLUON_FORWARD_TILES))
-
-
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> bool:
-    """Whether the forward of these tensors runs here (`_masks_taken`, `_forward_on_hopper`)."""
-    return _masks_taken(mask, q.shape[-1]) and _forward_on_hopper(q, k, v, sm_scale)
+    """Whether the forward of these tensors runs here (at any length): the row max is taken on unscaled
+    scores, so the scale must be positive; full or causal masks, windows and softcaps too on the releases
+    in `config.GLUON_FORWARD_MASKS`, but not at the head dims in `config.GLUON_FORWARD_FULL_OR_CAUSAL`."""
+    if padded_head_dim(q.shape[-1]) in config.GLUON_FORWARD_FULL_OR_CAUSAL:
+        masks = mask.full_or_causal
+    else:
+        masks = mask.full_or_causal or backend.triton_release() in config.GLUON_FORWARD_MASKS
+    return sm_scale > 0 and masks and _on_hopper(q, k, v, tuple(row[0] for row in config.GLUON_FORWARD_TILES))
 
 
 def forward_tiles(head_dim: int, seen: int, n_q: int) -> tuple[int, int, int]:
@@ -127,7 +119,7 @@ def length_buckets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask
     """Query lengths past which the forward of tensors like these (any length) compiles another
     variant: where the Gluon forward's causal grid or consumer count changes
     (`config.GLUON_PERSISTENT_CAUSAL_N`, `GLUON_FORWARD_CAUSAL_TWO`), for `warm.warmup` to call past each."""
-    if not (_forward_on_hopper(q, k, v, sm_scale) and _masks_taken(mask, q.shape[-1])):
+    if not takes(q, k, v, mask, sm_scale):
         return ()
     seen, d = forward_mask_args(mask, sm_scale)[0]["SEEN"], q.shape[-1]
 
