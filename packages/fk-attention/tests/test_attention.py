@@ -9,7 +9,7 @@ from fk_runtime import alloc, backend, gluon as fk_gluon
 from fk_runtime.harness import testing
 from fk_runtime.launch import PlanCache
 
-from fk_attention import SelfAttention, attention, attention_varlen, hopper
+from fk_attention import SelfAttention, attention, attention_varlen, hopper, hopper_backward
 from fk_attention import plan
 from fk_attention import config as fk_config, layout as fk_layout, mask as fk_mask
 
@@ -350,10 +350,11 @@ ON_GLUON_HOPPER = pytest.mark.skipif(
 
 
 def _hopper_launches(monkeypatch, name: str = "bind") -> list:
-    """Records each bind of a Gluon kernel (hopper.py: `bind` the forward, `bind_dkdv` the
-    backward's dK/dV) whose launch then runs."""
+    """Records each bind of a Gluon kernel (`hopper.bind` the forward; `hopper_backward.bind_dkdv` the
+    backward's dK/dV, `bind_backward` the 5-matmul one) whose launch then runs."""
     ran = []
-    real = getattr(hopper, name)
+    module = hopper if name == "bind" else hopper_backward
+    real = getattr(module, name)
 
     def spy(*args):
         run = real(*args)
@@ -363,7 +364,7 @@ def _hopper_launches(monkeypatch, name: str = "bind") -> list:
             return run(*tensors)
         return counted
 
-    monkeypatch.setattr(hopper, name, spy)
+    monkeypatch.setattr(module, name, spy)
     return ran
 
 
@@ -390,11 +391,25 @@ HOPPER_FORWARD_CASES = HOPPER_CASES + FORWARD_64_CASES + [
     ((1, 4, 2, 600, 600, 256), fk_mask.CAUSAL), ((1, 2, 1, 333, 700, 192), fk_mask.Mask(right=0, lower_right=True)),
     ((1, 2, 2, 129, 77, 256), fk_mask.FULL),
 ]
-# The 5-matmul backward's d64 build too (`config.GLUON_FUSED_HEAD_DIMS`).
+# The 5-matmul backward's d64 build too (`config.GLUON_FUSED_HEAD_DIMS`; its steps issued ahead,
+# `config.GLUON_BWD_AHEAD_HEAD_DIMS`): a program of one Q block (no step ahead), programs whose keys no
+# query sees (no step at all: causal, keys past the queries).
 FUSED_CASES = HOPPER_CASES + [
     ((2, 4, 2, 1000, 1000, 64), fk_mask.FULL), ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL),
     ((1, 4, 1, 333, 1025, 40), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 64), fk_mask.CAUSAL),
+    ((1, 2, 2, 50, 50, 64), fk_mask.FULL), ((1, 2, 1, 100, 300, 64), fk_mask.CAUSAL),
 ]
+
+
+def test_5_matmul_backward_issues_steps_ahead_where_configured(monkeypatch):
+    """The 5-matmul backward's step order and ring by padded head dim (`hopper_backward.fused_builds`): ahead on
+    GLUON_BWD_AHEAD_STAGES stages at the configured head dims, else in order on GLUON_BWD_STAGES."""
+    monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_HEAD_DIMS", (64,))
+    monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_STAGES", 3)
+    assert hopper_backward.fused_builds(40) == hopper_backward.fused_builds(64) == {"AHEAD": True, "STAGES": 3}
+    assert hopper_backward.fused_builds(128) == {"AHEAD": False, "STAGES": fk_config.GLUON_BWD_STAGES}
+    monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_HEAD_DIMS", ())
+    assert hopper_backward.fused_builds(64) == {"AHEAD": False, "STAGES": fk_config.GLUON_BWD_STAGES}
 
 
 @pytest.fixture
@@ -616,7 +631,7 @@ def test_hopper_backward_leaves_unaligned_bases_to_tl(monkeypatch, switch):
 
 
 @ON_GLUON_HOPPER
-@pytest.mark.skipif(hopper.tma_reduce_add is None, reason="TMA reduce-adds: Triton >= 3.8")
+@pytest.mark.skipif(hopper_backward.tma_reduce_add is None, reason="TMA reduce-adds: Triton >= 3.8")
 @pytest.mark.parametrize("grad_lse", [False, True], ids=["", "grad_lse"])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -734,7 +749,7 @@ def test_hopper_forward_gate(monkeypatch, switch):
     assert hopper.forward_tiles(40, 1, 4096) == (128, 3, 2) and hopper.forward_tiles(40, 2, 64) == (128, 3, 3)
     assert all(stages >= 2 and consumers in (2, 3) for _, _, stages, consumers in fk_config.GLUON_FORWARD_TILES)
     # Windows and softcaps only on the releases listed (a Hopper GPU assumed, to reach the gate here).
-    monkeypatch.setattr(hopper, "_on_hopper", lambda *tensors: True)
+    monkeypatch.setattr(hopper, "on_hopper", lambda *tensors: True)
     for releases, taken in (((), False), ((backend.triton_release(),), True), (((0, 1),), False)):
         switch("GLUON_FORWARD_MASKS", releases)
         for mask in (fk_mask.Mask(left=8, right=0), fk_mask.Mask(softcap=5.0)):
@@ -882,7 +897,7 @@ def test_backward_is_deterministic():
 def test_deterministic_reaches_the_backward_and_keys_the_call(monkeypatch):
     """`deterministic=True` (attention's and flash_attn's) rides in the Mask the backward binds for,
     and a call without it binds apart (the quiet key holds it): the 5-matmul backward, not
-    deterministic, is then never bound (`hopper.fused_serves`)."""
+    deterministic, is then never bound (`hopper_backward.fused_serves`)."""
     from fk_attention import flash_attn as fa
 
     seen = []
@@ -904,10 +919,10 @@ def test_deterministic_reaches_the_backward_and_keys_the_call(monkeypatch):
     torch.autograd.grad(out, (q, k, v), g.transpose(1, 2))
     assert seen[-1] is True
     q16 = testing.randn((1, 2, 64, 128), torch.bfloat16)
-    assert not hopper.fused_serves(q16, q16, q16, fk_mask.Mask(right=0, deterministic=True))
+    assert not hopper_backward.fused_serves(q16, q16, q16, fk_mask.Mask(right=0, deterministic=True))
     on_hopper = testing.on_gpu() and torch.cuda.get_device_capability()[0] == 9
-    assert hopper.fused_serves(q16, q16, q16, fk_mask.CAUSAL) == (
-        on_hopper and hopper.tma_reduce_add is not None and fk_config.GLUON_FUSED_DQ)
+    assert hopper_backward.fused_serves(q16, q16, q16, fk_mask.CAUSAL) == (
+        on_hopper and hopper_backward.tma_reduce_add is not None and fk_config.GLUON_FUSED_DQ)
     with pytest.raises(TypeError, match="deterministic"):
         attention(q, k, v, deterministic=1)
 

@@ -49,12 +49,12 @@ def test_warmup_calls_past_each_length_bucket(monkeypatch):
 
 
 def test_length_buckets_name_the_causal_grid_limit(monkeypatch):
-    """On the Gluon forward's tensors (`hopper._on_hopper`), the causal d128 forward changes grid past
+    """On the Gluon forward's tensors (`hopper.on_hopper`), the causal d128 forward changes grid past
     `config.GLUON_PERSISTENT_CAUSAL_N` query rows, the causal d64 one goes from two consumers to three
     past its `config.GLUON_FORWARD_CAUSAL_TWO` rows (at any length of the tensors asked about); full masks,
     d256, causal kept off the persistent grid and masks d64 never takes compile one variant at every
     length."""
-    monkeypatch.setattr(hopper, "_on_hopper", lambda *args: True)
+    monkeypatch.setattr(hopper, "on_hopper", lambda *args: True)
     q, q64, q256 = (torch.empty(1, 2, 8, d) for d in (128, 40, 256))
     causal = fk_mask.Mask(right=0)
     assert hopper.length_buckets(q, q, q, causal, 0.1) == (fk_config.GLUON_PERSISTENT_CAUSAL_N,)

@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the Gluon kernels (hopper.py), from a compile for sm_90a
+"""Registers, spills and shared memory of the Gluon kernels (hopper.py, hopper_backward.py), from a compile for sm_90a
 on any machine: no GPU, Triton's bundled ptxas
 (TUNING.md: Hopper forward, Hopper backward). Needs a Triton in fk_runtime.gluon.VERSIONS (3.6-3.9).
 
@@ -46,7 +46,7 @@ driver.set_active(OfflineHopper())
 
 from fk_runtime.launch import Descriptor  # noqa: E402
 
-from fk_attention import hopper  # noqa: E402
+from fk_attention import hopper, hopper_backward  # noqa: E402
 from fk_attention import config as fk_config  # noqa: E402
 from fk_attention.mask import CAUSAL, FULL, Mask  # noqa: E402
 
@@ -60,26 +60,26 @@ def descriptor(t: torch.Tensor, rows: int, layout=None):
 
 
 def row_terms(rows: torch.Tensor):
-    """lse2's and delta's descriptor as the backward kernels take them (`hopper.STATS_LAYOUT`)."""
+    """lse2's and delta's descriptor as the backward kernels take them (`hopper_backward.STATS_LAYOUT`)."""
     return Descriptor(rows, list(rows.shape), list(rows.stride()), [1, 1, fk_config.GLUON_Q_ROWS],
-                      layout=hopper.STATS_LAYOUT).real()
+                      layout=hopper_backward.STATS_LAYOUT).real()
 
 
 def fused_backward(d: int, causal: bool, **builds):
-    """The 5-matmul backward at padded head dim d, its tiles as `hopper.bind_backward` lays them out."""
+    """The 5-matmul backward at padded head dim d, its tiles as `hopper_backward.bind_backward` lays them out."""
     q = torch.empty(B, H, N, d, dtype=torch.bfloat16)
     rows = torch.empty(B, H, N)
-    kv = hopper.fused_kv_layout(d, q.dtype)
+    kv = hopper_backward.fused_kv_layout(d, q.dtype)
     tiles = [descriptor(q, r, layout) for r, layout in (
         (fk_config.GLUON_Q_ROWS, None), (fk_config.GLUON_KEYS, kv), (fk_config.GLUON_KEYS, kv),
         (fk_config.GLUON_Q_ROWS, None), (fk_config.GLUON_KEYS, kv), (fk_config.GLUON_KEYS, kv))]
     dq_sum = torch.empty(B, H, N, d)
     dq = Descriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, fk_config.GLUON_Q_ROWS, d // 2],
                     layout=hopper.shared_layout(fk_config.GLUON_Q_ROWS, d // 2, torch.float32)).real()
-    return hopper.attn_bwd_hopper_kernel.warmup(
+    return hopper_backward.attn_bwd_hopper_kernel.warmup(
         *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, 0, CAUSAL=causal, HEAD_DIM=d,
-        STAGES=fk_config.GLUON_BWD_STAGES, CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS,
-        PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,), **builds)
+        CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS, PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
+        num_warps=4, grid=(1,), **{**hopper_backward.fused_builds(d), **builds})
 
 
 def usage(compiled) -> str:
@@ -128,10 +128,10 @@ def main() -> None:
     for causal in (False, True):
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]
-        dkdv = hopper.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1,
+        dkdv = hopper_backward.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1,
                                                          0, CAUSAL=causal, STAGES=fk_config.GLUON_BWD_STAGES, **common)
         kernels = [(f"dK/dV d{D}", dkdv)]
-        if hopper.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8), its head dims
+        if hopper_backward.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8), its head dims
             kernels += [(f"5-matmul backward d{d}", fused_backward(d, causal)) for d in fk_config.GLUON_FUSED_HEAD_DIMS]
         for name, compiled in kernels:
             print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")

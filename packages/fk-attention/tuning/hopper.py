@@ -1,4 +1,4 @@
-"""The Hopper kernels in Gluon (hopper.py) against the tl kernels (autotuned, as they ran before
+"""The Hopper kernels in Gluon (hopper.py, hopper_backward.py) against the tl kernels (autotuned, as they ran before
 them) and SDPA's cuDNN backend, do_bench medians on one GPU (TUNING.md: Hopper forward, Hopper
 backward).
 
@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
-from fk_attention import attention, hopper
+from fk_attention import attention, hopper_backward
 from fk_attention import config as fk_config, plan
 from fk_attention import mask as fk_mask
 
@@ -44,14 +44,14 @@ def kernel_ms(fn, calls: int = 5) -> str:
 
 def tl_only(fn):
     """fn's result with the Gluon kernels off (the tl plan, tuned once)."""
-    head_dims, hopper.GLUON_HEAD_DIMS = hopper.GLUON_HEAD_DIMS, ()  # what hopper.serves reads
+    head_dims, hopper_backward.GLUON_HEAD_DIMS = hopper_backward.GLUON_HEAD_DIMS, ()  # what serves reads
     fused, fk_config.GLUON_FUSED_HEAD_DIMS = fk_config.GLUON_FUSED_HEAD_DIMS, ()  # and fused_serves
     tiles, fk_config.GLUON_FORWARD_TILES = fk_config.GLUON_FORWARD_TILES, ()  # and takes
     plan.BOUND.clear()
     try:
         return fn()
     finally:
-        hopper.GLUON_HEAD_DIMS, fk_config.GLUON_FUSED_HEAD_DIMS = head_dims, fused
+        hopper_backward.GLUON_HEAD_DIMS, fk_config.GLUON_FUSED_HEAD_DIMS = head_dims, fused
         fk_config.GLUON_FORWARD_TILES = tiles
         plan.BOUND.clear()
 

@@ -402,6 +402,12 @@ GLUON_FUSED_DQ = True
 # Padded head dims the 5-matmul backward takes (its own gate beside GLUON_HEAD_DIMS): at d64 it ran
 # in 0.92-0.99x the time of the tl pair that d64 had before (TUNING.md: Its head dims).
 GLUON_FUSED_HEAD_DIMS = (64, 128)
+# Padded head dims whose 5-matmul backward issues the next Q block's S^T and dP^T before this block's dV, dK and
+# dQ (`hopper_backward._steps_ahead`: the softmax under those matmuls), on a ring of GLUON_BWD_AHEAD_STAGES (two
+# blocks held while the next loads): d64 took 0.91-0.96x the in-order time, 4 stages 2-6% less than 3, 5 or 6;
+# d128 1.65-1.99x (the second block's scores spill). TUNING.md: Steps ahead.
+GLUON_BWD_AHEAD_HEAD_DIMS = (64,)
+GLUON_BWD_AHEAD_STAGES = 4
 # Rows per program of the tl kernel that writes its row terms and clears the dQ buffer.
 PREP_ROWS = 64
 

@@ -697,7 +697,7 @@ def attn_bwd_prep_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, 
                          sob, soh, son, sod, sdob, sdoh, sdon, sdod, slb, slh, sdlb, sdlh, sdln, ssb, ssh,
                          HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
                          BLOCK_M: tl.constexpr):
-    """Before the 5-matmul backward (`hopper.attn_bwd_hopper_kernel`), rows [start, start + BLOCK_M)
+    """Before the 5-matmul backward (`hopper_backward.attn_bwd_hopper_kernel`), rows [start, start + BLOCK_M)
     of one dense (batch, head): the row terms delta = rowsum(dO * O) (minus dlse) and the base-2 lse
     in the scratch rows (past n_q, to their STATS_ALIGN padding: delta 0, lse2 +inf, as the dQ
     kernel leaves them), and the rows of the fp32 dQ sum (B, H, N, HEAD_DIM_PADDED), contiguous,

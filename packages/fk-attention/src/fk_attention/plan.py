@@ -41,7 +41,7 @@ import torch
 from fk_runtime import ahead, alloc, backend, checks, package_version, sizing, timing
 from fk_runtime.launch import FP_FUSION, Descriptor, Launch, PlanCache, bind_context, layout_key
 
-from . import hopper, kernels
+from . import hopper, hopper_backward, kernels
 from .config import (AUTOTUNE_DTYPES, AUTOTUNE_ENV, AUTOTUNE_MIN_SCORES, AUTOTUNE_WARMUP_MS, CACHE_SIZE,
                      KEY_ARGS, KEY_MAX_HEADS, KEY_MAX_LENGTH, KEY_MIN_LENGTH, TAIL_COLS, TAIL_ROWS, Config, Kind,
                      candidates, default_config, dkdv_parts, forward_meta, hip_waves_per_eu, launch_options, window_build)
@@ -603,14 +603,14 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
     # Packed rows past the last sequence: gradient 0 (their outputs are 0 whatever their inputs).
     tails = (_tail_fill(device, b, totals[0], (shapes[0], 0.0)),
              _tail_fill(device, b, totals[1], (shapes[1], 0.0), (shapes[2], 0.0))) if varlen else None
-    # dK/dV in Gluon on Hopper where it serves (hopper.py), the 5-matmul backward where that serves;
+    # dK/dV in Gluon on Hopper where it serves (hopper_backward.py), the 5-matmul backward where that serves;
     # forced configs or TMA choices run tl.
     gluon = fused = None
     if not varlen and not forced and alibi is None and not dropout and descriptors_may_serve(device, (go_, dk, dv)):
-        if hopper.serves(q_, k_, v_, mask):
-            gluon = hopper.bind_dkdv(q_, k_, v_, go_, dk, dv, scratch_strides, mask, sm_scale)
-        if hopper.fused_serves(q_, k_, v_, mask):
-            fused = hopper.bind_backward(q_, k_, v_, out_, go_, dlse_ if has_dlse else None, dq, dk, dv,
+        if hopper_backward.serves(q_, k_, v_, mask):
+            gluon = hopper_backward.bind_dkdv(q_, k_, v_, go_, dk, dv, scratch_strides, mask, sm_scale)
+        if hopper_backward.fused_serves(q_, k_, v_, mask):
+            fused = hopper_backward.bind_backward(q_, k_, v_, out_, go_, dlse_ if has_dlse else None, dq, dk, dv,
                                          lse_strides, scratch_strides, mask, sm_scale)
 
     def run(grad_out, grad_lse, q, k, v, out, lse, cu_q=None, cu_k=None, alibi=None, dropout_p=0.0, seed=None):
