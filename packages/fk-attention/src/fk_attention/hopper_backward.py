@@ -287,8 +287,8 @@ if gluon is not None:
         n = group * per_head
         if n > 0:
             m0 = first_block * Q_ROWS
-            q, do, st, dpt = _issue_scores(k, v, q_smem, do_smem, ready, 0, 0, s_zero, tile_2d, Q_ROWS, HEAD_DIM,
-                                           STAGES)
+            _, _, st, dpt = _issue_scores(k, v, q_smem, do_smem, ready, 0, 0, s_zero, tile_2d, Q_ROWS, HEAD_DIM,
+                                          STAGES)
             lse2, delta = _row_terms(lse2_smem, delta_smem, 0, s_zero, Q_ROWS)
             st = warpgroup_mma_wait(1, deps=[st])
             pt = _probs(st, lse2, keys, m0 + cols, m0, full_from, shift, qk_scale, CAUSAL)
