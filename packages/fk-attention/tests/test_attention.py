@@ -402,14 +402,15 @@ FUSED_CASES = HOPPER_CASES + [
 
 
 def test_5_matmul_backward_issues_steps_ahead_where_configured(monkeypatch):
-    """The 5-matmul backward's step order and ring by padded head dim (`hopper_backward.fused_builds`): ahead on
-    GLUON_BWD_AHEAD_STAGES stages at the configured head dims, else in order on GLUON_BWD_STAGES."""
+    """The 5-matmul backward's step order and ring by padded head dim (`hopper_backward.fused_builds`):
+    ahead on GLUON_BWD_AHEAD_STAGES stages at the configured head dims, else in order on GLUON_BWD_STAGES."""
     monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_HEAD_DIMS", (64,))
     monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_STAGES", 3)
-    assert hopper_backward.fused_builds(40) == hopper_backward.fused_builds(64) == {"AHEAD": True, "STAGES": 3}
-    assert hopper_backward.fused_builds(128) == {"AHEAD": False, "STAGES": fk_config.GLUON_BWD_STAGES}
+    builds = hopper_backward.fused_builds
+    assert builds(40) == builds(64) == {"AHEAD": True, "STAGES": 3}
+    assert builds(128) == {"AHEAD": False, "STAGES": fk_config.GLUON_BWD_STAGES}
     monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_HEAD_DIMS", ())
-    assert hopper_backward.fused_builds(64) == {"AHEAD": False, "STAGES": fk_config.GLUON_BWD_STAGES}
+    assert builds(64) == {"AHEAD": False, "STAGES": fk_config.GLUON_BWD_STAGES}
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
-"""Registers, spills and shared memory of the Gluon kernels (hopper.py, hopper_backward.py), from a compile for sm_90a
-on any machine: no GPU, Triton's bundled ptxas
-(TUNING.md: Hopper forward, Hopper backward). Needs a Triton in fk_runtime.gluon.VERSIONS (3.6-3.9).
+"""Registers, spills and shared memory of the Gluon kernels (hopper.py, hopper_backward.py), from a
+compile for sm_90a on any machine: no GPU, Triton's bundled ptxas (TUNING.md: Hopper forward, Hopper
+backward). Needs a Triton in fk_runtime.gluon.VERSIONS (3.6-3.9).
 
     TRITON_INTERPRET=0 PYTHONPATH=shared/src:packages/fk-attention/src \\
         python packages/fk-attention/tuning/gluon_registers.py
@@ -128,8 +128,9 @@ def main() -> None:
     for causal in (False, True):
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]
-        dkdv = hopper_backward.attn_bwd_dkdv_hopper_kernel.warmup(*bwd, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1,
-                                                         0, CAUSAL=causal, STAGES=fk_config.GLUON_BWD_STAGES, **common)
+        dkdv = hopper_backward.attn_bwd_dkdv_hopper_kernel.warmup(
+            *bwd, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1, 0, CAUSAL=causal,
+            STAGES=fk_config.GLUON_BWD_STAGES, **common)
         kernels = [(f"dK/dV d{D}", dkdv)]
         if hopper_backward.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8), its head dims
             kernels += [(f"5-matmul backward d{d}", fused_backward(d, causal)) for d in fk_config.GLUON_FUSED_HEAD_DIMS]

@@ -1,6 +1,6 @@
-"""The Hopper kernels in Gluon (hopper.py, hopper_backward.py) against the tl kernels (autotuned, as they ran before
-them) and SDPA's cuDNN backend, do_bench medians on one GPU (TUNING.md: Hopper forward, Hopper
-backward).
+"""The Hopper kernels in Gluon (hopper.py, hopper_backward.py) against the tl kernels (autotuned, as
+they ran before them) and SDPA's cuDNN backend, do_bench medians on one GPU (TUNING.md: Hopper
+forward, Hopper backward).
 
     bash shared/from-source.sh python packages/fk-attention/tuning/hopper.py            # forward TFLOP/s
     bash shared/from-source.sh python packages/fk-attention/tuning/hopper.py backward   # backward

@@ -611,7 +611,7 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
             gluon = hopper_backward.bind_dkdv(q_, k_, v_, go_, dk, dv, scratch_strides, mask, sm_scale)
         if hopper_backward.fused_serves(q_, k_, v_, mask):
             fused = hopper_backward.bind_backward(q_, k_, v_, out_, go_, dlse_ if has_dlse else None, dq, dk, dv,
-                                         lse_strides, scratch_strides, mask, sm_scale)
+                                                  lse_strides, scratch_strides, mask, sm_scale)
 
     def run(grad_out, grad_lse, q, k, v, out, lse, cu_q=None, cu_k=None, alibi=None, dropout_p=0.0, seed=None):
         if expanded:  # materialized as bound: before the packed view (whose own copy has other strides)
