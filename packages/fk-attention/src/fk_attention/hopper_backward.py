@@ -161,6 +161,23 @@ if gluon is not None:
         return q, dv, pt_op, pt * (dpt - gl.expand_dims(delta, 0))
 
     @gluon.jit
+    def _key_tiles(k_smem, v_smem, start_n, kv_2d: gl.constexpr, s_layout: gl.constexpr, acc_layout: gl.constexpr,
+                   HALF: gl.constexpr, KEYS: gl.constexpr, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """A consumer's KEYS keys (the program's HALF-th): K's and V's tiles and their views, the keys' and a
+        Q block's indices, a zero score block, dK and dV accumulators at 0."""
+        dtype: gl.constexpr = k_smem.dtype
+        k_tile = k_smem.index(HALF)
+        v_tile = v_smem.index(HALF)
+        k = reinterpret(k_tile, dtype, [KEYS, HEAD_DIM], kv_2d)
+        v = reinterpret(v_tile, dtype, [KEYS, HEAD_DIM], kv_2d)
+        keys = start_n + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([KEYS, Q_ROWS], gl.float32, s_layout)
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+        return k_tile, v_tile, k, v, keys, cols, s_zero, dk, dv
+
+    @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, kv_bar, ready,
                        empty, qk_scale, sm_scale, shift, b, hk, start_n, group, first_block, n_blocks,
                        HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KEYS: gl.constexpr,
@@ -176,15 +193,8 @@ if gluon is not None:
         dtype: gl.constexpr = q_smem.dtype
         tile_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], dtype)
         kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_DIM], dtype)
-        k_tile = k_smem.index(HALF)
-        v_tile = v_smem.index(HALF)
-        k = reinterpret(k_tile, dtype, [KEYS, HEAD_DIM], kv_2d)
-        v = reinterpret(v_tile, dtype, [KEYS, HEAD_DIM], kv_2d)
-        keys = start_n + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-        cols = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([KEYS, Q_ROWS], gl.float32, s_layout)
-        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+        k_tile, v_tile, k, v, keys, cols, s_zero, dk, dv = _key_tiles(k_smem, v_smem, start_n, kv_2d, s_layout,
+                                                                      acc_layout, HALF, KEYS, Q_ROWS, HEAD_DIM)
         # Row blocks from here on see every key of the program: no mask.
         full_from = start_n + 2 * KEYS - shift
         per_head = n_blocks - first_block
@@ -201,6 +211,19 @@ if gluon is not None:
             mbarrier.arrive(empty.index(stage), count=1)
         _store_dkdv(dk_desc, dv_desc, k, v, k_tile, v_tile, dk * sm_scale, dv, b, hk, start_n, HALF, KEYS)
 
+    @gluon.jit
+    def _key_program_buffers(q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, STAGES: gl.constexpr):
+        """A backward program's shared memory over keys: rings of STAGES (Q, dO) blocks with their row terms,
+        and both consumers' K and V tiles."""
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        lse2_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse2_desc.block_type.shape, lse2_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        return q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem
+
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift"])
     def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc,
                                     qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift,
@@ -211,14 +234,9 @@ if gluon is not None:
         wrote, through `lse2_desc` and `delta_desc`); deterministic."""
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
-        dtype: gl.constexpr = q_desc.dtype
         b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, KEYS)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-        lse2_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse2_desc.block_type.shape, lse2_desc.layout)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem = _key_program_buffers(q_desc, do_desc, lse2_desc,
+                                                                                      delta_desc, k_desc, v_desc, STAGES)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -351,21 +369,14 @@ if gluon is not None:
         kv_2d: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=k_smem.layout.swizzle_byte_width,
                                                    element_bitwidth=k_smem.layout.element_bitwidth)
         dq_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, DQ_COLS], gl.float32)
-        k_tile = k_smem.index(HALF)
-        v_tile = v_smem.index(HALF)
-        k = reinterpret(k_tile, dtype, [KEYS, HEAD_DIM], kv_2d)
-        v = reinterpret(v_tile, dtype, [KEYS, HEAD_DIM], kv_2d)
+        k_tile, v_tile, k, v, keys, cols, s_zero, dk, dv = _key_tiles(k_smem, v_smem, start_n, kv_2d, s_layout,
+                                                                      acc_layout, HALF, KEYS, Q_ROWS, HEAD_DIM)
         # this warpgroup's half of the head dim of both key halves: dQ's B operands
         k_lo = reinterpret(k_smem.index(0), dtype, [KEYS, HEAD_DIM], kv_2d).slice(HALF * DQ_COLS, DQ_COLS, dim=1)
         k_hi = reinterpret(k_smem.index(1), dtype, [KEYS, HEAD_DIM], kv_2d).slice(HALF * DQ_COLS, DQ_COLS, dim=1)
         dq_tile = dq_smem.index(HALF)
         dq_out = reinterpret(dq_tile, gl.float32, [Q_ROWS, DQ_COLS], dq_2d)
-        keys = start_n + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-        cols = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(0, s_layout))
-        s_zero = gl.zeros([KEYS, Q_ROWS], gl.float32, s_layout)
         dq_zero = gl.zeros([Q_ROWS, DQ_COLS], gl.float32, dq_layout)
-        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
         full_from = start_n + 2 * KEYS - shift
         per_head = n_blocks - first_block
         mbarrier.wait(kv_bar, 0)
@@ -404,12 +415,8 @@ if gluon is not None:
         dtype: gl.constexpr = q_desc.dtype
         b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, KEYS)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, Q_ROWS], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-        lse2_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse2_desc.block_type.shape, lse2_desc.layout)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem = _key_program_buffers(q_desc, do_desc, lse2_desc,
+                                                                                      delta_desc, k_desc, v_desc, STAGES)
         ds_smem = gl.allocate_shared_memory(dtype, [4, KEYS, Q_ROWS], ds_layout)  # [parity, half]
         dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
