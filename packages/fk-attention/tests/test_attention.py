@@ -376,12 +376,13 @@ HOPPER_CASES = [
     ((1, 2, 2, 300, 700, 72), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 128), fk_mask.CAUSAL),
     ((1, 2, 1, 4096, 4096, 128), fk_mask.CAUSAL),
 ]
-# The forward's d64 builds (three consumers: full masks, causal past 4096 query rows; two: causal up to
-# them, `config.GLUON_FORWARD_CAUSAL_TWO`), padded from 40 too, and its d256 build
+# The forward's d64 builds (three consumers: full masks past 1024 query rows, causal past 4096; two: up to
+# them, `config.GLUON_FORWARD_TWO`), padded from 40 too, and its d256 build
 # (`config.GLUON_FORWARD_TILES`: 64 keys a step, V's ring a stage shorter), padded from 192.
 FORWARD_64_CASES = [
     ((2, 4, 2, 1000, 1000, 64), fk_mask.FULL), ((1, 4, 1, 333, 1025, 40), fk_mask.FULL),
     ((1, 2, 2, 77, 77, 64), fk_mask.FULL), ((2, 2, 1, 200, 64, 64), fk_mask.FULL),
+    ((1, 4, 1, 1025, 333, 40), fk_mask.FULL), ((1, 2, 2, 1300, 700, 64), fk_mask.FULL),
     ((1, 2, 1, 4200, 4200, 64), fk_mask.CAUSAL),
     ((1, 2, 2, 4500, 4200, 40), fk_mask.Mask(right=0, lower_right=True)),
     ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL),
@@ -509,7 +510,7 @@ def test_hopper_forward_persistent_grid_runs_many_tiles_a_program(monkeypatch, s
 
 
 # d64's masks on three consumers (causal either alignment, rows without keys, windows, a softcap; GQA;
-# padded from 40): causal up to 4096 query rows takes two (`config.GLUON_FORWARD_CAUSAL_TWO`), windows and
+# padded from 40): causal up to 4096 query rows takes two (`config.GLUON_FORWARD_TWO`), windows and
 # softcaps tl (`config.GLUON_FORWARD_FULL_OR_CAUSAL`).
 FORWARD_64_MASK_CASES = [
     ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL), ((1, 4, 1, 333, 1025, 40), fk_mask.CAUSAL),
@@ -528,10 +529,10 @@ FORWARD_64_MASK_CASES = [
 @pytest.mark.parametrize("shape,mask", FORWARD_64_MASK_CASES, ids=str)
 def test_hopper_forward_d64_masks_where_switched_on(monkeypatch, switch, shape, mask, dtype, programs):
     """d64's Gluon forward on three consumers with every mask at any length once
-    `config.GLUON_FORWARD_FULL_OR_CAUSAL` and `GLUON_FORWARD_CAUSAL_TWO` let it, on a persistent grid of
+    `config.GLUON_FORWARD_FULL_OR_CAUSAL` and `GLUON_FORWARD_TWO` let it, on a persistent grid of
     3 programs and one tile a program: against float64 and the tl kernel."""
     switch("GLUON_FORWARD_FULL_OR_CAUSAL", ())
-    switch("GLUON_FORWARD_CAUSAL_TWO", ())
+    switch("GLUON_FORWARD_TWO", ())
     switch("GLUON_FORWARD_MASKS", (backend.triton_release(),))
     switch("GLUON_PERSISTENT_SEEN", (0, 1, 2) if programs else ())
     switch("GLUON_PERSISTENT_CAUSAL_N", 1 << 30)
@@ -745,9 +746,10 @@ def test_hopper_forward_gate(monkeypatch, switch):
     assert not hopper.takes(q, q, q, fk_mask.Mask(left=8, right=0), 0.1)
     assert not hopper.takes(q, q, q, fk_mask.CAUSAL, -0.1)
     assert hopper.forward_tiles(72, 1, 64) == (128, 3, 2) and hopper.forward_tiles(192, 0, 64) == (64, 3, 2)
-    # d64 (padded from 40): three consumers, but two for causal masks up to 4096 query rows
-    assert hopper.forward_tiles(40, 0, 64) == hopper.forward_tiles(40, 1, 4097) == (128, 3, 3)
-    assert hopper.forward_tiles(40, 1, 4096) == (128, 3, 2) and hopper.forward_tiles(40, 2, 64) == (128, 3, 3)
+    # d64 (padded from 40): three consumers, but two for causal masks up to 4096 query rows, full ones up to 1024
+    assert hopper.forward_tiles(40, 0, 1025) == hopper.forward_tiles(40, 1, 4097) == (128, 3, 3)
+    assert hopper.forward_tiles(40, 1, 4096) == hopper.forward_tiles(40, 0, 1024) == (128, 3, 2)
+    assert hopper.forward_tiles(40, 2, 64) == (128, 3, 3)
     assert all(stages >= 2 and consumers in (2, 3) for _, _, stages, consumers in fk_config.GLUON_FORWARD_TILES)
     # Windows and softcaps only on the releases listed (a Hopper GPU assumed, to reach the gate here).
     monkeypatch.setattr(hopper, "on_hopper", lambda *tensors: True)

@@ -50,10 +50,10 @@ def test_warmup_calls_past_each_length_bucket(monkeypatch):
 
 def test_length_buckets_name_the_causal_grid_limit(monkeypatch):
     """On the Gluon forward's tensors (`hopper.on_hopper`), the causal d128 forward changes grid past
-    `config.GLUON_PERSISTENT_CAUSAL_N` query rows, the causal d64 one goes from two consumers to three
-    past its `config.GLUON_FORWARD_CAUSAL_TWO` rows (at any length of the tensors asked about); full masks,
-    d256, causal kept off the persistent grid and masks d64 never takes compile one variant at every
-    length."""
+    `config.GLUON_PERSISTENT_CAUSAL_N` query rows, the d64 one goes from two consumers to three past its
+    `config.GLUON_FORWARD_TWO` rows, causal and full alike (at any length of the tensors asked about); full
+    masks at d128, d256, causal kept off the persistent grid and masks d64 never takes compile one variant at
+    every length."""
     monkeypatch.setattr(hopper, "on_hopper", lambda *args: True)
     q, q64, q256 = (torch.empty(1, 2, 8, d) for d in (128, 40, 256))
     causal = fk_mask.Mask(right=0)
@@ -61,11 +61,12 @@ def test_length_buckets_name_the_causal_grid_limit(monkeypatch):
     assert hopper.length_buckets(q, q, q, fk_mask.FULL, 0.1) == ()
     assert hopper.length_buckets(q256, q256, q256, causal, 0.1) == ()
     assert hopper.length_buckets(q64, q64, q64, causal, 0.1) == (4096,)
-    assert hopper.length_buckets(q64, q64, q64, fk_mask.FULL, 0.1) == ()
+    assert hopper.length_buckets(q64, q64, q64, fk_mask.FULL, 0.1) == (1024,)
     assert hopper.length_buckets(q64, q64, q64, fk_mask.Mask(left=8, right=0), 0.1) == ()
     assert hopper.length_buckets(q, q, q, causal, -0.1) == ()
-    monkeypatch.setattr(fk_config, "GLUON_FORWARD_CAUSAL_TWO", ((64, 1000),))
+    monkeypatch.setattr(fk_config, "GLUON_FORWARD_TWO", ((64, 1, 1000), (64, 0, 1000)))
     assert hopper.length_buckets(q64, q64, q64, causal, 0.1) == (1000, fk_config.GLUON_PERSISTENT_CAUSAL_N)
+    assert hopper.length_buckets(q64, q64, q64, fk_mask.FULL, 0.1) == (1000,)
     monkeypatch.setattr(fk_config, "GLUON_PERSISTENT_SEEN", (0,))
     assert hopper.length_buckets(q, q, q, causal, 0.1) == ()
     assert hopper.length_buckets(q64, q64, q64, causal, 0.1) == (1000,)

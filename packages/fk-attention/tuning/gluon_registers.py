@@ -119,12 +119,12 @@ def main() -> None:
     for d, *_ in fk_config.GLUON_FORWARD_TILES:  # the masks `hopper.takes` gives it (on a release that takes all)
         for name, mask in (("full", FULL), ("causal", CAUSAL), ("window", Mask(left=100, right=37)),
                            ("softcap", Mask(softcap=30.0)), ("window + softcap", Mask(left=255, right=0, softcap=5.0))):
-            two = dict(fk_config.GLUON_FORWARD_CAUSAL_TWO).get(d)
-            if name == "causal" and two is not None:  # two consumers up to `two` rows, then its own count
-                for n in (two, two + 1):
-                    print(f"forward d{d} {name} (N {n}): {usage(forward(d, mask, n))}")
-            elif d not in fk_config.GLUON_FORWARD_FULL_OR_CAUSAL or name == "full":
-                print(f"forward d{d} {name}: {usage(forward(d, mask))}")
+            if d in fk_config.GLUON_FORWARD_FULL_OR_CAUSAL and name not in ("full", "causal"):
+                continue
+            seen = hopper.forward_mask_args(mask, 0.1)[0]["SEEN"]
+            two = [rows for dim, built, rows in fk_config.GLUON_FORWARD_TWO if (dim, built) == (d, seen)]
+            for n in (two[0], two[0] + 1) if two else (N,):  # two consumers up to `two` rows, then its own count
+                print(f"forward d{d} {name}{f' (N {n})' if two else ''}: {usage(forward(d, mask, n))}")
     for causal in (False, True):
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]

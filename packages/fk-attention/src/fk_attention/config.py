@@ -364,10 +364,12 @@ GLUON_FORWARD_TILES = ((64, 128, 3, 3), (128, 128, 3, 2), (256, 64, 3, 2))
 # Padded head dims whose Gluon forward takes full and causal masks only (d64: windows and softcaps not
 # timed there; they run tl).
 GLUON_FORWARD_FULL_OR_CAUSAL = (64,)
-# (padded head dim, rows): causal masks up to `rows` query rows take two consumers (128-row tiles) where
-# GLUON_FORWARD_TILES has three: d64 causal on three took 1.47-1.50x the tl kernel's time at N1024, on two
-# 0.95-0.97x (N4096 0.95-0.96x); past 4096 rows three, 0.94x (TUNING.md: Hopper forward).
-GLUON_FORWARD_CAUSAL_TWO = ((64, 4096),)
+# (padded head dim, SEEN, rows): the mask build SEEN (0 full, 1 causal) up to `rows` query rows takes two
+# consumers (128-row tiles) where GLUON_FORWARD_TILES has three: d64 causal on three took 1.47-1.50x the tl
+# kernel's time at N1024, on two 0.95-0.97x (N4096 0.95-0.96x); past 4096 rows three, 0.94x. d64 full at
+# N1024 (three: five 192-row tiles and one of 64) on two: 0.98 / 0.94-0.96x three's time (3.8 / 3.6), N4096
+# level (TUNING.md: Hopper forward).
+GLUON_FORWARD_TWO = ((64, 1, 4096), (64, 0, 1024))
 # Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) and padded head dims whose Gluon
 # forward runs on a persistent grid, a program a multiprocessor: the next tile's loads under this
 # one's epilogue, about 9% less time at d128 N1024, 7-12% at d64 N1024 (TUNING.md: Forward on a

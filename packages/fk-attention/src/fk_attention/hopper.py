@@ -62,12 +62,11 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scal
 def forward_tiles(head_dim: int, seen: int, n_q: int) -> tuple[int, int, int]:
     """(BLOCK_N, STAGES, CONSUMERS) of the forward at this head dim (`config.GLUON_FORWARD_TILES`) for
     the mask build `seen` (`forward_mask_args`) on n_q query rows: two consumers where
-    `config.GLUON_FORWARD_CAUSAL_TWO` names causal masks up to as many rows."""
+    `config.GLUON_FORWARD_TWO` names this head dim and mask up to as many rows."""
     padded = padded_head_dim(head_dim)
     block_n, stages, consumers = next(tuple(tiles[1:]) for tiles in config.GLUON_FORWARD_TILES
                                       if tiles[0] == padded)
-    rows = dict(config.GLUON_FORWARD_CAUSAL_TWO).get(padded)
-    if seen == 1 and rows is not None and n_q <= rows:
+    if any((padded, seen) == (dim, mask) and n_q <= rows for dim, mask, rows in config.GLUON_FORWARD_TWO):
         consumers = 2
     return block_n, stages, consumers
 
@@ -100,7 +99,7 @@ def persistent_grid(seen: int, head_dim: int, n_q: int) -> bool:
 def length_buckets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> tuple:
     """Query lengths past which the forward of tensors like these (any length) compiles another
     variant: where the Gluon forward's causal grid or consumer count changes
-    (`config.GLUON_PERSISTENT_CAUSAL_N`, `GLUON_FORWARD_CAUSAL_TWO`), for `warm.warmup` to call past each."""
+    (`config.GLUON_PERSISTENT_CAUSAL_N`, `GLUON_FORWARD_TWO`), for `warm.warmup` to call past each."""
     if not takes(q, k, v, mask, sm_scale):
         return ()
     seen, d = forward_mask_args(mask, sm_scale)[0]["SEEN"], q.shape[-1]
@@ -108,7 +107,7 @@ def length_buckets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask
     def variant(n_q: int) -> tuple[bool, int]:
         return persistent_grid(seen, d, n_q), forward_tiles(d, seen, n_q)[2]
 
-    bounds = {config.GLUON_PERSISTENT_CAUSAL_N, *(rows for _, rows in config.GLUON_FORWARD_CAUSAL_TWO)}
+    bounds = {config.GLUON_PERSISTENT_CAUSAL_N, *(rows for _, _, rows in config.GLUON_FORWARD_TWO)}
     return tuple(sorted(n for n in bounds if variant(n) != variant(n + 1)))
 
 
