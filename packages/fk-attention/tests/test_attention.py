@@ -746,7 +746,7 @@ def test_hopper_forward_gate(monkeypatch, switch):
     assert not hopper.takes(q, q, q, fk_mask.Mask(left=8, right=0), 0.1)
     assert not hopper.takes(q, q, q, fk_mask.CAUSAL, -0.1)
     assert hopper.forward_tiles(72, 1, 64) == (128, 3, 2) and hopper.forward_tiles(192, 0, 64) == (64, 3, 2)
-    # d64 (padded from 40): three consumers, but two for causal masks up to 4096 query rows, full ones up to 1024
+    # d64 (padded from 40): three consumers, but two for causal masks up to 4096 query rows, full up to 1024
     assert hopper.forward_tiles(40, 0, 1025) == hopper.forward_tiles(40, 1, 4097) == (128, 3, 3)
     assert hopper.forward_tiles(40, 1, 4096) == hopper.forward_tiles(40, 0, 1024) == (128, 3, 2)
     assert hopper.forward_tiles(40, 2, 64) == (128, 3, 3)

@@ -367,8 +367,8 @@ GLUON_FORWARD_FULL_OR_CAUSAL = (64,)
 # (padded head dim, SEEN, rows): the mask build SEEN (0 full, 1 causal) up to `rows` query rows takes two
 # consumers (128-row tiles) where GLUON_FORWARD_TILES has three: d64 causal on three took 1.47-1.50x the tl
 # kernel's time at N1024, on two 0.95-0.97x (N4096 0.95-0.96x); past 4096 rows three, 0.94x. d64 full at
-# N1024 (three: five 192-row tiles and one of 64) on two: 0.98 / 0.94-0.96x three's time (3.8 / 3.6), N4096
-# level (TUNING.md: Hopper forward).
+# N1024 (three: five 192-row tiles and one of 64) on two: 0.98 / 0.94-0.96x three's time (3.8 / 3.6); past
+# 1024 rows three (two took 3-10% more time at N >= 4096). TUNING.md: Hopper forward.
 GLUON_FORWARD_TWO = ((64, 1, 4096), (64, 0, 1024))
 # Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) and padded head dims whose Gluon
 # forward runs on a persistent grid, a program a multiprocessor: the next tile's loads under this

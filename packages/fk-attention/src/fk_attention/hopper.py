@@ -66,7 +66,7 @@ def forward_tiles(head_dim: int, seen: int, n_q: int) -> tuple[int, int, int]:
     padded = padded_head_dim(head_dim)
     block_n, stages, consumers = next(tuple(tiles[1:]) for tiles in config.GLUON_FORWARD_TILES
                                       if tiles[0] == padded)
-    if any((padded, seen) == (dim, mask) and n_q <= rows for dim, mask, rows in config.GLUON_FORWARD_TWO):
+    if any((padded, seen) == (dim, built) and n_q <= rows for dim, built, rows in config.GLUON_FORWARD_TWO):
         consumers = 2
     return block_n, stages, consumers
 
