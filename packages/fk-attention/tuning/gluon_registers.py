@@ -6,7 +6,8 @@ backward). Needs a Triton in fk_runtime.gluon.VERSIONS (3.6-3.9).
         python packages/fk-attention/tuning/gluon_registers.py
 
 A consumer warpgroup's registers are set by `setmaxnreg` at run time; ptxas reports the launch's
-count (168 with 12 warps, 128 with 16) and the spills it had to place at the registers the code asks for.
+count (168 with 12 warps, 128 with 16) and the spills it had to place at the registers the code asks for,
+and "wgmma serialized (C7514)" where it serialized a kernel's wgmma (TUNING.md: Measured and not kept).
 """
 
 import os
@@ -91,8 +92,11 @@ def usage(compiled) -> str:
         log = subprocess.run([tool, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(folder, "k.o")],
                              capture_output=True, text=True).stderr
     spills = next((line.strip() for line in log.splitlines() if "spill" in line), "")
+    # ptxas serializes every wgmma of a kernel where other code reads an accumulator still in flight
+    serialized = "; wgmma serialized (C7514)" if "C7514" in log else ""
     atomics = Counter(re.findall(r"\b(?:red|atom)\.[\w.]+", compiled.asm["ptx"]))
-    return f"shared {compiled.metadata.shared}; {spills}" + (f"; {dict(atomics)}" if atomics else "")
+    found = f"shared {compiled.metadata.shared}; {spills}{serialized}"
+    return found + (f"; {dict(atomics)}" if atomics else "")
 
 
 def forward(d: int, mask, n: int = N):
@@ -123,8 +127,9 @@ def main() -> None:
                 continue
             seen = hopper.forward_mask_args(mask, 0.1)[0]["SEEN"]
             two = [rows for dim, built, rows in fk_config.GLUON_FORWARD_TWO if (dim, built) == (d, seen)]
-            for n in (two[0], two[0] + 1) if two else (N,):  # two consumers up to `two` rows, then its own count
-                print(f"forward d{d} {name}{f' (N {n})' if two else ''}: {usage(forward(d, mask, n))}")
+            for n in (two[0], two[0] + 1) if two else (N,):  # two consumers up to `two` rows, then its count
+                length = f" (N {n})" if two else ""
+                print(f"forward d{d} {name}{length}: {usage(forward(d, mask, n))}")
     for causal in (False, True):
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]
