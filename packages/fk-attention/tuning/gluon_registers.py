@@ -125,9 +125,8 @@ def main() -> None:
                            ("softcap", Mask(softcap=30.0)), ("window + softcap", Mask(left=255, right=0, softcap=5.0))):
             if d in fk_config.GLUON_FORWARD_FULL_OR_CAUSAL and name not in ("full", "causal"):
                 continue
-            seen = hopper.forward_mask_args(mask, 0.1)[0]["SEEN"]
-            two = [rows for dim, built, rows in fk_config.GLUON_FORWARD_TWO if (dim, built) == (d, seen)]
-            for n in (two[0], two[0] + 1) if two else (N,):  # two consumers up to `two` rows, then its count
+            two = hopper.two_consumer_rows(d, hopper.forward_mask_args(mask, 0.1)[0]["SEEN"])
+            for n in (two, two + 1) if two else (N,):  # two consumers up to `two` rows, then its count
                 length = f" (N {n})" if two else ""
                 print(f"forward d{d} {name}{length}: {usage(forward(d, mask, n))}")
     for causal in (False, True):

@@ -24,6 +24,7 @@ Everything else, and any Triton where Gluon or this API is missing, runs the `tl
 from __future__ import annotations
 
 import torch
+import triton
 
 from fk_runtime import gluon as fk_gluon
 from fk_runtime import backend, sizing
@@ -59,14 +60,21 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scal
     return sm_scale > 0 and masks and on_hopper(q, k, v, tuple(row[0] for row in config.GLUON_FORWARD_TILES))
 
 
+def two_consumer_rows(head_dim: int, seen: int) -> int | None:
+    """Query rows up to which the forward at this head dim, mask build `seen`, takes two consumers
+    (`config.GLUON_FORWARD_TWO`); None: always its `GLUON_FORWARD_TILES` count."""
+    padded = padded_head_dim(head_dim)
+    return next((rows for dim, built, rows in config.GLUON_FORWARD_TWO if (dim, built) == (padded, seen)), None)
+
+
 def forward_tiles(head_dim: int, seen: int, n_q: int) -> tuple[int, int, int]:
     """(BLOCK_N, STAGES, CONSUMERS) of the forward at this head dim (`config.GLUON_FORWARD_TILES`) for
-    the mask build `seen` (`forward_mask_args`) on n_q query rows: two consumers where
-    `config.GLUON_FORWARD_TWO` names this head dim and mask up to as many rows."""
+    the mask build `seen` (`forward_mask_args`) on n_q query rows: two up to `two_consumer_rows`."""
     padded = padded_head_dim(head_dim)
     block_n, stages, consumers = next(tuple(tiles[1:]) for tiles in config.GLUON_FORWARD_TILES
                                       if tiles[0] == padded)
-    if any((padded, seen) == (dim, built) and n_q <= rows for dim, built, rows in config.GLUON_FORWARD_TWO):
+    two = two_consumer_rows(head_dim, seen)
+    if two is not None and n_q <= two:
         consumers = 2
     return block_n, stages, consumers
 
@@ -107,11 +115,16 @@ def length_buckets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask
     def variant(n_q: int) -> tuple[bool, int]:
         return persistent_grid(seen, d, n_q), forward_tiles(d, seen, n_q)[2]
 
-    bounds = {config.GLUON_PERSISTENT_CAUSAL_N, *(rows for _, _, rows in config.GLUON_FORWARD_TWO)}
+    bounds = {config.GLUON_PERSISTENT_CAUSAL_N, two_consumer_rows(d, seen)} - {None}
     return tuple(sorted(n for n in bounds if variant(n) != variant(n + 1)))
 
 
 if gluon is not None:
+
+    @triton.constexpr_function
+    def mma_layout(cols):
+        """Every consumer's wgmma accumulator layout: one 4-warp warpgroup, 16 x `cols` x 16 instructions."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
 
     @gluon.jit
     def _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left, right, SEEN: gl.constexpr, TILE: gl.constexpr,
@@ -292,10 +305,8 @@ if gluon is not None:
         tile runs (Q's buffer frees after the last Q K^T, so that the next tile's Q and K load under this
         epilogue); one tile a program, Q's own buffer. Three consumers: one whose rows all lie past n_q
         passes the tile's blocks on, no matmul, no epilogue. Returns the ring position after the tile."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = mma_layout(BLOCK_N)
+        o_layout: gl.constexpr = mma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         dtype: gl.constexpr = q_smem.dtype
         q_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)

@@ -185,10 +185,8 @@ if gluon is not None:
         """One warpgroup's KEYS keys, transposed (keys as rows): S^T = K Q^T and dP^T = V dO^T issued
         together; P^T from the saved base-2 log-sum-exp, dV += P^T dO while dS^T = P^T (dP^T - delta)
         is formed, then dK += dS^T Q. dK (times the scale) and dV leave through K's and V's buffers."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, Q_ROWS, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = hopper.mma_layout(Q_ROWS)
+        acc_layout: gl.constexpr = hopper.mma_layout(HEAD_DIM)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         dtype: gl.constexpr = q_smem.dtype
         tile_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], dtype)
@@ -355,13 +353,10 @@ if gluon is not None:
         """`_dkdv_consumer`, plus dQ = dS K (FlashAttention-3's split): both warpgroups' dS^T meet in
         shared memory (two buffers by step parity, `ds_full` / `ds_free`), and each forms its half of
         the head dim over all 2 x KEYS keys, which one TMA reduce-add puts into the fp32 dQ sum."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, Q_ROWS, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = hopper.mma_layout(Q_ROWS)
+        acc_layout: gl.constexpr = hopper.mma_layout(HEAD_DIM)
         DQ_COLS: gl.constexpr = HEAD_DIM // 2
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_COLS, 16])
+        dq_layout: gl.constexpr = hopper.mma_layout(DQ_COLS)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         dtype: gl.constexpr = q_smem.dtype
         tile_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], dtype)
