@@ -198,6 +198,18 @@ def test_key_slices_fill_the_device_and_respect_bounds():
     assert decode.key_slices(1, 3 * min_keys, 128, 0) <= 3
 
 
+@pytest.mark.parametrize("gain", [1.5, 2.5])
+def test_short_caches_are_sliced_only_for_their_card_gain(monkeypatch, gain):
+    grids = fk_config.DecodeGrids(sliced_programs_d128=1, shallow_pipeline=2, descriptors_below=2, slice_min_gain=gain)
+    monkeypatch.setattr(decode, "decode_grids", lambda *args, **kwargs: grids)
+    wanted = decode.sliced_programs(128, 0)
+    programs = max(1, round(wanted / 2))  # slices would double the programs
+    short = fk_config.SHORT_CACHE_KEYS // 2
+    assert decode.key_slices(programs, short, 128, 0) == (1 if wanted / programs < gain else 2)
+    assert decode.key_slices(programs, fk_config.SHORT_CACHE_KEYS, 128, 0) == 2  # a longer cache is sliced
+    assert decode.key_slices(max(1, round(wanted / 8)), short, 128, 0) >= 4  # far from the gain: sliced either way
+
+
 def _descriptors_here(monkeypatch) -> list:
     """Skip where TMA cannot run; else a list that grows by one per K/V descriptor decode builds."""
     if testing.on_gpu() and not fk_layout.is_hopper_or_newer():

@@ -273,15 +273,17 @@ class DecodeGrids:
     sliced_programs_d128: float  # key slices aim at this many programs at head dim 128 (twice at 64)
     shallow_pipeline: float  # grids of at least this many take one stage less
     descriptors_below: float  # K/V through TMA on grids below this many
+    slice_min_gain: float = 1.5  # short caches sliced only where that gives this many times the programs
 
 
 # Measured on the H100 (TUNING.md: decode); cards not listed below, and paged caches on every card
 # (on the H200 its own grids cost paged caches up to 1.29x the time).
 DECODE_GRIDS = DecodeGrids(sliced_programs_d128=1, shallow_pipeline=2, descriptors_below=2)
 # Dense caches, by a name the device's name holds. The H200 (4.8 TB/s against the H100's 3.35):
-# twice the slices, every stage and TMA on every grid (TUNING.md: decode, the H200).
+# twice the slices, every stage and TMA on every grid, short caches not sliced where that would only
+# double the programs (TUNING.md: decode, the H200).
 DECODE_GRIDS_BY_CARD = (("H200", DecodeGrids(sliced_programs_d128=2, shallow_pipeline=math.inf,
-                                             descriptors_below=math.inf)),)
+                                             descriptors_below=math.inf, slice_min_gain=2.5)),)
 
 
 def decode_grids(device_index: int, paged: bool = False) -> DecodeGrids:
@@ -309,6 +311,9 @@ SHARED_RESERVE = 16 << 10
 # MIN_SLICE_KEYS keys each and at most MAX_SLICES (the merge reads them in one tile).
 MIN_SLICE_KEYS = 64
 MAX_SLICES = 64
+# Caches of fewer keys are sliced only where that gives `DecodeGrids.slice_min_gain` times the programs:
+# there a second launch, the merge, costs more than the fuller grid saves.
+SHORT_CACHE_KEYS = 4096
 
 # The merge: as few warps as hold a query row's slices at MERGE_VALUES_PER_THREAD values a thread
 # (one warp's reductions need no shared memory: 0.1-0.9 µs a call less than 4 warps in graph
