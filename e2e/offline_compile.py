@@ -114,7 +114,9 @@ def _argument(a):
 
 def record(ops) -> list[str]:
     """The distinct launches of `_calls` (run here, on the interpreter), as JSON strings."""
-    from fk_runtime import launch
+    from fk_runtime import backend, launch
+
+    backend.check_interpreter_numpy()  # a clear error, not one deep inside a kernel
 
     launches = {}
     call = launch.Launch.__call__
