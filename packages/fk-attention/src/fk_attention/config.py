@@ -265,6 +265,9 @@ DECODE_MAX_BLOCK_M = 64
 DECODE_TILES_16BIT = ((64, (64, 4, 3)), (128, (64, 4, 3)), (256, (32, 4, 3)))
 DECODE_TILES_32BIT = ((64, (32, 4, 2)), (128, (32, 4, 2)), (256, (16, 4, 2)))
 
+# Keys are sliced only where that gives at least this many times the programs there are.
+MIN_SLICE_GAIN = 1.5
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeGrids:
@@ -273,7 +276,7 @@ class DecodeGrids:
     sliced_programs_d128: float  # key slices aim at this many programs at head dim 128 (twice at 64)
     shallow_pipeline: float  # grids of at least this many take one stage less
     descriptors_below: float  # K/V through TMA on grids below this many
-    slice_min_gain: float = 1.5  # short caches sliced only where that gives this many times the programs
+    slice_min_gain: float = MIN_SLICE_GAIN  # MIN_SLICE_GAIN for caches of fewer than SHORT_CACHE_KEYS keys
 
 
 # Measured on the H100 (TUNING.md: decode); cards not listed below, and paged caches on every card
@@ -311,8 +314,8 @@ SHARED_RESERVE = 16 << 10
 # MIN_SLICE_KEYS keys each and at most MAX_SLICES (the merge reads them in one tile).
 MIN_SLICE_KEYS = 64
 MAX_SLICES = 64
-# Caches of fewer keys are sliced only where that gives `DecodeGrids.slice_min_gain` times the programs:
-# there a second launch, the merge, costs more than the fuller grid saves.
+# Caches of fewer keys take `DecodeGrids.slice_min_gain` for MIN_SLICE_GAIN: there a second launch, the
+# merge, costs more than a grid only about twice as full saves.
 SHORT_CACHE_KEYS = 4096
 
 # The merge: as few warps as hold a query row's slices at MERGE_VALUES_PER_THREAD values a thread

@@ -23,9 +23,9 @@ from . import decode_kernels
 from .config import (APPEND_ROWS, CACHE_SIZE, DECODE_DESCRIPTOR_MIN_HEAD_DIM, DECODE_MAX_BLOCK_M,
                      DECODE_MAX_QUERIES, DECODE_MIN_BLOCK_M, DECODE_TILES_16BIT, DECODE_TILES_32BIT,
                      INTERPRETER_BLOCK, INTERPRETER_SLICED_PROGRAMS, INTERPRETER_SLICE_KEYS, MAX_SLICES,
-                     MERGE_VALUES_PER_THREAD, MIN_SLICE_KEYS, ROW_PAGES_FILL, ROW_PAGES_GRID, SHARED_RESERVE,
-                     SHORT_CACHE_KEYS, SLICE_PAGE_BUCKETS, SLICE_PAGES, WIDE_BLOCK_N, WIDE_PROGRAMS, WIDE_STAGES,
-                     WIDE_WARPS, Config, decode_grids)
+                     MERGE_VALUES_PER_THREAD, MIN_SLICE_GAIN, MIN_SLICE_KEYS, ROW_PAGES_FILL, ROW_PAGES_GRID,
+                     SHARED_RESERVE, SHORT_CACHE_KEYS, SLICE_PAGE_BUCKETS, SLICE_PAGES, WIDE_BLOCK_N, WIDE_PROGRAMS,
+                     WIDE_STAGES, WIDE_WARPS, Config, decode_grids)
 from .layout import (alibi_strides, bases_aligned, check_alibi, check_heads, check_inputs, descriptor_strides,
                      descriptors_may_serve, fit, heads_inside_tokens, is_hopper_or_newer, new_output, padded_head_dim,
                      precision, widened)
@@ -117,14 +117,14 @@ def key_slices(programs: int, n_k: int, head_dim: int, device_index: int, fill: 
                min_keys: int = MIN_SLICE_KEYS, paged: bool = False) -> int:
     """How many slices of at least `min_keys` keys to cut each sequence's keys into, for
     `programs` (batch, KV head, row block) programs over up to n_k keys: the power of two nearest
-    the wanted programs (`fill` times the usual) over these; none below 1.5 of them, nor for a cache
-    of fewer than SHORT_CACHE_KEYS keys below the card's `slice_min_gain`."""
+    the wanted programs (`fill` times the usual) over these; none below MIN_SLICE_GAIN of them (a
+    cache of fewer than SHORT_CACHE_KEYS keys: the card's `slice_min_gain`)."""
     if backend.is_interpreter():
         min_keys = INTERPRETER_SLICE_KEYS
     wanted = sliced_programs(head_dim, device_index, fill, paged)
     most = min(MAX_SLICES, max(1, n_k // min_keys))
     ratio = wanted / programs
-    if ratio < 1.5 or (n_k < SHORT_CACHE_KEYS and ratio < decode_grids(device_index, paged).slice_min_gain):
+    if ratio < (decode_grids(device_index, paged).slice_min_gain if n_k < SHORT_CACHE_KEYS else MIN_SLICE_GAIN):
         return 1
     nearest = 1 << round(math.log2(ratio))
     return max(1, min(nearest, most))
