@@ -376,6 +376,15 @@ HOPPER_CASES = [
     ((1, 2, 2, 300, 700, 72), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 128), fk_mask.CAUSAL),
     ((1, 2, 1, 4096, 4096, 128), fk_mask.CAUSAL),
 ]
+# The role-split dK/dV kernel's head dims (`config.GLUON_ROLE_HEAD_DIMS`: 256, padded from 192 too): one query
+# block, programs whose keys no query sees (causal, keys past the queries: no step), rows without keys
+# (lower-right, Nq > Nk), GQA, odd lengths.
+ROLE_CASES = [
+    ((1, 4, 2, 600, 600, 256), fk_mask.CAUSAL), ((2, 2, 2, 1000, 1000, 256), fk_mask.FULL),
+    ((1, 2, 1, 333, 700, 192), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 129, 77, 256), fk_mask.FULL),
+    ((1, 2, 2, 50, 50, 256), fk_mask.CAUSAL), ((1, 2, 2, 100, 300, 256), fk_mask.CAUSAL),
+    ((1, 4, 1, 700, 333, 256), fk_mask.Mask(right=0, lower_right=True)),
+]
 # The forward's d64 builds (three consumers: full masks past 1024 query rows, causal past 4096; two: up to
 # them, `config.GLUON_FORWARD_TWO`), padded from 40 too, and its d256 build
 # (`config.GLUON_FORWARD_TILES`: 64 keys a step, V's ring a stage shorter), padded from 192.
@@ -582,7 +591,7 @@ def _masked_reference(q, k, v, mask: fk_mask.Mask, scale: float, with_lse: bool 
 @ON_GLUON_HOPPER
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape,mask", HOPPER_CASES, ids=str)
+@pytest.mark.parametrize("shape,mask", HOPPER_CASES + ROLE_CASES, ids=str)
 def test_hopper_backward_matches_the_tl_kernels_and_float64(monkeypatch, switch, shape, mask, dtype, layout):
     """dQ, dK, dV with the Gluon dK/dV kernel against float64, within the tl kernels' own error on
     the same inputs (their forced configs run tl); its launch ran."""

@@ -83,6 +83,20 @@ def fused_backward(d: int, causal: bool, **builds):
         num_warps=4, grid=(1,), **{**hopper_backward.fused_builds(d), **builds})
 
 
+def role_dkdv(d: int, causal: bool):
+    """The role-split dK/dV kernel at padded head dim d, its tiles as `hopper_backward.bind_dkdv` lays them out."""
+    q = torch.empty(B, H, N, d, dtype=torch.bfloat16)
+    rows = torch.empty(B, H, N)
+    tiles = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS,
+                                        fk_config.GLUON_Q_ROWS)]
+    half = torch.empty(B, H, N, d // 2, dtype=torch.bfloat16)
+    tiles += [descriptor(half, fk_config.GLUON_KEYS)] * 2
+    return hopper_backward.attn_bwd_dkdv_roles_hopper_kernel.warmup(
+        *tiles, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1, 0, CAUSAL=causal, HEAD_DIM=d,
+        STAGES=fk_config.GLUON_BWD_STAGES, CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS,
+        PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
+
+
 def usage(compiled) -> str:
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "k.ptx")
@@ -135,7 +149,8 @@ def main() -> None:
         dkdv = hopper_backward.attn_bwd_dkdv_hopper_kernel.warmup(
             *bwd, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1, 0, CAUSAL=causal,
             STAGES=fk_config.GLUON_BWD_STAGES, **common)
-        kernels = [(f"dK/dV d{D}", dkdv)]
+        kernels = [(f"dK/dV d{D}", dkdv)] + [(f"dK/dV roles d{d}", role_dkdv(d, causal))
+                                              for d in fk_config.GLUON_ROLE_HEAD_DIMS]
         if hopper_backward.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8), its head dims
             kernels += [(f"5-matmul backward d{d}", fused_backward(d, causal)) for d in fk_config.GLUON_FUSED_HEAD_DIMS]
         for name, compiled in kernels:

@@ -1,9 +1,10 @@
-"""The Hopper kernels in Gluon (hopper.py, hopper_backward.py) against the tl kernels (autotuned, as
-they ran before them) and SDPA's cuDNN backend, do_bench medians on one GPU (TUNING.md: Hopper
-forward, Hopper backward).
+"""The Hopper kernels in Gluon (hopper.py, hopper_backward.py) against the tl kernels (at their default
+tiles, as they run where Gluon does not) and SDPA's cuDNN backend, do_bench medians of eager calls on one
+GPU (TUNING.md: Hopper forward, Hopper backward).
 
     bash shared/from-source.sh python packages/fk-attention/tuning/hopper.py            # forward TFLOP/s
     bash shared/from-source.sh python packages/fk-attention/tuning/hopper.py backward   # backward
+    bash shared/from-source.sh python packages/fk-attention/tuning/hopper.py backward 256  # those head dims
 
 The backward's TFLOP/s count its 5 matmuls (2.5x the forward's work), whatever each side runs;
 below each row, the backward's kernel times (torch.profiler, ms per call) of both fk sides.
@@ -17,12 +18,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
-from fk_attention import attention, hopper_backward
+from fk_attention import attention
 from fk_attention import config as fk_config, plan
 from fk_attention import mask as fk_mask
+from fk_attention.layout import padded_head_dim
 
 SHAPES = [(4, 16, 4096, 128, False), (4, 16, 4096, 128, True), (1, 16, 16384, 128, False),
-          (1, 16, 16384, 128, True), (8, 16, 2048, 96, True), (16, 16, 1024, 128, False), (16, 16, 1024, 128, True)]
+          (1, 16, 16384, 128, True), (8, 16, 2048, 96, True), (16, 16, 1024, 128, False), (16, 16, 1024, 128, True),
+          (8, 16, 2048, 256, True), (8, 16, 2048, 256, False), (4, 16, 4096, 256, True), (4, 16, 4096, 256, False),
+          (16, 16, 1024, 256, False), (8, 16, 2048, 192, True)]
 
 
 def ms(fn) -> float:
@@ -43,17 +47,16 @@ def kernel_ms(fn, calls: int = 5) -> str:
 
 
 def tl_only(fn):
-    """fn's result with the Gluon kernels off (the tl plan, tuned once)."""
-    head_dims, hopper_backward.GLUON_HEAD_DIMS = hopper_backward.GLUON_HEAD_DIMS, ()  # what serves reads
-    fused, fk_config.GLUON_FUSED_HEAD_DIMS = fk_config.GLUON_FUSED_HEAD_DIMS, ()  # and fused_serves
-    tiles, fk_config.GLUON_FORWARD_TILES = fk_config.GLUON_FORWARD_TILES, ()  # and takes
-    plan.BOUND.clear()
+    """fn's result with the Gluon kernels off (the tl plan at its default tiles)."""
+    patched = {"GLUON_HEAD_DIMS": (), "GLUON_FUSED_HEAD_DIMS": (), "GLUON_FORWARD_TILES": ()}  # what serves,
+    saved = {name: getattr(fk_config, name) for name in patched}  # fused_serves and takes read
+    vars(fk_config).update(patched)
+    plan.BOUND.cache_clear()
     try:
         return fn()
     finally:
-        hopper_backward.GLUON_HEAD_DIMS, fk_config.GLUON_FUSED_HEAD_DIMS = head_dims, fused
-        fk_config.GLUON_FORWARD_TILES = tiles
-        plan.BOUND.clear()
+        vars(fk_config).update(saved)
+        plan.BOUND.cache_clear()
 
 
 def forward_row(b: int, h: int, n: int, d: int, causal: bool, dtype: torch.dtype) -> str:
@@ -89,10 +92,12 @@ def backward_row(b: int, h: int, n: int, d: int, causal: bool, dtype: torch.dtyp
 
 
 if __name__ == "__main__":
-    backward = sys.argv[1:] == ["backward"]
+    backward = sys.argv[1:2] == ["backward"]
+    head_dims = {int(d) for d in sys.argv[2:]}  # padded head dims to time (all if none)
     print(f"{torch.cuda.get_device_name()}, {'backward' if backward else 'forward'}")
     print("| shape | dtype | fk Gluon TFLOP/s | fk tl TFLOP/s | cuDNN TFLOP/s | Gluon / cuDNN | Gluon / tl |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for dtype in (torch.bfloat16, torch.float16):
         for shape in SHAPES:
-            print((backward_row if backward else forward_row)(*shape, dtype), flush=True)
+            if not head_dims or padded_head_dim(shape[3]) in head_dims:
+                print((backward_row if backward else forward_row)(*shape, dtype), flush=True)

@@ -118,9 +118,10 @@ DEFAULTS_16BIT = (
            Kind.DKDV: Config(32, 128, 8, 3)}),
 )
 
-# Padded head dims whose dK/dV kernel runs as two launches, dV then dK (`dkdv_parts`): one fp32
+# Padded head dims whose tl dK/dV kernel runs as two launches, dV then dK (`dkdv_parts`): one fp32
 # accumulator a program where both spilled (d256: 5 matmuls for 4, the backward 0.44x the time in
-# 16 bits, 0.78x in fp32, on 3.8; TUNING.md: Head dim 256).
+# 16 bits, 0.78x in fp32, on 3.8; TUNING.md: Head dim 256). Where Gluon serves d256 (GLUON_ROLE_HEAD_DIMS)
+# the role-split kernel takes dK/dV instead.
 DKDV_SPLIT_HEAD_DIMS = (256,)
 
 
@@ -354,8 +355,14 @@ APPEND_ROWS = 16
 # ---- Hopper kernels in Gluon (hopper.py) -------------------------------------------------------
 
 
-# Padded head dims whose dK/dV runs in Gluon: 128 (the forward's: `GLUON_FORWARD_TILES`).
-GLUON_HEAD_DIMS = (128,)
+# Padded head dims whose dK/dV runs in Gluon: 128 (the forward's: `GLUON_FORWARD_TILES`), and 256 on the
+# role-split kernel.
+GLUON_HEAD_DIMS = (128, 256)
+# Padded head dims whose Gluon dK/dV splits its two warpgroups by role over one 64-key block (one takes the
+# scores, the other dP; each keeps half the head dim of dK and dV; a warpgroup cannot hold both of 64 keys
+# at d256): the d256 backward 1.15-1.26x the speed it had with the tl dV and dK launches on Triton 3.8
+# (1.19-1.49x on 3.6), 1.03-1.15x cuDNN's (TUNING.md: Backward dK/dV at d256).
+GLUON_ROLE_HEAD_DIMS = (256,)
 # Triton releases whose Gluon forward takes windows and softcaps too, where timed against the tl kernel
 # (window 1024 0.90x / 0.91x, softcap 50 0.76x / 0.80x its time on 3.6 / 3.8, TUNING.md: Hopper
 # forward); 3.7 and 3.9 keep the tl kernel for them until timed there.

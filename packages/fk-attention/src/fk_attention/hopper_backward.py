@@ -4,7 +4,9 @@ the tl dQ kernel: 7 matmuls a block pair), the 5-matmul kernel, their launches, 
 The dK/dV kernel has the forward's shape (`hopper`): two consumer warpgroups of 64 keys each keep
 their K, V and dK, dV accumulators while a producer warp streams Q and dO blocks of every query head
 of the group, each with its rows' lse2 and delta. dQ (and those row terms, delta and the base-2 lse)
-stays with the tl kernel (`kernels.attn_bwd_dq_kernel`), which runs first; deterministic.
+stays with the tl kernel (`kernels.attn_bwd_dq_kernel`), which runs first; deterministic. Where a
+warpgroup cannot hold dK and dV of 64 keys (d256), the role-split kernel takes 64 keys a program:
+one warpgroup forms the scores and P, the other dP and dS, and each keeps half the head dim of dK and dV.
 The 5-matmul backward (Triton >= 3.8, `config.GLUON_FUSED_DQ`) adds dQ = dS K to that kernel's
 consumers, FlashAttention-3's way: both warpgroups' dS in shared memory, each forms half the head
 dim over all the program's keys and adds it into an fp32 sum with a TMA reduce-add
@@ -13,8 +15,9 @@ the head dims of `config.GLUON_BWD_AHEAD_HEAD_DIMS` a consumer issues the next b
 this block's gradients (`_steps_ahead`).
 
 Taken for what they were built and measured on (TUNING.md: Hopper backward): `hopper.on_hopper`'s
-GPUs, Tritons, dtypes and tensors, head dims padded to `config.GLUON_HEAD_DIMS` (dK/dV) and
-`GLUON_FUSED_HEAD_DIMS` (the 5-matmul backward), full or causal masks (either alignment).
+GPUs, Tritons, dtypes and tensors, head dims padded to `config.GLUON_HEAD_DIMS` (dK/dV; the role-split
+kernel at `GLUON_ROLE_HEAD_DIMS`) and `GLUON_FUSED_HEAD_DIMS` (the 5-matmul backward), full or causal
+masks (either alignment).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from fk_runtime.gluon import (fence_async_shared, gl, gluon, mbarrier, reinterpr
 from fk_runtime.launch import Descriptor, Launch
 
 from . import config, hopper, kernels
-from .config import (GLUON_BWD_STAGES, GLUON_CONSUMER_REGISTERS, GLUON_HEAD_DIMS, GLUON_KEYS,
+from .config import (GLUON_BWD_STAGES, GLUON_CONSUMER_REGISTERS, GLUON_KEYS,
                      GLUON_PRODUCER_REGISTERS, GLUON_Q_ROWS, PREP_ROWS)
 from .layout import padded_head_dim
 from .mask import Mask
@@ -35,8 +38,8 @@ from .mask import Mask
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
     """Whether the dK/dV of dense attention of these tensors runs here (bases are checked per call):
-    full or causal masks."""
-    return mask.full_or_causal and hopper.on_hopper(q, k, v, GLUON_HEAD_DIMS)
+    full or causal masks, `config.GLUON_HEAD_DIMS` (read at bind time, so that a variant may set it)."""
+    return mask.full_or_causal and hopper.on_hopper(q, k, v, config.GLUON_HEAD_DIMS)
 
 
 def fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
@@ -60,11 +63,12 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_producer(q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
                        delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
-                       n_blocks, Q_ROWS: gl.constexpr, KEYS: gl.constexpr, STAGES: gl.constexpr):
-        """K and V of the program's keys once, then (Q, dO) blocks with their rows' lse2 and delta into
-        the ring as stages free up (as FlashAttention-3: the consumers then hold no global loads)."""
-        mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-        for i in gl.static_range(2):
+                       n_blocks, Q_ROWS: gl.constexpr, KEYS: gl.constexpr, STAGES: gl.constexpr,
+                       KV_TILES: gl.constexpr):
+        """K and V of the program's KV_TILES x KEYS keys once, then (Q, dO) blocks with their rows' lse2 and
+        delta into the ring as stages free up (as FlashAttention-3: the consumers then hold no global loads)."""
+        mbarrier.expect(kv_bar, KV_TILES * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for i in gl.static_range(KV_TILES):
             tma_load(k_desc, [b, hk, start_n + i * KEYS, 0], kv_bar, k_smem.index(i))
             tma_load(v_desc, [b, hk, start_n + i * KEYS, 0], kv_bar, v_smem.index(i))
         per_head = n_blocks - first_block
@@ -82,13 +86,14 @@ if gluon is not None:
             tma_load(do_desc, [b, h, m0, 0], bar, do_smem.index(stage))
 
     @gluon.jit
-    def _key_program(n_q, n_k, n_heads_k, shift, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KEYS: gl.constexpr):
-        """A backward program over keys: (batch, KV head, its first key, the query blocks, the first
-        of them that sees a key: row i sees key j when j <= i + shift under CAUSAL)."""
-        n_key_blocks = gl.cdiv(n_k, 2 * KEYS)
+    def _key_program(n_q, n_k, n_heads_k, shift, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
+                     PROGRAM_KEYS: gl.constexpr):
+        """A backward program over PROGRAM_KEYS keys: (batch, KV head, its first key, the query blocks, the
+        first of them that sees a key: row i sees key j when j <= i + shift under CAUSAL)."""
+        n_key_blocks = gl.cdiv(n_k, PROGRAM_KEYS)
         pid = gl.program_id(0)
         bhk = pid // n_key_blocks
-        start_n = (pid % n_key_blocks) * 2 * KEYS
+        start_n = (pid % n_key_blocks) * PROGRAM_KEYS
         b = bhk // n_heads_k
         hk = bhk % n_heads_k
         n_blocks = gl.cdiv(n_q, Q_ROWS)
@@ -210,17 +215,31 @@ if gluon is not None:
         _store_dkdv(dk_desc, dv_desc, k, v, k_tile, v_tile, dk * sm_scale, dv, b, hk, start_n, HALF, KEYS)
 
     @gluon.jit
-    def _key_program_buffers(q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, STAGES: gl.constexpr):
+    def _key_program_buffers(q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, STAGES: gl.constexpr,
+                             KV_TILES: gl.constexpr):
         """A backward program's shared memory over keys: rings of STAGES (Q, dO) blocks with their row terms,
-        and both consumers' K and V tiles."""
+        and KV_TILES K and V tiles."""
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
         lse2_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse2_desc.block_type.shape, lse2_desc.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [KV_TILES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [KV_TILES] + v_desc.block_type.shape, v_desc.layout)
         return q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem
+
+    @gluon.jit
+    def _key_program_barriers(STAGES: gl.constexpr):
+        """A backward program's ring barriers, initialized: K and V landed; each (Q, dO) stage landed, and
+        released (by both consumers)."""
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        return kv_bar, ready, empty
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift"])
     def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc,
@@ -232,16 +251,10 @@ if gluon is not None:
         wrote, through `lse2_desc` and `delta_desc`); deterministic."""
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
-        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, KEYS)
+        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, 2 * KEYS)
         q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem = _key_program_buffers(q_desc, do_desc, lse2_desc,
-                                                                                      delta_desc, k_desc, v_desc, STAGES)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
+                                                                                      delta_desc, k_desc, v_desc, STAGES, 2)
+        kv_bar, ready, empty = _key_program_barriers(STAGES)
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, kv_bar, ready,
                               empty, qk_scale, sm_scale, shift, b, hk, start_n, group, first_block, n_blocks, 0,
@@ -251,10 +264,132 @@ if gluon is not None:
                               CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
             (_dkdv_producer, (q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
                               delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
-                              n_blocks, Q_ROWS, KEYS, STAGES)),
+                              n_blocks, Q_ROWS, KEYS, STAGES, 2)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
+
+    @gluon.jit
+    def _role_consumer(dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, pt_smem, ds_smem,
+                       kv_bar, ready, empty, pt_full, pt_free, ds_full, ds_free, qk_scale, sm_scale, shift, b, hk,
+                       start_n, group, first_block, n_blocks, ROLE: gl.constexpr, CAUSAL: gl.constexpr,
+                       Q_ROWS: gl.constexpr, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """One warpgroup of the role-split dK/dV kernel (d256: a warpgroup cannot hold dK and dV of 64 keys
+        over the whole head dim). ROLE 0 takes S^T = K Q^T and P^T, ROLE 1 dP^T = V dO^T and dS^T = P^T (dP^T -
+        delta) from P^T in fp32 (rounded once, as the tl kernels round it); P^T passes through one fp32 buffer,
+        dS^T through two 16-bit ones by step parity; each warpgroup adds its half of the head dim into
+        dV += P^T dO and dK += dS^T Q. Both halves leave through the buffer of the operand only this
+        warpgroup read (K or V)."""
+        COLS: gl.constexpr = HEAD_DIM // 2
+        s_layout: gl.constexpr = hopper.mma_layout(Q_ROWS)
+        acc_layout: gl.constexpr = hopper.mma_layout(COLS)
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        dtype: gl.constexpr = q_smem.dtype
+        tile_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], dtype)
+        kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_DIM], dtype)
+        out_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, COLS], dtype)
+        if ROLE == 0:
+            own = k_smem.index(0)
+        else:
+            own = v_smem.index(0)
+        kv = reinterpret(own, dtype, [KEYS, HEAD_DIM], kv_2d)
+        keys = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([KEYS, Q_ROWS], gl.float32, s_layout)
+        dk = gl.zeros([KEYS, COLS], gl.float32, acc_layout)
+        dv = gl.zeros([KEYS, COLS], gl.float32, acc_layout)
+        full_from = start_n + KEYS - shift
+        per_head = n_blocks - first_block
+        mbarrier.wait(kv_bar, 0)
+        for step in range(group * per_head):
+            stage = step % STAGES
+            parity = step % 2
+            m0 = (first_block + step % per_head) * Q_ROWS
+            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            q = reinterpret(q_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
+            do = reinterpret(do_smem.index(stage), dtype, [Q_ROWS, HEAD_DIM], tile_2d)
+            ds_t = ds_smem.index(parity)
+            lse2, delta = _row_terms(lse2_smem, delta_smem, stage, s_zero, Q_ROWS)
+            if ROLE == 0:
+                st = warpgroup_mma(kv, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                st = warpgroup_mma_wait(0, deps=[st])
+                pt = _probs(st, lse2, keys, m0 + cols, m0, full_from, shift, qk_scale, CAUSAL)
+                mbarrier.wait(pt_free, (step & 1) ^ 1, pred=step >= 1)  # the other has read the last one
+                pt_smem.store(pt)
+                mbarrier.arrive(pt_full, count=1)
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do.slice(0, COLS, dim=1), dv,
+                                   is_async=True)
+                mbarrier.wait(ds_full.index(parity), (step // 2) & 1)
+                dk = warpgroup_mma(ds_t, q.slice(0, COLS, dim=1), dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+                mbarrier.arrive(ds_free.index(parity), count=1)
+            else:
+                dpt = warpgroup_mma(kv, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dpt = warpgroup_mma_wait(0, deps=[dpt])
+                mbarrier.wait(pt_full, step & 1)
+                pt = pt_smem.load(s_layout)
+                mbarrier.arrive(pt_free, count=1)
+                ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+                # the other's dK matmul of two steps back has read this parity's buffer
+                mbarrier.wait(ds_free.index(parity), ((step // 2) & 1) ^ 1, pred=step >= 2)
+                ds_t.store(ds16)
+                fence_async_shared()
+                mbarrier.arrive(ds_full.index(parity), count=1)
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do.slice(COLS, COLS, dim=1), dv,
+                                   is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(ds16, op_layout), q.slice(COLS, COLS, dim=1), dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+            mbarrier.arrive(empty.index(stage), count=1)
+        out_4d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, KEYS, COLS], dtype)  # dK's, dV's tiles
+        halves = reinterpret(own, dtype, [2, 1, 1, KEYS, COLS], out_4d)
+        reinterpret(halves.index(0), dtype, [KEYS, COLS], out_2d).store((dk * sm_scale).to(dtype))
+        reinterpret(halves.index(1), dtype, [KEYS, COLS], out_2d).store(dv.to(dtype))
+        fence_async_shared()
+        tma_store(dk_desc, [b, hk, start_n, ROLE * COLS], halves.index(0))
+        tma_store(dv_desc, [b, hk, start_n, ROLE * COLS], halves.index(1))
+        store_wait(0)
+
+    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift"])
+    def attn_bwd_dkdv_roles_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc,
+                                          qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift,
+                                          CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                          CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
+        """`attn_bwd_dkdv_hopper_kernel` for head dims where one warpgroup cannot hold dK and dV of its keys
+        (`config.GLUON_ROLE_HEAD_DIMS`): KEYS keys a program, its two warpgroups split by role
+        (`_role_consumer`), dK and dV tiles (`dk_desc`, `dv_desc`) half the head dim wide; deterministic."""
+        Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
+        KEYS: gl.constexpr = k_desc.block_type.shape[2]
+        dtype: gl.constexpr = q_desc.dtype
+        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, KEYS)
+        q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem = _key_program_buffers(q_desc, do_desc, lse2_desc,
+                                                                                      delta_desc, k_desc, v_desc, STAGES, 1)
+        pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, Q_ROWS], gl.float32)
+        pt_smem = gl.allocate_shared_memory(gl.float32, [KEYS, Q_ROWS], pt_layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, Q_ROWS], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, KEYS, Q_ROWS], ds_layout)  # [parity]
+        kv_bar, ready, empty = _key_program_barriers(STAGES)
+        pt_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        pt_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(pt_full, count=1)
+        mbarrier.init(pt_free, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_full.index(i), count=1)
+            mbarrier.init(ds_free.index(i), count=1)
+        gl.warp_specialize([
+            (_role_consumer, (dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, pt_smem,
+                              ds_smem, kv_bar, ready, empty, pt_full, pt_free, ds_full, ds_free, qk_scale, sm_scale,
+                              shift, b, hk, start_n, group, first_block, n_blocks, 0, CAUSAL, Q_ROWS, KEYS, HEAD_DIM,
+                              STAGES)),
+            (_role_consumer, (dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, pt_smem,
+                              ds_smem, kv_bar, ready, empty, pt_full, pt_free, ds_full, ds_free, qk_scale, sm_scale,
+                              shift, b, hk, start_n, group, first_block, n_blocks, 1, CAUSAL, Q_ROWS, KEYS, HEAD_DIM,
+                              STAGES)),
+            (_dkdv_producer, (q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
+                              delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
+                              n_blocks, Q_ROWS, KEYS, STAGES, 1)),
+        ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
     @gluon.jit
     def _store_ds(ds16, ds_smem, ds_full, ds_free, step, HALF: gl.constexpr):
@@ -408,24 +543,18 @@ if gluon is not None:
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
-        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, KEYS)
+        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, 2 * KEYS)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, Q_ROWS], dtype)
         q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem = _key_program_buffers(q_desc, do_desc, lse2_desc,
-                                                                                      delta_desc, k_desc, v_desc, STAGES)
+                                                                                      delta_desc, k_desc, v_desc, STAGES, 2)
         ds_smem = gl.allocate_shared_memory(dtype, [4, KEYS, Q_ROWS], ds_layout)  # [parity, half]
         dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_bar, ready, empty = _key_program_barriers(STAGES)
         ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(2):
             mbarrier.init(ds_full.index(i), count=2)
             mbarrier.init(ds_free.index(i), count=2)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
         gl.warp_specialize([
             (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem,
                              ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b,
@@ -437,7 +566,7 @@ if gluon is not None:
                              AHEAD)),
             (_dkdv_producer, (q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
                               delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
-                              n_blocks, Q_ROWS, KEYS, STAGES)),
+                              n_blocks, Q_ROWS, KEYS, STAGES, 2)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -457,8 +586,9 @@ def bind_dkdv(q, k, v, grad_out, dk, dv, scratch_strides: tuple[int, int], mask:
     these (`serves` holds for q, k, v; grad_out, dk and dv take descriptors too), lse2 and delta the
     dQ kernel's scratch rows, (B, H, N) with strides (*scratch_strides, 1); the caller checks
     `bases_aligned` per call."""
-    launch, descriptors = _bwd_launch(attn_bwd_dkdv_hopper_kernel, (q, k, v, grad_out, dk, dv), scratch_strides,
-                                      mask, sm_scale, None)
+    roles = padded_head_dim(q.shape[-1]) in config.GLUON_ROLE_HEAD_DIMS
+    launch, descriptors = _bwd_launch(attn_bwd_dkdv_roles_hopper_kernel if roles else attn_bwd_dkdv_hopper_kernel,
+                                      (q, k, v, grad_out, dk, dv), scratch_strides, mask, sm_scale, None, roles=roles)
 
     def run(q, k, v, grad_out, lse2, delta, dk, dv):
         launch(*descriptors(q, k, v, grad_out, dk, dv, lse2, delta))
@@ -467,18 +597,23 @@ def bind_dkdv(q, k, v, grad_out, dk, dv, scratch_strides: tuple[int, int], mask:
 
 
 def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, sm_scale: float, kv_layout,
-                builds: dict | None = None):
-    """(launch, descriptors) of a backward kernel over keys (the dK/dV kernel, the 5-matmul one): its
+                builds: dict | None = None, roles: bool = False):
+    """(launch, descriptors) of a backward kernel over keys (the dK/dV kernels, the 5-matmul one): its
     grid, arguments and tiles (K, V, dK, dV in `kv_layout` where given; constexprs in `builds` over the
-    defaults), and descriptors(q, k, v, grad_out, dk, dv, lse2, delta) giving their per-call TMA
+    defaults; `roles`: the role-split kernel's, GLUON_KEYS keys a program and dK, dV in halves of the
+    head dim), and descriptors(q, k, v, grad_out, dk, dv, lse2, delta) giving their per-call TMA
     descriptors (the row terms: (B, H, padded rows), boxes of a Q block's rows)."""
     q, k = tensors[:2]
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
-    layouts = hopper.tile_descriptors(tensors, (GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS, GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS),
-                           padded, q.dtype, (None, kv_layout, kv_layout, None, kv_layout, kv_layout))
-    launch = Launch(kernel, (sizing.cdiv(n_k, 2 * GLUON_KEYS) * b * hk,),
+    rows = (GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS, GLUON_Q_ROWS, GLUON_KEYS, GLUON_KEYS)
+    layouts = hopper.tile_descriptors(tensors, rows, padded, q.dtype,
+                                      (None, kv_layout, kv_layout, None, kv_layout, kv_layout))
+    if roles:
+        layouts[4:] = hopper.tile_descriptors(tensors[4:], rows[4:], padded // 2, q.dtype)
+    program_keys = GLUON_KEYS if roles else 2 * GLUON_KEYS
+    launch = Launch(kernel, (sizing.cdiv(n_k, program_keys) * b * hk,),
                     (sm_scale * hopper.LOG2E, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q)),
                     {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": GLUON_BWD_STAGES,
                      "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
