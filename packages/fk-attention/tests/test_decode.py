@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from fk_runtime import backend, sizing
+from fk_runtime import gluon as fk_gluon
 from fk_runtime.harness import testing
 from fk_runtime.launch import PlanCache
 
@@ -216,7 +217,7 @@ def _descriptors_here(monkeypatch) -> list:
         pytest.skip("tensor descriptors need a Hopper (sm_90+) GPU")
     built = []
     real = decode.Descriptor
-    monkeypatch.setattr(decode, "Descriptor", lambda *args: built.append(1) or real(*args))
+    monkeypatch.setattr(decode, "Descriptor", lambda *args, **kwargs: built.append(1) or real(*args, **kwargs))
     return built
 
 
@@ -274,6 +275,115 @@ def test_kvcache_descriptors_never_read_rows_past_a_length(page_size, monkeypatc
         assert built, "K/V did not go through descriptors"
         assert not out.isnan().any(), "rows past a length reached the output"
         check("out", out, ref_out, torch.float32)
+
+
+ON_GLUON_HOPPER = pytest.mark.skipif(
+    not (testing.on_gpu() and fk_gluon.supported() and torch.cuda.get_device_capability()[0] == 9),
+    reason="the Gluon decode kernel: Hopper and its Triton")
+
+GLUON_CASES = [  # (B, Hq, Hk, Nq, D, capacity, lengths, new rows, (causal, window, softcap))
+    (3, 8, 2, 1, 64, 300, [0, 1, 297], 0, (True, None, None)),  # no keys, one key, a partial last block
+    (2, 32, 32, 1, 64, 1024, [1024, 1000], 0, (True, None, None)),  # the decode table's shape, unsliced
+    (2, 32, 2, 1, 40, 520, [519, 64], 1, (True, None, None)),  # 16 rows a KV head, head dim padded to 64
+    (2, 12, 2, 2, 64, 700, [650, 129], 2, (True, None, None)),  # 12 rows: two query positions, causal
+    (2, 8, 2, 3, 64, 1000, [999, 300], 0, (True, (100, None), None)),  # a window's first and last blocks
+    (1, 4, 1, 4, 64, 2048, [2000], 0, (False, (50, 7), 10.0)),  # a two-sided window and a softcap
+    (2, 32, 8, 1, 64, 8192, [8192, 3333], 0, (True, None, 30.0)),  # long: sliced, softcap
+]
+
+
+@ON_GLUON_HOPPER
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", GLUON_CASES, ids=str)
+def test_gluon_decode_matches_float64_and_the_tl_kernel(monkeypatch, case, dtype):
+    """The Gluon decode kernel (`decode_hopper`) on a dense cache whose rows past each length hold
+    NaN: its launch ran (on grids of any size here); out and lse against float64 within 1.1x the tl
+    kernel's error on the same inputs (`config.GLUON_DECODE_TILES` empty: the tl kernel), unsliced and
+    with 3 slices forced."""
+    b, hq, hk, n_q, d, capacity, lengths, n_new, (causal, window, softcap) = case
+    monkeypatch.setattr(fk_config, "GLUON_DECODE_PROGRAMS_PER_SM", (0, math.inf))
+    ran = []
+    real = decode._bind_gluon
+
+    def spy(*args, **kwargs):
+        attend = real(*args, **kwargs)
+        return attend and (lambda *call: ran.append(1) or attend(*call))
+    monkeypatch.setattr(decode, "_bind_gluon", spy)
+    k_cache, v_cache, _, _ = make_cache(b, hk, capacity, d, dtype, 0)
+    seqlens = torch.tensor([max(n - n_new, 0) for n in lengths], dtype=torch.int32, device=k_cache.device)
+    for cache in (k_cache, v_cache):
+        for i, n in enumerate(seqlens.tolist()):
+            cache[i, :, n + n_new:] = math.nan
+    q = testing.randn((b, hq, n_q, d), dtype)
+    new = [testing.randn((b, hk, n_new, d), dtype) for _ in range(2)] if n_new else [None, None]
+    scale = 0.7 / math.sqrt(d)
+
+    def call(tiles):
+        monkeypatch.setattr(fk_config, "GLUON_DECODE_TILES", tiles)
+        monkeypatch.setattr(decode, "BOUND", PlanCache())
+        caches = [c.clone() for c in (k_cache, v_cache)]
+        out, lse = attention_with_kvcache(q, *caches, seqlens, *new, causal=causal, window=window, softcap=softcap,
+                                          sm_scale=scale, return_lse=True)
+        return out, lse, caches
+
+    out, lse, caches = call(((64, 64),))
+    assert len(ran) == 1, "the Gluon kernel did not run"
+    tl_out, tl_lse, _ = call(())
+    assert len(ran) == 1
+    total = [min(int(n) + n_new, capacity) for n in seqlens.tolist()]
+    ref_out, ref_lse = cached_reference(q, *caches, total, causal, window, softcap, scale)
+    _assert_within_tl(out, tl_out, ref_out, lse, tl_lse, ref_lse)
+    if window is None and softcap is None:  # dense attention, slices forced: the partials and the merge
+        i = total.index(max(total))
+        q, k, v = q[i:i + 1], *(c[i:i + 1, :, :total[i]] for c in caches)
+        mask = fk_mask.Mask(right=0, lower_right=True) if causal else fk_mask.FULL
+        monkeypatch.setattr(fk_config, "GLUON_DECODE_TILES", ((64, 64),))
+        sliced, sliced_lse = decode.forward(q, k, v, mask, scale, slices=3)
+        assert len(ran) == 2
+        ref_out, ref_lse = cached_reference(q, k, v, total[i:i + 1], causal, None, None, scale)
+        _assert_within_tl(sliced, tl_out[i:i + 1], ref_out, sliced_lse, tl_lse[i:i + 1], ref_lse)
+
+
+def test_gluon_decode_rings_fill_the_shared_memory_of_the_resident_programs(monkeypatch):
+    """`decode.gluon_stages`: the stages that the programs a multiprocessor holds fit in its shared
+    memory, within `config.GLUON_DECODE_STAGES`; and a Gluon plan keeps the usual slices (not the tl
+    kernel's wide-block ones), on grids of GLUON_DECODE_PROGRAMS_PER_SM programs a multiprocessor."""
+    import types
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(shared_memory_per_multiprocessor=233472))
+    monkeypatch.setattr(decode.backend, "multiprocessor_count", lambda index=0: 132)
+    monkeypatch.setattr(decode.backend, "device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(fk_config, "GLUON_DECODE_STAGES", (2, 4))
+    stages = {grid: decode.gluon_stages(grid, 64, 64, torch.bfloat16, 0) for grid in (8, 132, 396, 397, 512, 2048)}
+    assert stages == {8: 4, 132: 4, 396: 4, 397: 2, 512: 2, 2048: 2}
+    monkeypatch.setattr(fk_config, "GLUON_DECODE_STAGES", (2, 7))  # 7 x 16 KiB and the reserve: one program
+    assert [decode.gluon_stages(grid, 64, 64, torch.bfloat16, 0) for grid in (132, 133)] == [7, 2]
+    monkeypatch.setattr(fk_config, "GLUON_DECODE_STAGES", (2, 6))
+    assert [decode.gluon_stages(grid, 64, 64, torch.bfloat16, 0) for grid in (264, 265)] == [6, 2]
+    monkeypatch.setattr(decode, "gluon_block", lambda *args: 64)
+    monkeypatch.setattr(decode, "sliced_programs", lambda head_dim, index, fill=1, paged=False: 264 * fill)
+    split = decode.split_plan(16, 8, 4, 1 << 15, 64, torch.bfloat16, 0, 0)
+    assert split.gluon and split.tile.num_warps == 1 and split.slices == 2  # 128 programs, 264 wanted
+    assert split.tile.num_stages == 6
+    assert not decode.split_plan(16, 8, 4, 1 << 15, 64, torch.bfloat16, 0, 0, gluon=False).gluon
+    # `config.GLUON_DECODE_PROGRAMS_PER_SM`: 2048 programs (16 a multiprocessor) and 128 (a lone warp) take the
+    # tl kernel, 512 (one wave) the Gluon one
+    assert not decode.split_plan(64, 32, 1, 1024, 64, torch.bfloat16, 0, 0).gluon
+    assert not decode.split_plan(16, 8, 4, 1024, 64, torch.bfloat16, 0, 0).gluon
+    assert decode.split_plan(16, 32, 1, 1024, 64, torch.bfloat16, 0, 0).gluon
+
+
+def _assert_within_tl(out, tl_out, ref_out, lse, tl_lse, ref_lse) -> None:
+    """Out and lse against float64 within 1.1x the tl kernel's error (rows without keys: 0 and -inf exactly)."""
+    assert not out.isnan().any(), "rows past a length reached the output"
+    empty = ref_lse == -math.inf
+    assert torch.equal(lse[empty].cpu(), ref_lse[empty].float().cpu())
+    assert not out[empty].any()
+    for name, got, tl_got, want in (("out", out, tl_out, ref_out), ("lse", lse, tl_lse, ref_lse)):
+        got, tl_got, want = (t[~empty].double() for t in (got, tl_got, want))
+        err = (got - want).norm() / want.norm()
+        tl_err = (tl_got - want).norm() / want.norm()
+        assert err <= 1.1 * tl_err + 1e-6, f"{name}: Gluon {err:.2e} against tl {tl_err:.2e}"
 
 
 def make_cache(b, hk, capacity, d, dtype, page_size):
@@ -565,6 +675,7 @@ def test_wide_key_blocks_read_the_right_rows(capacity, d, page, monkeypatch):
     real = decode.Launch
     monkeypatch.setattr(decode, "Launch", lambda kernel, grid, args, meta, device: launches.append(meta)
                         or real(kernel, grid, args, meta, device))
+    monkeypatch.setattr(fk_config, "GLUON_DECODE_TILES", ())  # the tl kernel's blocks (Hopper: Gluon at d64)
     b, hq, hk, dtype = 2, 8, 2, torch.float16
     if page:
         capacity = sizing.cdiv(capacity, page) * page

@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 from fk_runtime.harness import testing
@@ -226,21 +228,31 @@ DECODE_WARMUP_STEPS = {
     "NVIDIA H100 80GB HBM3": {(0, 128): 8, (0, 64): 10, (64, 128): 16, (256, 128): 22, (16, 64): 13},
     "NVIDIA H200": {(0, 128): 9, (0, 64): 10, (64, 128): 16, (256, 128): 22, (16, 64): 13},
 }
+DECODE_WARMUP_STEPS_GLUON = {"NVIDIA H100 80GB HBM3": {(0, 64): 7}, "NVIDIA H200": {(0, 64): 16}}
 
 
+@pytest.mark.parametrize("gluon", [False, True], ids=["tl", "gluon"])
 @pytest.mark.parametrize("card", list(DECODE_WARMUP_STEPS))
 @pytest.mark.parametrize("page_size,head_dim", [(0, 128), (0, 64), (64, 128), (256, 128), (16, 64)], ids=str)
-def test_decode_warmup_reaches_every_variant_of_its_range(monkeypatch, page_size, head_dim, card):
+def test_decode_warmup_reaches_every_variant_of_its_range(monkeypatch, page_size, head_dim, card, gluon):
     """On an H100 or H200 (132 SMs, 227 KiB of shared memory a program; the H200 takes its own
     decode grids), a decode step of every batch of 1..64 sequences on a dense cache of 32K rows,
     or on tables up to 32K keys of a paged one, picks a compiled variant that one of warmup's
-    steps picked, on a cache no larger."""
-    from fk_attention import decode
+    steps picked, on a cache no larger; with the tl kernel's plans and the Gluon kernel's (dense d64)."""
+    from fk_attention import config, decode
 
     monkeypatch.setattr(decode.backend, "is_interpreter", lambda: False)
     monkeypatch.setattr(decode.backend, "multiprocessor_count", lambda index=0: 132)
     monkeypatch.setattr(decode.backend, "shared_memory_per_program", lambda index=0: 232448)
     monkeypatch.setattr(decode.backend, "device_name", lambda index=0: card)
+    if gluon:  # the Gluon kernel's plans (Hopper, its Triton): dense d64 only
+        if page_size or head_dim != 64:
+            pytest.skip("the Gluon decode kernel takes dense caches at head dim 64")
+        monkeypatch.setattr(decode, "gluon_block", lambda *args: 64)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda index=0: types.SimpleNamespace(shared_memory_per_multiprocessor=233472))
+    else:
+        monkeypatch.setattr(config, "GLUON_DECODE_TILES", ())
     dtype, rows = torch.bfloat16, 32768
 
     def variant(b, n):
@@ -252,4 +264,4 @@ def test_decode_warmup_reaches_every_variant_of_its_range(monkeypatch, page_size
     lengths = range(page_size, rows + 1, page_size) if page_size else [rows]
     assert {variant(b, n) for b in range(1, 65) for n in lengths} == warmed
     # what README.md says a server reaches (H32:8 d128 bf16, batches up to 64, 32K keys)
-    assert len(steps) == DECODE_WARMUP_STEPS[card][page_size, head_dim]
+    assert len(steps) == (DECODE_WARMUP_STEPS_GLUON if gluon else DECODE_WARMUP_STEPS)[card][page_size, head_dim]

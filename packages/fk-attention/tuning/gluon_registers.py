@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the Gluon kernels (hopper.py, hopper_backward.py), from a
+"""Registers, spills and shared memory of the Gluon kernels (hopper.py, hopper_backward.py, decode_hopper.py), from a
 compile for sm_90a on any machine: no GPU, Triton's bundled ptxas (TUNING.md: Hopper forward, Hopper
 backward). Needs a Triton in fk_runtime.gluon.VERSIONS (3.6-3.9).
 
@@ -47,7 +47,7 @@ driver.set_active(OfflineHopper())
 
 from fk_runtime.launch import Descriptor  # noqa: E402
 
-from fk_attention import hopper, hopper_backward  # noqa: E402
+from fk_attention import decode_hopper, hopper, hopper_backward  # noqa: E402
 from fk_attention import config as fk_config  # noqa: E402
 from fk_attention.mask import CAUSAL, FULL, Mask  # noqa: E402
 
@@ -128,6 +128,18 @@ def forward(d: int, mask, n: int = N):
         PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
 
 
+def decode(d: int, stages: int, sliced: bool):
+    """The Gluon decode kernel at padded head dim d, as `decode._bind_gluon` launches it (H32:8, one query row)."""
+    block_n = dict(fk_config.GLUON_DECODE_TILES)[d]
+    k = torch.empty(2, 8, 1024, d, dtype=torch.bfloat16)
+    q = torch.empty(2, 32, 1, d, dtype=torch.bfloat16)
+    kv = descriptor(k, block_n)
+    return decode_hopper.attn_decode_tma_kernel.warmup(
+        q, kv, kv, q, torch.empty(1), torch.empty(1), torch.empty(2, dtype=torch.int32), 0.1, 0.1, 1, 1024, 0, 8, 4,
+        1, 1 << 30, 0, 4 if sliced else 1, 100, *q.stride(), *q.stride(), 32, 1, 1, SOFTCAP=False, SEQLENS=True,
+        SLICED=sliced, STORE_LSE=True, HEAD_DIM=d, STAGES=stages, num_warps=1, grid=(1,))
+
+
 def main() -> None:
     q = torch.empty(B, H, N, D, dtype=torch.bfloat16)
     rows = torch.empty(B, H, N)
@@ -155,6 +167,10 @@ def main() -> None:
             kernels += [(f"5-matmul backward d{d}", fused_backward(d, causal)) for d in fk_config.GLUON_FUSED_HEAD_DIMS]
         for name, compiled in kernels:
             print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")
+    for d, _ in fk_config.GLUON_DECODE_TILES:
+        for stages in fk_config.GLUON_DECODE_STAGES:
+            for sliced in (False, True):
+                print(f"decode d{d} {stages} stages{' sliced' if sliced else ''}: {usage(decode(d, stages, sliced))}")
 
 
 if __name__ == "__main__":

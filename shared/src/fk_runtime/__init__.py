@@ -28,7 +28,7 @@ PUBLIC = {
     "checks": ("FLOAT_DTYPES", "check_flag", "check_kernel_device", "check_nonnegative", "check_positive",
                "check_same_device", "check_same_dtype", "check_shape", "check_size", "check_tensor",
                "normalize_dim"),
-    "gluon": ("TensorDescriptor", "VERSIONS", "fence_async_shared", "gl", "gluon", "mbarrier", "reinterpret",
+    "gluon": ("TensorDescriptor", "VERSIONS", "fence_async_shared", "gl", "gluon", "mbarrier", "mma_v2", "reinterpret",
               "store_wait", "supported", "tma_load", "tma_reduce_add", "tma_store", "warpgroup_mma", "warpgroup_mma_wait"),
     "launch": ("FP_FUSION", "Descriptor", "Launch", "PLAN_CACHE_SIZE", "PREWARM_ENV", "PlanCache", "bind_context",
                "hash_triton", "layout_key"),

@@ -10,6 +10,7 @@ Gluon is experimental and its names move between releases. Those fk's kernels me
 - 3.7 replaced `gl.thread_barrier` by `gl.barrier` (not used by fk's kernels yet).
 - 3.8 added TMA reductions from shared memory (`tma.async_atomic_add`, ...): here `tma_reduce_add`,
   None before 3.8.
+- Ampere's mma.sync (`nvidia.ampere.mma_v2`, one warp's 16-row tiles) has one name on every version: `mma_v2`.
 
 `supported()` says whether this Triton is one whose Gluon kernels fk compiled for sm_90a and ran:
 the Gluon paths are taken there only; elsewhere the `tl` kernels run.
@@ -27,9 +28,10 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon (or without its Hopper part): the tl kernels serve
-    gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
+    gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = mma_v2 = None
     TensorDescriptor = None
 
 if tma is not None:

@@ -351,6 +351,20 @@ DECODE_DESCRIPTOR_MIN_HEAD_DIM = 128
 # New cache rows written per append program.
 APPEND_ROWS = 16
 
+# The Gluon decode kernel on Hopper (`decode_hopper`: one warp a program, K and V through a TMA ring), dense
+# caches of 16-bit K/V, at most DECODE_MIN_BLOCK_M query rows per KV head: (padded head dim, BLOCK_N) where
+# it serves. GLUON_DECODE_STAGES (shallow, deep): its ring takes the deep one where the programs resident on
+# a multiprocessor fit it in its shared memory (each GLUON_DECODE_RESERVE bytes besides: layout scratch,
+# barriers, the CTA's reserved KiB), else the shallow one: a lone warp needs more bytes in flight
+# (TUNING.md: decode, the Gluon kernel).
+GLUON_DECODE_TILES = ((64, 64),)
+GLUON_DECODE_STAGES = (2, 4)
+GLUON_DECODE_RESERVE = 3 << 10
+# (fewest, most] programs per multiprocessor of the grids it takes; the others keep the tl kernel: one a
+# multiprocessor or fewer (a lone warp there) took 1.03-1.06x the time of its wide blocks (B1 and B16 KV1024
+# H32:8), 16 (several waves) 1.01-1.10x (B64 H32:32).
+GLUON_DECODE_PROGRAMS_PER_SM = (1, 4)
+
 
 # ---- Hopper kernels in Gluon (hopper.py) -------------------------------------------------------
 

@@ -6,7 +6,9 @@ A decode launch gives each (batch, KV head) program every query row of the head'
 group reads its K/V once) and one slice of the keys; with several slices a small second launch
 merges the partial outputs by their log-sum-exps (`decode_kernels.attn_decode_kernel`,
 `attn_decode_merge_kernel`). The slices cut each sequence's own length (read on the GPU), so a
-cache longer than what it holds costs nothing, and no host sync is needed (CUDA graphs).
+cache longer than what it holds costs nothing, and no host sync is needed (CUDA graphs). On
+Hopper, where `gluon_block` and `gluon_takes` hold, the slices run on the Gluon kernel
+(`decode_hopper`) with the same grid, partials and merge.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import math
 import torch
 
 from fk_runtime import alloc, backend, checks, sizing
+from fk_runtime import gluon as fk_gluon
 from fk_runtime.launch import Descriptor, Launch, PlanCache, layout_key
 
-from . import decode_kernels
+from . import config, decode_hopper, decode_kernels, hopper
 from .config import (APPEND_ROWS, CACHE_SIZE, DECODE_DESCRIPTOR_MIN_HEAD_DIM, DECODE_MAX_BLOCK_M,
                      DECODE_MAX_QUERIES, DECODE_MIN_BLOCK_M, DECODE_TILES_16BIT, DECODE_TILES_32BIT,
                      INTERPRETER_BLOCK, INTERPRETER_SLICED_PROGRAMS, INTERPRETER_SLICE_KEYS, MAX_SLICES,
@@ -130,11 +133,46 @@ def key_slices(programs: int, n_k: int, head_dim: int, device_index: int, fill: 
     return max(1, min(nearest, most))
 
 
+def gluon_block(head_dim: int, dtype: torch.dtype, rows: int, page_size: int, device_index: int) -> int | None:
+    """BLOCK_N of the Gluon decode kernel (`decode_hopper`) for a launch of these shapes, else None (the
+    `tl` kernel): a Hopper GPU and a Triton whose Gluon fk built on, 16-bit K/V in a dense cache, a padded
+    head dim in `config.GLUON_DECODE_TILES`, at most DECODE_MIN_BLOCK_M query rows per KV head."""
+    padded = padded_head_dim(head_dim)
+    block_n = next((n for dim, n in config.GLUON_DECODE_TILES if dim == padded), None)
+    if (block_n is None or page_size or rows > DECODE_MIN_BLOCK_M or dtype not in hopper.DTYPES
+            or backend.backend() is not backend.Backend.CUDA or not fk_gluon.supported()
+            or torch.cuda.get_device_capability(device_index)[0] != 9):
+        return None
+    return block_n
+
+
+def gluon_takes(k: torch.Tensor, v: torch.Tensor, rows: int, page_size: int, alibi, leftpad: bool,
+                sm_scale: float) -> bool:
+    """Whether the Gluon decode kernel takes these K/V: `gluon_block` holds, TMA takes their layout, no
+    ALiBi or left pads, a positive scale."""
+    return (sm_scale > 0 and alibi is None and not leftpad and k.numel() > 0
+            and gluon_block(k.shape[-1], k.dtype, rows, page_size, k.device.index or 0) is not None
+            and descriptors_may_serve(k.device, (k, v)))
+
+
+def gluon_stages(grid: int, block_n: int, head_dim: int, dtype: torch.dtype, device_index: int) -> int:
+    """The Gluon decode kernel's ring stages on a grid of `grid` programs (`config.GLUON_DECODE_STAGES`):
+    the deep ring where the programs resident on a multiprocessor fit it in its shared memory, else the
+    shallow one (two values: each is a compiled variant)."""
+    props = torch.cuda.get_device_properties(device_index)
+    shared = getattr(props, "shared_memory_per_multiprocessor", 0) or backend.shared_memory_per_program(device_index)
+    resident = sizing.cdiv(grid, backend.multiprocessor_count(device_index))
+    stage = 2 * block_n * padded_head_dim(head_dim) * dtype.itemsize
+    shallow, deep = config.GLUON_DECODE_STAGES
+    return deep if (shared // resident - config.GLUON_DECODE_RESERVE) // stage >= deep else shallow
+
+
 @dataclasses.dataclass(frozen=True)
 class Split:
     """A decode launch's plan for its shapes: tiles, key slices per sequence, whether a paged cache's
     key blocks read their page per row (`row_pages`) or from `slice_pages` preloaded ones, the
-    (batch, KV head, row block) programs before slicing, and whether the cache is paged."""
+    (batch, KV head, row block) programs before slicing, whether the cache is paged, and whether the
+    Gluon kernel runs it (its tile: BLOCK_N keys a step, one warp, its ring's stages)."""
 
     tile: Config
     slices: int
@@ -142,24 +180,35 @@ class Split:
     slice_pages: int
     programs: int
     paged: bool = False
+    gluon: bool = False
 
     def variant(self, head_dim: int, device_index: int) -> tuple:
         """What picks the launches' compiled kernels (their constexprs and the grid's TMA choice,
         `kv_descriptors`): two plans with the same variant compile nothing new for each other."""
-        tma = not self.per_row and descriptor_grid(head_dim, self.programs * self.slices, device_index, self.paged)
+        tma = self.gluon or (not self.per_row
+                             and descriptor_grid(head_dim, self.programs * self.slices, device_index, self.paged))
         merge = (sizing.next_power_of_2(self.slices), merge_warps(self.slices, head_dim)) if self.slices > 1 else None
         return self.tile, self.per_row, self.slice_pages, tma, merge
 
 
 def split_plan(b: int, hk: int, rows: int, n_k: int, head_dim: int, dtype: torch.dtype, page_size: int,
-               device_index: int, slices: int | None = None) -> Split:
+               device_index: int, slices: int | None = None, gluon: bool | None = None) -> Split:
     """The plan of a decode launch over b sequences of hk KV heads, `rows` query rows per KV head,
     n_k keys (a paged cache's table width times `page_size`; 0: dense), `slices` forced or chosen
-    (`key_slices`)."""
+    (`key_slices`); on the Gluon kernel where `gluon` (None: where `gluon_block` holds) and the grid's
+    programs per multiprocessor lie in `config.GLUON_DECODE_PROGRAMS_PER_SM`."""
     paged = page_size > 0
     m_blocks = sizing.cdiv(rows, tiles(rows, head_dim, dtype, 0, device_index).block_m)
     programs = b * hk * m_blocks
     planned = slices is None
+    block_n = gluon_block(head_dim, dtype, rows, page_size, device_index)
+    if block_n is not None and gluon is not False:
+        gluon_slices = key_slices(programs, n_k, head_dim, device_index) if planned else slices
+        fewest, most = config.GLUON_DECODE_PROGRAMS_PER_SM
+        grid = programs * gluon_slices
+        if fewest < grid / backend.multiprocessor_count(device_index) <= most:
+            stages = gluon_stages(grid, block_n, head_dim, dtype, device_index)
+            return Split(Config(DECODE_MIN_BLOCK_M, block_n, 1, stages), gluon_slices, False, 0, programs, gluon=True)
     wide = wide_blocks(rows, head_dim, dtype, programs, page_size, device_index)
     if planned:
         slices = (key_slices(programs, n_k, head_dim, device_index, WIDE_PROGRAMS, WIDE_BLOCK_N, paged) if wide
@@ -227,9 +276,14 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
     if q.numel() == 0:
         return lambda *args, **kwargs: new_outputs()
     index = device.index or 0
-    split = split_plan(b, hk, group * n_q, n_k, d, dtype, cache.page_size if paged else 0, index, slices)
+    page_size = cache.page_size if paged else 0
+    # (tests forcing the tl kernel's descriptors on or off take the tl kernel)
+    gluon = descriptors is None and gluon_takes(k, v, group * n_q, page_size, alibi, leftpad, sm_scale)
+    split = split_plan(b, hk, group * n_q, n_k, d, dtype, page_size, index, slices, gluon)
     tile, slices, per_row, slice_pages, programs = (split.tile, split.slices, split.per_row, split.slice_pages,
                                                     split.programs)
+    if split.gluon:  # the tl kernel's own tile where K/V's bases are off the TMA grid
+        tile = tiles(group * n_q, d, dtype, programs * slices, index)
     padded = padded_head_dim(d)
     meta = {"SOFTCAP": mask.softcap is not None, "ALIBI": alibi is not None, "LEFTPAD": leftpad,
             "SEQLENS": cache is not None,
@@ -263,7 +317,12 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
     attend_tma = Launch(decode_kernels.attn_decode_kernel, *attend_args, {**meta, "USE_DESC": True}, device) \
         if use_desc else None
 
+    attend_gluon = _bind_gluon(q, k, v, mask, sm_scale, cache, group, split, part_numel, out_example,
+                               with_lse) if split.gluon else None
+
     def kv(k, v):  # K/V as the launch takes them: descriptors where their bases are aligned
+        if attend_gluon is not None and bases_aligned((k, v)):
+            return attend_gluon, k, v
         if attend_tma is not None and bases_aligned((k, v)):
             return attend_tma, *(Descriptor(t, shape, strides, kv_block)
                                  for t, (shape, strides) in zip((k, v), kv_layouts, strict=True))
@@ -293,6 +352,30 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
         return out, lse
 
     return run
+
+
+def _bind_gluon(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, group: int, split: Split,
+                part_numel: int, out_example: torch.Tensor, with_lse: bool):
+    """attend(q, k, v, out, lse, parts, seqlens, *unused) through the Gluon decode kernel on `split`'s
+    grid and tile (the caller checks K/V's bases per call): the `tl` kernel's slices and outputs (`bind`)."""
+    b, hq, n_q, d = q.shape
+    block_n = split.tile.block_n
+    builds, (qk_scale, cap_scale, left, right) = hopper.forward_mask_args(mask, sm_scale)
+    layouts = hopper.tile_descriptors((k, v), (block_n, block_n), padded_head_dim(d), k.dtype)
+    launch = Launch(decode_hopper.attn_decode_tma_kernel, (split.programs * split.slices,),
+                    (qk_scale, cap_scale, n_q, k.shape[2], cache.n_new if cache else 0, k.shape[1], group,
+                     int(mask.lower_right), left, right, split.slices, part_numel, *q.stride(),
+                     *out_example.stride(), hq * n_q, n_q, 1),
+                    {"SOFTCAP": builds["SOFTCAP"], "SEQLENS": cache is not None, "SLICED": split.slices > 1,
+                     "STORE_LSE": with_lse, "HEAD_DIM": d, "STAGES": split.tile.num_stages, "num_warps": 1},
+                    q.device)
+
+    def attend(q, k, v, out, lse, parts, seqlens, *unused):
+        launch(q, *(Descriptor(t, shape, strides, block, layout=layout)
+                    for t, (shape, strides, block, layout) in zip((k, v), layouts, strict=True)),
+               out, lse, parts, seqlens)
+
+    return attend
 
 
 def forward(q, k, v, mask: Mask, sm_scale: float, slices: int | None = None,
