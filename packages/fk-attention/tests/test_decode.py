@@ -348,9 +348,7 @@ def test_gluon_decode_rings_fill_the_shared_memory_of_the_resident_programs(monk
     """`decode.gluon_stages`: the stages that the programs a multiprocessor holds fit in its shared
     memory, within `config.GLUON_DECODE_STAGES`; and a Gluon plan keeps the usual slices (not the tl
     kernel's wide-block ones), on grids of GLUON_DECODE_PROGRAMS_PER_SM programs a multiprocessor."""
-    import types
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: types.SimpleNamespace(shared_memory_per_multiprocessor=233472))
+    monkeypatch.setattr(decode.backend, "shared_memory_per_multiprocessor", lambda index=0: 233472)
     monkeypatch.setattr(decode.backend, "multiprocessor_count", lambda index=0: 132)
     monkeypatch.setattr(decode.backend, "device_name", lambda index=0: "NVIDIA H200")
     monkeypatch.setattr(fk_config, "GLUON_DECODE_STAGES", (2, 4))

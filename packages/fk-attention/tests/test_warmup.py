@@ -1,5 +1,3 @@
-import types
-
 import pytest
 import torch
 from fk_runtime.harness import testing
@@ -247,8 +245,7 @@ def test_decode_warmup_reaches_every_variant_of_its_range(monkeypatch, page_size
     monkeypatch.setattr(decode.backend, "device_name", lambda index=0: card)
     if gluon:  # the Gluon kernel's plans (Hopper, its Triton): dense d64 only
         monkeypatch.setattr(decode, "gluon_block", lambda *args: 64)
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda index=0: types.SimpleNamespace(shared_memory_per_multiprocessor=233472))
+        monkeypatch.setattr(decode.backend, "shared_memory_per_multiprocessor", lambda index=0: 233472)
     else:
         monkeypatch.setattr(config, "GLUON_DECODE_TILES", ())
     dtype, rows = torch.bfloat16, 32768

@@ -23,7 +23,7 @@ PUBLIC = {
     "alloc": ("empty", "empty_like", "new_empty", "new_empty_strided", "poisoned_outputs", "poisoning"),
     "backend": ("Backend", "backend", "check_interpreter_numpy", "default_device", "device_name", "gpu_available",
                 "interpreter_numpy_problem", "is_hip", "is_interpreter", "kernel_device_type", "l2_cache_bytes",
-                "multiprocessor_count", "release", "shared_memory_per_program", "triton_at_least", "triton_release",
+                "multiprocessor_count", "release", "shared_memory_per_multiprocessor", "shared_memory_per_program", "triton_at_least", "triton_release",
                 "use_interpreter_without_gpu", "warp_size"),
     "checks": ("FLOAT_DTYPES", "check_flag", "check_kernel_device", "check_nonnegative", "check_positive",
                "check_same_device", "check_same_dtype", "check_shape", "check_size", "check_tensor",

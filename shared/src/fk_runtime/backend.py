@@ -154,6 +154,15 @@ def shared_memory_per_program(device_index: int = 0) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0))
 
 
+def shared_memory_per_multiprocessor(device_index: int = 0) -> int:
+    """Shared memory a multiprocessor holds for its resident programs, in bytes (0 unknown; the
+    per-program limit where torch does not report it)."""
+    if is_interpreter():
+        return 0
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_multiprocessor", 0)) or shared_memory_per_program(device_index)
+
+
 def device_name(device_index: int = 0) -> str:
     if is_interpreter():
         return "CPU (Triton interpreter)"

@@ -19,7 +19,6 @@ import math
 import torch
 
 from fk_runtime import alloc, backend, checks, sizing
-from fk_runtime import gluon as fk_gluon
 from fk_runtime.launch import Descriptor, Launch, PlanCache, layout_key
 
 from . import config, decode_hopper, decode_kernels, hopper
@@ -140,8 +139,7 @@ def gluon_block(head_dim: int, dtype: torch.dtype, rows: int, page_size: int, de
     padded = padded_head_dim(head_dim)
     block_n = next((n for dim, n in config.GLUON_DECODE_TILES if dim == padded), None)
     if (block_n is None or page_size or rows > DECODE_MIN_BLOCK_M or dtype not in hopper.DTYPES
-            or backend.backend() is not backend.Backend.CUDA or not fk_gluon.supported()
-            or torch.cuda.get_device_capability(device_index)[0] != 9):
+            or not hopper.gluon_device(device_index)):
         return None
     return block_n
 
@@ -159,8 +157,7 @@ def gluon_stages(grid: int, block_n: int, head_dim: int, dtype: torch.dtype, dev
     """The Gluon decode kernel's ring stages on a grid of `grid` programs (`config.GLUON_DECODE_STAGES`):
     the deep ring where the programs resident on a multiprocessor fit it in its shared memory, else the
     shallow one (two values: each is a compiled variant)."""
-    props = torch.cuda.get_device_properties(device_index)
-    shared = getattr(props, "shared_memory_per_multiprocessor", 0) or backend.shared_memory_per_program(device_index)
+    shared = backend.shared_memory_per_multiprocessor(device_index)
     resident = sizing.cdiv(grid, backend.multiprocessor_count(device_index))
     stage = 2 * block_n * padded_head_dim(head_dim) * dtype.itemsize
     shallow, deep = config.GLUON_DECODE_STAGES

@@ -42,11 +42,17 @@ GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float
 LOG2E = 1.4426950408889634
 
 
+def gluon_device(device_index: int) -> bool:
+    """Whether Gluon's Hopper kernels may run on this device: a CUDA GPU of compute capability 9.x and a
+    Triton whose Gluon API fk's kernels were built for."""
+    return (backend.backend() is backend.Backend.CUDA and fk_gluon.supported()
+            and torch.cuda.get_device_capability(device_index)[0] == 9)
+
+
 def on_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: tuple) -> bool:
     """Whether Gluon's Hopper kernels may take these tensors at one of `head_dims` (padded)."""
-    return (q.dtype in DTYPES and padded_head_dim(q.shape[-1]) in head_dims and fk_gluon.supported()
-            and descriptors_may_serve(q.device, (q, k, v))
-            and torch.cuda.get_device_capability(q.device)[0] == 9)
+    return (q.dtype in DTYPES and padded_head_dim(q.shape[-1]) in head_dims
+            and descriptors_may_serve(q.device, (q, k, v)) and gluon_device(q.device.index or 0))
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> bool:
