@@ -56,7 +56,7 @@ class _Environment:
             os.environ[name] = str(value)
 
 
-def _patches(spec: str) -> list[tuple[object, str, object]]:
+def patches(spec: str) -> list[tuple[object, str, object]]:
     """`module:NAME=value;env:NAME='value'` -> [(module or the environment, NAME, value)]: a value is
     a literal, or for a module an expression in that module's names (`Config(64, 64, 4, 2)`)."""
     out = []
@@ -87,10 +87,10 @@ def _clear_plans() -> None:
 
 
 @contextlib.contextmanager
-def _applied(patches):
-    """The patches set (plans cleared) inside, the old values back (plans cleared) after."""
-    saved = [(m, n, getattr(m, n)) for m, n, _ in patches]
-    for m, n, value in patches:
+def applied(patched):
+    """`patched` (module, name, value) set (plans cleared) inside, the old values back (plans cleared) after."""
+    saved = [(m, n, getattr(m, n)) for m, n, _ in patched]
+    for m, n, value in patched:
         setattr(m, n, value)
     _clear_plans()
     try:
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [w for w in wanted if w not in cases]
     if missing:
         raise SystemExit(f"no such rows: {missing}")
-    variants = [(BASE, [])] + [(name, _patches(spec)) for name, spec in args.variant]
+    variants = [(BASE, [])] + [(name, patches(spec)) for name, spec in args.variant]
     peers = sorted({p for r in wanted for p in cases[r].variants if p != args.time}) if args.peers else []
     times: dict = {(v, r): [] for v in [v for v, _ in variants] + peers for r in wanted}
     picks: dict = {}  # "variant row": what the autotuner picked while timing it (the configs to fix next)
@@ -170,14 +170,14 @@ def main(argv: list[str] | None = None) -> int:
             order = variants if round_ % 2 == 0 else variants[::-1]
             # a row's first timing in a round ran slow, whichever variant it was (H200, decode B64 KV1024
             # H32:32: 0.147 against 0.133 ms): the round's first variant once untimed before
-            with contextlib.suppress(triton.runtime.errors.OutOfResources), _applied(order[0][1]):
+            with contextlib.suppress(triton.runtime.errors.OutOfResources), applied(order[0][1]):
                 _time(cases[row], args.time, bench, torch)
-            for vname, patches in order:
+            for vname, patched in order:
                 if f"{vname} {row}" in unfit:
                     continue
                 before = _tuned_picks()
                 try:
-                    with _applied(patches):
+                    with applied(patched):
                         ms = _time(cases[row], args.time, bench, torch)
                 except triton.runtime.errors.OutOfResources as e:
                     unfit[f"{vname} {row}"] = str(e)

@@ -177,6 +177,40 @@ def test_descriptor_arguments_expand_as_triton_36_does():
     assert launch._tensordesc_fast_path(wrapper, len(head), fill) is None
 
 
+def test_filled_descriptors_are_kept_per_base_shape_and_strides(monkeypatch):
+    """`launch._expand` fills a descriptor's tensor map once for a base address, shape, strides and
+    padding and hands the same map to later launches (a decode step's KV cache); another base, view or
+    padding fills its own; at most `DESCRIPTOR_CACHE` kept per argument; 0 fills on every launch."""
+    filled = []
+
+    def fill(*args):
+        filled.append(args)
+        return ("map", len(filled))
+
+    expansions = ((0, 3, 2, 10, [1, 1, 64, 128], fill, {}),)
+    k = torch.zeros(4, 2, 64, 128)
+    desc = [64 * 128 * 2, 64 * 128, 128, 1]
+
+    def maps(t, shape=(4, 2, 64, 128), strides=desc, padding="zero"):
+        return launch._expand([launch.Descriptor(t, list(shape), list(strides), [1, 1, 64, 128], padding), 7],
+                              expansions)[0]
+
+    first = maps(k)
+    assert maps(k) is first and maps(k.view(4, 2, 64, 128)) is first and len(filled) == 1
+    assert maps(k[1:], (3, 2, 64, 128)) != first and len(filled) == 2  # another base and shape
+    assert maps(k, strides=[128, 64 * 128, 128, 1]) != first and len(filled) == 3  # other strides
+    assert maps(k, padding="nan") != first and filled[-1][-1] == 1 and len(filled) == 4
+    assert maps(k) is first and len(filled) == 4
+    monkeypatch.setattr(launch, "DESCRIPTOR_CACHE", 2)
+    others = [torch.zeros(4, 2, 64, 128) for _ in range(3)]
+    for t in others:
+        maps(t)
+    assert len(expansions[0][-1]) <= 2 and len(filled) == 7
+    monkeypatch.setattr(launch, "DESCRIPTOR_CACHE", 0)
+    maps(others[-1]), maps(others[-1])
+    assert len(filled) == 9
+
+
 def test_direct_launches_only_under_checked_triton_versions():
     """The compiled launcher's argument layout differs across Triton versions (3.4: 12 leading
     arguments; 3.5-3.6: a launcher per signature; 3.7-3.9: one generic launcher): `Launch` calls

@@ -57,7 +57,7 @@ def test_a_value_may_be_built_from_the_patched_modules_names(e2e_script):
     variants = e2e_script("row_variants")
     spec = ("fk_attention.config:DEFAULTS_16BIT=((64, {**DEFAULTS_16BIT[0][1], Kind.FORWARD: Config(64, 64, 4, 2)}),)"
             " + DEFAULTS_16BIT[1:];env:FK_AUTOTUNE='1'")
-    (module, name, table), (_, env_name, env_value) = variants._patches(spec)
+    (module, name, table), (_, env_name, env_value) = variants.patches(spec)
     assert (module, name, env_name, env_value) == (config, "DEFAULTS_16BIT", "FK_AUTOTUNE", "1")
     assert table[0][1][config.Kind.FORWARD] == config.Config(64, 64, 4, 2)
     assert table[0][1][config.Kind.DQ] == config.DEFAULTS_16BIT[0][1][config.Kind.DQ]

@@ -66,7 +66,7 @@ COMPILED_LAUNCH_S = 0.05
 PLAN_CACHE_SIZE = 1024
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # (built per call: a slotted init is the cheaper one)
 class Descriptor:
     """A TMA tensor descriptor as the compiled launcher reads it (base, shape, strides, padding),
     built without Triton's per-call checks: the op validates once per plan. The first launch of a
@@ -227,19 +227,34 @@ def _tensordesc_fast_path(wrapper, n_head: int, fill=None) -> tuple | None:
     for i, m in zip(indices, metas, strict=True):
         if m is None or m.get("fp4_padded"):
             return None
-        expansions.append((i, m["swizzle"], m["elem_size"], to_host[m["elem_type"]], m["block_size"], fill))
+        expansions.append((i, m["swizzle"], m["elem_size"], to_host[m["elem_type"]], m["block_size"], fill, {}))
     return cells["launcher"], tuple(expansions)
+
+
+# Filled tensor maps a launch keeps per descriptor argument, keyed by what a map encodes besides the
+# kernel's own box, swizzle and type (base address, shape, strides, padding): a decode step's KV cache, a
+# forward's output in the allocator's same block, skip the driver's encode (0: every launch fills its own).
+DESCRIPTOR_CACHE = 8
 
 
 def _expand(args: list, expansions: tuple) -> list:
     """`args` as Triton 3.6's launcher takes them: each descriptor (at an expansion's position)
-    becomes its filled CUtensorMap, then its shape and strides."""
+    becomes its filled CUtensorMap (the expansion's `filled` one where its key is there), then its
+    shape and strides."""
     out, start = [], 0
-    for i, swizzle, elem_size, dtype, block, fill in expansions:
+    for i, swizzle, elem_size, dtype, block, fill, filled in expansions:
         d = args[i]
         out += args[start:i]
-        out.append(fill(d.base.data_ptr(), swizzle, elem_size, dtype, block, d.shape, d.strides,
-                        1 if d.padding == "nan" else 0))
+        key = (d.base.data_ptr(), d.padding, *d.shape, *d.strides)
+        tensor_map = filled.get(key) if DESCRIPTOR_CACHE else None
+        if tensor_map is None:
+            tensor_map = fill(key[0], swizzle, elem_size, dtype, block, d.shape, d.strides,
+                              1 if d.padding == "nan" else 0)
+            if len(filled) >= DESCRIPTOR_CACHE:
+                filled.clear()
+            if DESCRIPTOR_CACHE:
+                filled[key] = tensor_map
+        out.append(tensor_map)
         out += d.shape
         out += d.strides
         start = i + 1
@@ -304,7 +319,7 @@ def _generic_entry(compiled, runner, n_head: int) -> tuple | None:
         for i, m in zip(indices, metas, strict=True):
             if m is None or m.get("fp4_padded") or m.get("is_im2col"):
                 return None
-            expansions.append((i, m["swizzle"], m["elem_size"], to_host[m["elem_type"]], m["block_size"], fill))
+            expansions.append((i, m["swizzle"], m["elem_size"], to_host[m["elem_type"]], m["block_size"], fill, {}))
     middle = (runner.launch_cooperative_grid, runner.launch_pdl, compiled.packed_metadata, None, None, None, None,
               None, runner.arg_annotations, runner.kernel_signature)
     return triton.runtime.driver.active.utils.launch, compiled.function, middle, tuple(expansions), True, compiled

@@ -511,7 +511,10 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
     padded = padded_head_dim(d)
     builds, (qk_scale, cap_scale, left, right) = forward_mask_args(mask, sm_scale)
     block_n, stages, consumers = forward_tiles(d, builds["SEEN"], n_q)
-    layouts = tile_descriptors((q, k, v, out), (GLUON_ROWS, block_n, block_n, GLUON_ROWS), padded, q.dtype)
+    # each tensor's Descriptor fields after its base, built once
+    q_tile, k_tile, v_tile, o_tile = ((shape, strides, block, "zero", layout) for shape, strides, block, layout in
+                                      tile_descriptors((q, k, v, out), (GLUON_ROWS, block_n, block_n, GLUON_ROWS),
+                                                       padded, q.dtype))
     n_blocks = sizing.cdiv(n_q, consumers * GLUON_ROWS)
     n_tiles = n_blocks * b * hq
     persistent = persistent_grid(builds["SEEN"], padded, n_q)
@@ -524,8 +527,7 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
                      "PERSISTENT": persistent, "CONSUMER_REGISTERS": consumer_registers(consumers),
                      "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS, "num_warps": 4}, q.device)
 
-    def run(q, k, v, out, lse):
-        launch(*(Descriptor(t, shape, strides, block, layout=layout)
-                 for t, (shape, strides, block, layout) in zip((q, k, v, out), layouts, strict=True)), lse)
+    def run(q, k, v, out, lse):  # (no generator a call: 1-2 µs)
+        launch(Descriptor(q, *q_tile), Descriptor(k, *k_tile), Descriptor(v, *v_tile), Descriptor(out, *o_tile), lse)
 
     return run
