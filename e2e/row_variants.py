@@ -1,12 +1,12 @@
 """Device time of chosen benchmark rows under variants of an op's plan numbers, in one process.
 
-A variant sets module constants (`fk_softmax.plan:SPLIT_FORWARD_PROGRAMS_PER_SM={}`) and clears
-the plan caches. Each round times every row under every variant back to back (the variants'
-order reversed every other round, the round's first one run once untimed before: a row's first
-timing ran slow), so that a slow stretch of the GPU, or its drift over a long run, weighs on each
-variant alike. Each row is timed as the main tables time fk (CUDA-graph
-replays, `do_bench` median), and the table gives each variant's median over the rounds and its
-ratio to the first variant.
+A variant sets module constants (`fk_softmax.plan:SPLIT_FORWARD_PROGRAMS_PER_SM={}`; also in the
+package's modules that imported the name, `importers`) and clears the plan caches. Each round times
+every row under every variant back to back (the variants' order reversed every other round, the
+round's first one run once untimed before: a row's first timing ran slow), so that a slow stretch of
+the GPU, or its drift over a long run, weighs on each variant alike. Each row is timed as the main
+tables time fk (CUDA-graph replays, `do_bench` median), and the table gives each variant's median
+over the rounds and its ratio to the first variant.
 
     bash shared/from-source.sh python e2e/row_variants.py --out DIR --rounds 3 \
         --rows "softmax fwd 1024x65536 bfloat16" "layernorm bwd 256x262144 float32" \
@@ -37,6 +37,7 @@ import json
 import os
 import statistics
 import sys
+import types
 from pathlib import Path
 
 OPS = ("layernorm", "softmax", "attention", "weightedsum")
@@ -86,9 +87,23 @@ def _clear_plans() -> None:
                 value.cache_clear()
 
 
+_MISSING = object()
+
+
+def importers(module, name: str) -> list:
+    """The other modules of `module`'s package that hold its `name` object under that name (bound by `from
+    .config import NAME`): a variant of the name must reach them too, else it would change nothing there."""
+    value, package = getattr(module, name), module.__name__.split(".")[0]
+    return [m for key, m in list(sys.modules.items()) if key.split(".")[0] == package and m is not module
+            and vars(m).get(name, _MISSING) is value]
+
+
 @contextlib.contextmanager
 def applied(patched):
-    """`patched` (module, name, value) set (plans cleared) inside, the old values back (plans cleared) after."""
+    """`patched` (module, name, value) set (plans cleared) inside, in the module and its `importers`, the old
+    values back (plans cleared) after."""
+    patched = [(m2, n, value) for m, n, value in patched
+               for m2 in [m, *(importers(m, n) if isinstance(m, types.ModuleType) else [])]]
     saved = [(m, n, getattr(m, n)) for m, n, _ in patched]
     for m, n, value in patched:
         setattr(m, n, value)

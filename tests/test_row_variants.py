@@ -105,3 +105,16 @@ def test_another_variant_of_the_row_may_be_timed(tmp_path, e2e_script, monkeypat
     assert [r["variant"] for r in json.loads(path.read_text())["rows"]] == ["base", "small"] and not calls
     with pytest.raises(SystemExit, match="no such rows"):
         variants.main(["--out", str(tmp_path), "--rows", row, "--time", "nobody"])
+
+
+def test_a_variant_reaches_the_modules_that_imported_the_name(e2e_script):
+    """A config number another module bound by value (`from .config import NAME`) is set there too, and
+    restored in both after: a variant of it would otherwise change nothing where it is read."""
+    from fk_attention import config, decode
+
+    variants = e2e_script("row_variants")
+    before = config.DECODE_DESCRIPTOR_MIN_HEAD_DIM
+    assert decode in variants.importers(config, "DECODE_DESCRIPTOR_MIN_HEAD_DIM")
+    with variants.applied(variants.patches("fk_attention.config:DECODE_DESCRIPTOR_MIN_HEAD_DIM=64")):
+        assert config.DECODE_DESCRIPTOR_MIN_HEAD_DIM == decode.DECODE_DESCRIPTOR_MIN_HEAD_DIM == 64
+    assert config.DECODE_DESCRIPTOR_MIN_HEAD_DIM == decode.DECODE_DESCRIPTOR_MIN_HEAD_DIM == before
