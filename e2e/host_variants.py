@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import triton
 
+    if not torch.cuda.is_available():
+        raise SystemExit("host_variants.py times CUDA launches: run it on a GPU machine")
     variants = [("base", [])] + [(name, patches(spec)) for name, spec in args.variant]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}")
     print("| call | variant | µs a call | ÷ torch | samples |\n| --- | --- | --- | --- | --- |")

@@ -1,4 +1,5 @@
-"""e2e/row_variants.py: chosen benchmark rows timed under variants of an op's numbers, in one process."""
+"""e2e/row_variants.py: chosen benchmark rows timed under variants of an op's numbers, in one process (and
+e2e/host_variants.py, which takes its variants)."""
 
 import json
 import os
@@ -118,3 +119,10 @@ def test_a_variant_reaches_the_modules_that_imported_the_name(e2e_script):
     with variants.applied(variants.patches("fk_attention.config:DECODE_DESCRIPTOR_MIN_HEAD_DIM=64")):
         assert config.DECODE_DESCRIPTOR_MIN_HEAD_DIM == decode.DECODE_DESCRIPTOR_MIN_HEAD_DIM == 64
     assert config.DECODE_DESCRIPTOR_MIN_HEAD_DIM == decode.DECODE_DESCRIPTOR_MIN_HEAD_DIM == before
+
+
+@pytest.mark.skipif(backend.backend() is not backend.Backend.INTERPRETER, reason="a machine without a GPU")
+def test_host_variants_refuses_a_machine_without_a_gpu(e2e_script):
+    """e2e/host_variants.py times CUDA launches: without a GPU it says so, timing nothing."""
+    with pytest.raises(SystemExit, match="GPU machine"):
+        e2e_script("host_variants").main(["--variant", "nocache", "fk_runtime.launch:DESCRIPTOR_CACHE=0"])
