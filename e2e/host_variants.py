@@ -6,7 +6,8 @@ its merge on Hopper), decode B1 KV1024 H32:8 d128 (the tl kernel through TMA), a
 (the Gluon forward). Each variant (`base`: the code as it is; a variant sets module constants as
 `e2e/row_variants.py`'s do, plans cleared) and torch's op: 20 warm-up calls, then `--samples` samples of 200
 calls back to back and one synchronization, variants interleaved; medians in µs a call and over torch's. The
-CUDA kernels each variant launched (torch.profiler, one call) are printed first.
+CUDA kernels each variant launched (torch.profiler, one call) are printed first. Samples are
+`fk_runtime.harness.bench.interleaved_seconds`'s, one a variant at a time (a variant switch binds plans again).
 
     bash shared/from-source.sh python e2e/host_variants.py --variant nocache "fk_runtime.launch:DESCRIPTOR_CACHE=0" \\
         --variant tl "fk_attention.config:GLUON_DECODE_TILES=()"
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -25,17 +25,6 @@ from row_variants import applied, patches  # noqa: E402
 
 CALLS = 200
 WARMUP = 20
-
-
-def _timed(fn, calls: int) -> float:
-    import torch
-
-    torch.cuda.synchronize()
-    began = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - began) / calls * 1e6
 
 
 def _kernels(fn) -> list[str]:
@@ -77,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import triton
 
+    from fk_runtime.harness import bench
+
     if not torch.cuda.is_available():
         raise SystemExit("host_variants.py times CUDA launches: run it on a GPU machine")
     variants = [("base", [])] + [(name, patches(spec)) for name, spec in args.variant]
@@ -87,14 +78,14 @@ def main(argv: list[str] | None = None) -> int:
             runs = [(v, fk, p) for v, p in variants] + [("torch", theirs, [])]
             for variant, fn, patched in runs:
                 with applied(patched):
-                    _timed(fn, WARMUP)
+                    bench.interleaved_seconds({variant: fn}, WARMUP, 1, 1)
                     print(f"| {name} | {variant} kernels | {', '.join(_kernels(fn))} | | |", flush=True)
             samples: dict[str, list[float]] = {v: [] for v, _, _ in runs}
             for i in range(args.samples):
                 for variant, fn, patched in runs if i % 2 == 0 else runs[::-1]:
-                    with applied(patched):
-                        _timed(fn, WARMUP)
-                        samples[variant].append(_timed(fn, CALLS))
+                    with applied(patched):  # (a variant's plans bind again: warm-up calls, then one sample)
+                        seconds = bench.interleaved_seconds({variant: fn}, WARMUP, CALLS, 1)[variant]
+                        samples[variant].append(seconds * 1e6)
             theirs_us = statistics.median(samples["torch"])
             for variant, got in samples.items():
                 us = statistics.median(got)
