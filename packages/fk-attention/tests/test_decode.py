@@ -365,10 +365,17 @@ def test_gluon_decode_rings_fill_the_shared_memory_of_the_resident_programs(monk
     assert split.tile.num_stages == 6
     assert not decode.split_plan(16, 8, 4, 1 << 15, 64, torch.bfloat16, 0, 0, gluon=False).gluon
     # `config.GLUON_DECODE_PROGRAMS_PER_SM`: 2048 programs (16 a multiprocessor) and 128 (a lone warp) take the
-    # tl kernel, 512 (one wave) the Gluon one
+    # tl kernel, 512 (one wave) the Gluon one; past 4 a multiprocessor, programs of at most
+    # `GLUON_DECODE_SHORT_KEYS` keys take it from Triton `GLUON_DECODE_SHORT_FROM` on
+    monkeypatch.setattr(decode.backend, "triton_release", lambda version=None: (3, 6))
     assert not decode.split_plan(64, 32, 1, 1024, 64, torch.bfloat16, 0, 0).gluon
     assert not decode.split_plan(16, 8, 4, 1024, 64, torch.bfloat16, 0, 0).gluon
     assert decode.split_plan(16, 32, 1, 1024, 64, torch.bfloat16, 0, 0).gluon
+    monkeypatch.setattr(decode.backend, "triton_release", lambda version=None: (3, 8))
+    assert decode.split_plan(64, 32, 1, 1024, 64, torch.bfloat16, 0, 0).gluon
+    assert not decode.split_plan(64, 32, 1, 1025, 64, torch.bfloat16, 0, 0).gluon
+    assert not decode.split_plan(64, 32, 1, 8192, 64, torch.bfloat16, 0, 0).gluon
+    assert not decode.split_plan(16, 8, 4, 1024, 64, torch.bfloat16, 0, 0).gluon
 
 
 def _assert_within_tl(out, tl_out, ref_out, lse, tl_lse, ref_lse) -> None:

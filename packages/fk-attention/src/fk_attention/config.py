@@ -364,6 +364,11 @@ GLUON_DECODE_RESERVE = 3 << 10
 # multiprocessor or fewer (a lone warp there) took 1.03-1.06x the time of its wide blocks (B1 and B16 KV1024
 # H32:8), 16 (several waves) 1.01-1.10x (B64 H32:32).
 GLUON_DECODE_PROGRAMS_PER_SM = (1, 4)
+# Grids past that `most` whose programs read at most GLUON_DECODE_SHORT_KEYS keys each take it too, from Triton
+# GLUON_DECODE_SHORT_FROM on: at B64 KV1024 H32:32 (2048 programs) 0.984x the tl kernel's time on 3.8, 0.976x on
+# 3.9, but 1.034x on 3.6; at KV8192 1.008x (3.8).
+GLUON_DECODE_SHORT_KEYS = 1024
+GLUON_DECODE_SHORT_FROM = (3, 8)
 
 
 # ---- Hopper kernels in Gluon (hopper.py) -------------------------------------------------------

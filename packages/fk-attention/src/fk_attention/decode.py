@@ -193,7 +193,8 @@ def split_plan(b: int, hk: int, rows: int, n_k: int, head_dim: int, dtype: torch
     """The plan of a decode launch over b sequences of hk KV heads, `rows` query rows per KV head,
     n_k keys (a paged cache's table width times `page_size`; 0: dense), `slices` forced or chosen
     (`key_slices`); on the Gluon kernel where `gluon` (None: where `gluon_block` holds) and the grid's
-    programs per multiprocessor lie in `config.GLUON_DECODE_PROGRAMS_PER_SM`."""
+    programs per multiprocessor lie in `config.GLUON_DECODE_PROGRAMS_PER_SM`, or past it where each program
+    reads at most `config.GLUON_DECODE_SHORT_KEYS` keys (from Triton `GLUON_DECODE_SHORT_FROM` on)."""
     paged = page_size > 0
     m_blocks = sizing.cdiv(rows, tiles(rows, head_dim, dtype, 0, device_index).block_m)
     programs = b * hk * m_blocks
@@ -203,7 +204,10 @@ def split_plan(b: int, hk: int, rows: int, n_k: int, head_dim: int, dtype: torch
         gluon_slices = key_slices(programs, n_k, head_dim, device_index) if planned else slices
         fewest, most = config.GLUON_DECODE_PROGRAMS_PER_SM
         grid = programs * gluon_slices
-        if fewest < grid / backend.multiprocessor_count(device_index) <= most:
+        per_sm = grid / backend.multiprocessor_count(device_index)
+        short = (per_sm > most and sizing.cdiv(n_k, gluon_slices) <= config.GLUON_DECODE_SHORT_KEYS
+                 and backend.triton_at_least(config.GLUON_DECODE_SHORT_FROM))
+        if fewest < per_sm <= most or short:
             stages = gluon_stages(grid, block_n, head_dim, dtype, device_index)
             return Split(Config(DECODE_MIN_BLOCK_M, block_n, 1, stages), gluon_slices, False, 0, programs, gluon=True)
     wide = wide_blocks(rows, head_dim, dtype, programs, page_size, device_index)
