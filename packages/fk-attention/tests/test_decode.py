@@ -378,6 +378,25 @@ def test_gluon_decode_rings_fill_the_shared_memory_of_the_resident_programs(monk
     assert not decode.split_plan(16, 8, 4, 1024, 64, torch.bfloat16, 0, 0).gluon
 
 
+
+def test_gluon_decode_leaves_a_short_cache_to_the_tl_kernel_where_it_alone_would_slice_it(monkeypatch):
+    """`config.GLUON_DECODE_KEEP_UNSLICED`: on an H200, B16 H32:8 d64 over 1024 keys is one tl launch (wide blocks, no
+    slices) but four Gluon slices and their merge: the tl kernel; over 8192 keys both slice, the Gluon kernel."""
+    monkeypatch.setattr(decode.backend, "is_interpreter", lambda: False)
+    monkeypatch.setattr(decode.backend, "multiprocessor_count", lambda index=0: 132)
+    monkeypatch.setattr(decode.backend, "shared_memory_per_multiprocessor", lambda index=0: 233472)
+    monkeypatch.setattr(decode.backend, "shared_memory_per_program", lambda index=0: 232448)
+    monkeypatch.setattr(decode.backend, "device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(decode, "gluon_block", lambda *args: 64)
+    short = decode.split_plan(16, 8, 4, 1024, 64, torch.bfloat16, 0, 0)
+    assert not short.gluon and short.slices == 1
+    assert decode.split_plan(16, 8, 4, 8192, 64, torch.bfloat16, 0, 0).gluon
+    assert decode.split_plan(16, 8, 4, 1024, 64, torch.bfloat16, 0, 0, slices=4).gluon  # forced slices: no plan
+    monkeypatch.setattr(fk_config, "GLUON_DECODE_KEEP_UNSLICED", False)
+    sliced = decode.split_plan(16, 8, 4, 1024, 64, torch.bfloat16, 0, 0)
+    assert sliced.gluon and sliced.slices == 4
+
+
 def _assert_within_tl(out, tl_out, ref_out, lse, tl_lse, ref_lse) -> None:
     """Out and lse against float64 within 1.1x the tl kernel's error (rows without keys: 0 and -inf exactly)."""
     assert not out.isnan().any(), "rows past a length reached the output"

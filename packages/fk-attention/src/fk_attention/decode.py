@@ -194,12 +194,18 @@ def split_plan(b: int, hk: int, rows: int, n_k: int, head_dim: int, dtype: torch
     n_k keys (a paged cache's table width times `page_size`; 0: dense), `slices` forced or chosen
     (`key_slices`); on the Gluon kernel where `gluon` (None: where `gluon_block` holds) and the grid's
     programs per multiprocessor lie in `config.GLUON_DECODE_PROGRAMS_PER_SM`, or past it where each program
-    reads at most `config.GLUON_DECODE_SHORT_KEYS` keys (from Triton `GLUON_DECODE_SHORT_FROM` on)."""
+    reads at most `config.GLUON_DECODE_SHORT_KEYS` keys (from Triton `GLUON_DECODE_SHORT_FROM` on), but not a
+    short cache that the tl kernel reads unsliced where the Gluon kernel would slice it
+    (`config.GLUON_DECODE_KEEP_UNSLICED`)."""
     paged = page_size > 0
     m_blocks = sizing.cdiv(rows, tiles(rows, head_dim, dtype, 0, device_index).block_m)
     programs = b * hk * m_blocks
     planned = slices is None
     block_n = gluon_block(head_dim, dtype, rows, page_size, device_index)
+    wide = wide_blocks(rows, head_dim, dtype, programs, page_size, device_index)
+    if planned:
+        slices = (key_slices(programs, n_k, head_dim, device_index, WIDE_PROGRAMS, WIDE_BLOCK_N, paged) if wide
+                  else key_slices(programs, n_k, head_dim, device_index, paged=paged))
     if block_n is not None and gluon is not False:
         gluon_slices = key_slices(programs, n_k, head_dim, device_index) if planned else slices
         fewest, most = config.GLUON_DECODE_PROGRAMS_PER_SM
@@ -207,13 +213,11 @@ def split_plan(b: int, hk: int, rows: int, n_k: int, head_dim: int, dtype: torch
         per_sm = grid / backend.multiprocessor_count(device_index)
         short = (per_sm > most and sizing.cdiv(n_k, gluon_slices) <= config.GLUON_DECODE_SHORT_KEYS
                  and backend.triton_at_least(config.GLUON_DECODE_SHORT_FROM))
-        if fewest < per_sm <= most or short:
+        unsliced = (config.GLUON_DECODE_KEEP_UNSLICED and planned and slices == 1 < gluon_slices
+                    and n_k < SHORT_CACHE_KEYS)
+        if (fewest < per_sm <= most or short) and not unsliced:
             stages = gluon_stages(grid, block_n, head_dim, dtype, device_index)
             return Split(Config(DECODE_MIN_BLOCK_M, block_n, 1, stages), gluon_slices, False, 0, programs, gluon=True)
-    wide = wide_blocks(rows, head_dim, dtype, programs, page_size, device_index)
-    if planned:
-        slices = (key_slices(programs, n_k, head_dim, device_index, WIDE_PROGRAMS, WIDE_BLOCK_N, paged) if wide
-                  else key_slices(programs, n_k, head_dim, device_index, paged=paged))
     if wide:
         deep = (programs * slices <= sliced_programs(head_dim, device_index, WIDE_PROGRAMS, paged)
                 and n_k > slices * WIDE_BLOCK_N)
