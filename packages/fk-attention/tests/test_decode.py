@@ -378,7 +378,6 @@ def test_gluon_decode_rings_fill_the_shared_memory_of_the_resident_programs(monk
     assert not decode.split_plan(16, 8, 4, 1024, 64, torch.bfloat16, 0, 0).gluon
 
 
-
 def test_gluon_decode_leaves_a_short_cache_to_the_tl_kernel_where_it_alone_would_slice_it(monkeypatch):
     """`config.GLUON_DECODE_KEEP_UNSLICED`: on an H200, B16 H32:8 d64 over 1024 keys is one tl launch (wide blocks, no
     slices) but four Gluon slices and their merge: the tl kernel; over 8192 keys both slice, the Gluon kernel."""

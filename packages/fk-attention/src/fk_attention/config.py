@@ -371,7 +371,7 @@ GLUON_DECODE_SHORT_KEYS = 1024
 GLUON_DECODE_SHORT_FROM = (3, 8)
 # A cache shorter than SHORT_CACHE_KEYS that the tl kernel reads without slices keeps it where the Gluon kernel
 # would slice it (and merge the slices in a second launch): B16 KV1024 H32:8 d64, 4 slices, took 1.03x the tl
-# kernel's time on 3.8, 1.02x on 3.6.
+# kernel's time on 3.8, 1.01x on 3.6.
 GLUON_DECODE_KEEP_UNSLICED = True
 
 
