@@ -683,6 +683,49 @@ def test_hopper_5_matmul_backward_matches_the_tl_kernels_and_float64(monkeypatch
         assert torch.equal(a, b) and torch.equal(a, c), name
 
 
+def test_causal_grids_take_sections_of_heads_that_fit_the_l2_budget(monkeypatch):
+    """`hopper.l2_section`: the heads whose reads fit `config.GLUON_BWD_CAUSAL_L2_BYTES`, at least one, at
+    most all; the backward's (`hopper_backward.causal_section`): KV heads, their query heads' Q, dO (and
+    fp32 dQ sum); a budget of 0: one (head by head)."""
+    monkeypatch.setattr(fk_config, "GLUON_BWD_CAUSAL_L2_BYTES", 32 << 20)
+    section = hopper_backward.causal_section
+    assert section(64, 1, 4096, 128, 2, True) == 8  # 4 MiB a head: 4096 rows x 128 x (2 + 2 + 4) bytes
+    assert section(64, 1, 4096, 128, 2, False) == 16
+    assert section(16, 4, 4096, 128, 2, True) == 2  # a KV head's 4 query heads
+    assert section(64, 1, 4096, 64, 4, False) == 16
+    assert section(4, 1, 1024, 128, 2, True) == 4  # all there are
+    assert section(64, 1, 65536, 128, 2, True) == 1
+    monkeypatch.setattr(fk_config, "GLUON_BWD_CAUSAL_L2_BYTES", 0)
+    assert section(64, 1, 1024, 128, 2, True) == 1
+
+
+@ON_GLUON_HOPPER
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.skipif(
+    hopper_backward.tma_reduce_add is None, reason="TMA reduce-adds: Triton >= 3.8"))], ids=["pair", "5-matmul"])
+@pytest.mark.parametrize("mask", [fk_mask.CAUSAL, fk_mask.Mask(right=0, lower_right=True)], ids=str)
+def test_causal_backward_in_sections_of_heads_matches_the_tl_kernels_and_float64(monkeypatch, switch, fused, mask):
+    """A causal backward whose programs go in sections of KV heads, the last one shorter (2, 2, 1 of 5
+    heads for the 5-matmul backward, 4 and 1 for the pair's dK/dV): dQ, dK, dV against float64 within
+    the tl kernels' error."""
+    shape = (1, 5, 5, 700, 900, 128)
+    switch("GLUON_FUSED_DQ", fused)
+    switch("GLUON_BWD_CAUSAL_L2_BYTES", 2 * 700 * 128 * 8 + 1)
+    assert hopper_backward.causal_section(5, 1, 700, 128, 2, fused) == (2 if fused else 4)
+    ran = _hopper_launches(monkeypatch, "bind_backward" if fused else "bind_dkdv")
+    q, k, v = make(shape, torch.bfloat16, requires_grad=False)
+    scale = 1 / math.sqrt(shape[-1])
+    out, lse = plan.forward(q, k, v, mask, scale)
+    grad_out = testing.randn(out.shape, torch.bfloat16)
+    grads = plan.backward(grad_out, None, q, k, v, out, lse, mask, scale)
+    assert len(ran) == 1
+    configs = tuple(fk_config.default_config(kind, shape[-1], torch.bfloat16, True)
+                    for kind in (fk_config.Kind.DQ, fk_config.Kind.DKDV))
+    tl_grads = plan.backward(grad_out, None, q, k, v, out, lse, mask, scale, configs=configs)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    wants = torch.autograd.grad(_masked_reference(q64, k64, v64, mask, scale), (q64, k64, v64), grad_out.double())
+    _assert_backward_close("sections", grads, tl_grads, wants, (q, k, v))
+
+
 def test_backward_prep_kernel_writes_the_row_terms_and_clears_the_dq_sum():
     """The 5-matmul backward's prep (`kernels.attn_bwd_prep_kernel`, any Triton, the interpreter
     too): delta = rowsum(dO * O) - dlse and the base-2 lse (+inf where no key was seen) against

@@ -78,7 +78,7 @@ def fused_backward(d: int, causal: bool, **builds):
     dq = Descriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, fk_config.GLUON_Q_ROWS, d // 2],
                     layout=hopper.shared_layout(fk_config.GLUON_Q_ROWS, d // 2, torch.float32)).real()
     return hopper_backward.attn_bwd_hopper_kernel.warmup(
-        *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, 0, CAUSAL=causal, HEAD_DIM=d,
+        *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, 0, 2, CAUSAL=causal, HEAD_DIM=d,
         CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS, PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
         num_warps=4, grid=(1,), **{**hopper_backward.fused_builds(d), **builds})
 
@@ -92,7 +92,7 @@ def role_dkdv(d: int, causal: bool):
     half = torch.empty(B, H, N, d // 2, dtype=torch.bfloat16)
     tiles += [descriptor(half, fk_config.GLUON_KEYS)] * 2
     return hopper_backward.attn_bwd_dkdv_roles_hopper_kernel.warmup(
-        *tiles, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1, 0, CAUSAL=causal, HEAD_DIM=d,
+        *tiles, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1, 0, 2, CAUSAL=causal, HEAD_DIM=d,
         STAGES=fk_config.GLUON_BWD_STAGES, CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS,
         PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
 
@@ -159,7 +159,7 @@ def main() -> None:
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]
         dkdv = hopper_backward.attn_bwd_dkdv_hopper_kernel.warmup(
-            *bwd, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1, 0, CAUSAL=causal,
+            *bwd, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1, 0, 2, CAUSAL=causal,
             STAGES=fk_config.GLUON_BWD_STAGES, **common)
         kernels = [(f"dK/dV d{D}", dkdv)] + [(f"dK/dV roles d{d}", role_dkdv(d, causal))
                                               for d in fk_config.GLUON_ROLE_HEAD_DIMS]

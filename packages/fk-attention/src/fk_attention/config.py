@@ -448,6 +448,11 @@ GLUON_FUSED_HEAD_DIMS = (64, 128)
 # d128 1.65-1.99x (the second block's scores spill). TUNING.md: Steps ahead.
 GLUON_BWD_AHEAD_HEAD_DIMS = (64,)
 GLUON_BWD_AHEAD_STAGES = 4
+# Causal backward programs (any of the kernels) go key block by key block, the longest first, over sections of KV
+# heads whose query heads' Q, dO and dQ sum fit this many bytes of L2 (`hopper_backward.causal_section`), so that
+# the last wave holds the shortest programs: 0.2-4.8% less time than head by head (0); 64 MiB took more
+# (TUNING.md: Causal backward in sections of heads).
+GLUON_BWD_CAUSAL_L2_BYTES = 32 << 20
 # Rows per program of the tl kernel that writes its row terms and clears the dQ buffer.
 PREP_ROWS = 64
 

@@ -86,14 +86,24 @@ if gluon is not None:
             tma_load(do_desc, [b, h, m0, 0], bar, do_smem.index(stage))
 
     @gluon.jit
-    def _key_program(n_q, n_k, n_heads_k, shift, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
+    def _key_program(n_q, n_k, n_heads_k, shift, section, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
                      PROGRAM_KEYS: gl.constexpr):
         """A backward program over PROGRAM_KEYS keys: (batch, KV head, its first key, the query blocks, the
-        first of them that sees a key: row i sees key j when j <= i + shift under CAUSAL)."""
+        first of them that sees a key: row i sees key j when j <= i + shift under CAUSAL). Programs go
+        head by head; under CAUSAL in sections of `section` heads (`causal_section`), key block by key
+        block: the longest programs (the first key blocks) first."""
         n_key_blocks = gl.cdiv(n_k, PROGRAM_KEYS)
         pid = gl.program_id(0)
-        bhk = pid // n_key_blocks
-        start_n = (pid % n_key_blocks) * PROGRAM_KEYS
+        if CAUSAL:
+            span = section * n_key_blocks
+            first = pid // span * section
+            heads = gl.minimum(section, gl.num_programs(0) // n_key_blocks - first)  # fewer in the last section
+            bhk = first + pid % span % heads
+            key_block = pid % span // heads
+        else:
+            bhk = pid // n_key_blocks
+            key_block = pid % n_key_blocks
+        start_n = key_block * PROGRAM_KEYS
         b = bhk // n_heads_k
         hk = bhk % n_heads_k
         n_blocks = gl.cdiv(n_q, Q_ROWS)
@@ -241,9 +251,9 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=2)
         return kv_bar, ready, empty
 
-    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift"])
+    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "section"])
     def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc,
-                                    qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift,
+                                    qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, section,
                                     CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                     CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
         """dK and dV of 2 x KEYS keys of one KV head, summed over its group's query heads, as
@@ -251,7 +261,8 @@ if gluon is not None:
         wrote, through `lse2_desc` and `delta_desc`); deterministic."""
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
-        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, 2 * KEYS)
+        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, section, CAUSAL, Q_ROWS,
+                                                             2 * KEYS)
         q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem = _key_program_buffers(q_desc, do_desc, lse2_desc,
                                                                                       delta_desc, k_desc, v_desc, STAGES, 2)
         kv_bar, ready, empty = _key_program_barriers(STAGES)
@@ -349,9 +360,9 @@ if gluon is not None:
         tma_store(dv_desc, [b, hk, start_n, ROLE * COLS], halves.index(1))
         store_wait(0)
 
-    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift"])
+    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "section"])
     def attn_bwd_dkdv_roles_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc,
-                                          qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift,
+                                          qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, section,
                                           CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                           CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
         """`attn_bwd_dkdv_hopper_kernel` for head dims where one warpgroup cannot hold dK and dV of its keys
@@ -360,7 +371,7 @@ if gluon is not None:
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
-        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, KEYS)
+        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, section, CAUSAL, Q_ROWS, KEYS)
         q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem = _key_program_buffers(q_desc, do_desc, lse2_desc,
                                                                                       delta_desc, k_desc, v_desc, STAGES, 1)
         pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, Q_ROWS], gl.float32)
@@ -530,9 +541,9 @@ if gluon is not None:
                 _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, h, m0, step, sm_scale, HALF, DQ_COLS, STAGES)
         _store_dkdv(dk_desc, dv_desc, k, v, k_tile, v_tile, dk * sm_scale, dv, b, hk, start_n, HALF, KEYS)
 
-    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift"])
+    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "section"])
     def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc, dq_desc,
-                               qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift,
+                               qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, section,
                                CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                AHEAD: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
                                PRODUCER_REGISTERS: gl.constexpr):
@@ -543,7 +554,8 @@ if gluon is not None:
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
-        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, CAUSAL, Q_ROWS, 2 * KEYS)
+        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, section, CAUSAL, Q_ROWS,
+                                                             2 * KEYS)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, Q_ROWS], dtype)
         q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem = _key_program_buffers(q_desc, do_desc, lse2_desc,
                                                                                       delta_desc, k_desc, v_desc, STAGES, 2)
@@ -596,13 +608,21 @@ def bind_dkdv(q, k, v, grad_out, dk, dv, scratch_strides: tuple[int, int], mask:
     return run
 
 
+def causal_section(heads: int, group: int, n_q: int, padded: int, itemsize: int, dq_sum: bool) -> int:
+    """KV heads (of `heads`, batch x KV heads) whose causal backward programs go key block by key block
+    (`_key_program`): as many as fit their query heads' Q and dO (and fp32 dQ sum) in
+    `config.GLUON_BWD_CAUSAL_L2_BYTES`, at least one (one: head by head)."""
+    return max(1, min(heads, config.GLUON_BWD_CAUSAL_L2_BYTES // (group * n_q * padded * (2 * itemsize + 4 * dq_sum))))
+
+
 def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, sm_scale: float, kv_layout,
-                builds: dict | None = None, roles: bool = False):
+                builds: dict | None = None, roles: bool = False, dq_sum: bool = False):
     """(launch, descriptors) of a backward kernel over keys (the dK/dV kernels, the 5-matmul one): its
     grid, arguments and tiles (K, V, dK, dV in `kv_layout` where given; constexprs in `builds` over the
     defaults; `roles`: the role-split kernel's, GLUON_KEYS keys a program and dK, dV in halves of the
-    head dim), and descriptors(q, k, v, grad_out, dk, dv, lse2, delta) giving their per-call TMA
-    descriptors (the row terms: (B, H, padded rows), boxes of a Q block's rows)."""
+    head dim; `dq_sum`: it adds dQ into an fp32 sum), and descriptors(q, k, v, grad_out, dk, dv, lse2,
+    delta) giving their per-call TMA descriptors (the row terms: (B, H, padded rows), boxes of a Q
+    block's rows)."""
     q, k = tensors[:2]
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
@@ -614,7 +634,8 @@ def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, s
         layouts[4:] = hopper.tile_descriptors(tensors[4:], rows[4:], padded // 2, q.dtype)
     program_keys = GLUON_KEYS if roles else 2 * GLUON_KEYS
     launch = Launch(kernel, (sizing.cdiv(n_k, program_keys) * b * hk,),
-                    (sm_scale * hopper.LOG2E, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q)),
+                    (sm_scale * hopper.LOG2E, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q),
+                     causal_section(b * hk, hq // hk, n_q, padded, q.dtype.itemsize, dq_sum)),
                     {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": GLUON_BWD_STAGES,
                      "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "num_warps": 4, **(builds or {})}, q.device)
@@ -642,7 +663,7 @@ def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[i
                   {"HAS_DLSE": has_dlse, "HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_M": PREP_ROWS,
                    "num_warps": 4}, q.device)
     launch, descriptors = _bwd_launch(attn_bwd_hopper_kernel, (q, k, v, grad_out, dk, dv), scratch_strides,
-                                      mask, sm_scale, fused_kv_layout(padded, q.dtype), fused_builds(d))
+                                      mask, sm_scale, fused_kv_layout(padded, q.dtype), fused_builds(d), dq_sum=True)
     dq_shape = [b, hq, n_q, padded]
     # each consumer adds its half of the head dim
     dq_layout = (dq_shape, [hq * n_q * padded, n_q * padded, padded, 1], [1, 1, GLUON_Q_ROWS, padded // 2],
