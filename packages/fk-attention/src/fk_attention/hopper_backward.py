@@ -539,6 +539,9 @@ if gluon is not None:
                 dq = _issue_dq(ds_smem, ds_full, k_lo, k_hi, dq_zero, step)
                 dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op])
                 _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, h, m0, step, sm_scale, HALF, DQ_COLS, STAGES)
+        last = group * per_head - 1
+        if last >= 0:  # dK leaves through this K tile: the other warpgroup's last dQ matmul has read it
+            mbarrier.wait(ds_free.index(last % 2), (last // 2) & 1)
         _store_dkdv(dk_desc, dv_desc, k, v, k_tile, v_tile, dk * sm_scale, dv, b, hk, start_n, HALF, KEYS)
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "section"])
