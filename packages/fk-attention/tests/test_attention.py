@@ -683,10 +683,9 @@ def test_hopper_5_matmul_backward_matches_the_tl_kernels_and_float64(monkeypatch
         assert torch.equal(a, b) and torch.equal(a, c), name
 
 
-def test_causal_grids_take_sections_of_heads_that_fit_the_l2_budget(monkeypatch):
-    """`hopper.l2_section`: the heads whose reads fit `config.GLUON_BWD_CAUSAL_L2_BYTES`, at least one, at
-    most all; the backward's (`hopper_backward.causal_section`): KV heads, their query heads' Q, dO (and
-    fp32 dQ sum); a budget of 0: one (head by head)."""
+def test_causal_backward_sections_of_heads_fit_the_l2_budget(monkeypatch):
+    """`hopper_backward.causal_section`: the KV heads whose query heads' Q, dO (and fp32 dQ sum) fit
+    `config.GLUON_BWD_CAUSAL_L2_BYTES`, at least one, at most all; a budget of 0: one (head by head)."""
     monkeypatch.setattr(fk_config, "GLUON_BWD_CAUSAL_L2_BYTES", 32 << 20)
     section = hopper_backward.causal_section
     assert section(64, 1, 4096, 128, 2, True) == 8  # 4 MiB a head: 4096 rows x 128 x (2 + 2 + 4) bytes
