@@ -366,9 +366,7 @@ def _bind_gluon(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, group
     b, hq, n_q, d = q.shape
     block_n = split.tile.block_n
     builds, (qk_scale, cap_scale, left, right) = hopper.forward_mask_args(mask, sm_scale)
-    # each tensor's Descriptor fields after its base, built once
-    k_tile, v_tile = ((shape, strides, block, "zero", layout) for shape, strides, block, layout in
-                      hopper.tile_descriptors((k, v), (block_n, block_n), padded_head_dim(d), k.dtype))
+    k_tile, v_tile = hopper.tile_descriptors((k, v), (block_n, block_n), padded_head_dim(d), k.dtype)
     launch = Launch(decode_hopper.attn_decode_tma_kernel, (split.programs * split.slices,),
                     (qk_scale, cap_scale, n_q, k.shape[2], cache.n_new if cache else 0, k.shape[1], group,
                      int(mask.lower_right), left, right, split.slices, part_numel, *q.stride(),

@@ -494,10 +494,11 @@ def shared_layout(rows: int, cols: int, dtype: torch.dtype):
 
 
 def tile_descriptors(tensors, rows, padded: int, dtype: torch.dtype, layouts=None) -> list:
-    """(shape, strides, block, layout) of each tensor's TMA descriptor, tiles of `rows` rows, in
-    `layouts` where given (else the default for the tile)."""
+    """Each tensor's TMA descriptor fields after its base, (shape, strides, block, padding, layout), built once
+    a plan for `Descriptor(base, *fields)` a call: tiles of `rows` rows, zero padding, in `layouts` where
+    given (else the default for the tile)."""
     layouts = layouts or [None] * len(tensors)
-    return [(list(t.shape), descriptor_strides(t), [1, 1, r, padded], layout or shared_layout(r, padded, dtype))
+    return [(list(t.shape), descriptor_strides(t), [1, 1, r, padded], "zero", layout or shared_layout(r, padded, dtype))
             for t, r, layout in zip(tensors, rows, layouts, strict=True)]
 
 
@@ -511,10 +512,8 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
     padded = padded_head_dim(d)
     builds, (qk_scale, cap_scale, left, right) = forward_mask_args(mask, sm_scale)
     block_n, stages, consumers = forward_tiles(d, builds["SEEN"], n_q)
-    # each tensor's Descriptor fields after its base, built once
-    q_tile, k_tile, v_tile, o_tile = ((shape, strides, block, "zero", layout) for shape, strides, block, layout in
-                                      tile_descriptors((q, k, v, out), (GLUON_ROWS, block_n, block_n, GLUON_ROWS),
-                                                       padded, q.dtype))
+    q_tile, k_tile, v_tile, o_tile = tile_descriptors((q, k, v, out), (GLUON_ROWS, block_n, block_n, GLUON_ROWS),
+                                                      padded, q.dtype)
     n_blocks = sizing.cdiv(n_q, consumers * GLUON_ROWS)
     n_tiles = n_blocks * b * hq
     persistent = persistent_grid(builds["SEEN"], padded, n_q)

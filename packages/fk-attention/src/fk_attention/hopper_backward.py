@@ -642,11 +642,10 @@ def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, s
                     {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": GLUON_BWD_STAGES,
                      "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "num_warps": 4, **(builds or {})}, q.device)
-    layouts += [([b, hq, scratch_strides[1]], [*scratch_strides, 1], [1, 1, GLUON_Q_ROWS], STATS_LAYOUT)] * 2
+    layouts += [([b, hq, scratch_strides[1]], [*scratch_strides, 1], [1, 1, GLUON_Q_ROWS], "zero", STATS_LAYOUT)] * 2
 
     def descriptors(*tensors):
-        return (Descriptor(t, shape, strides, block, layout=layout)
-                for t, (shape, strides, block, layout) in zip(tensors, layouts, strict=True))
+        return (Descriptor(t, *fields) for t, fields in zip(tensors, layouts, strict=True))
 
     return launch, descriptors
 
@@ -669,7 +668,7 @@ def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[i
                                       mask, sm_scale, fused_kv_layout(padded, q.dtype), fused_builds(d), dq_sum=True)
     dq_shape = [b, hq, n_q, padded]
     # each consumer adds its half of the head dim
-    dq_layout = (dq_shape, [hq * n_q * padded, n_q * padded, padded, 1], [1, 1, GLUON_Q_ROWS, padded // 2],
+    dq_layout = (dq_shape, [hq * n_q * padded, n_q * padded, padded, 1], [1, 1, GLUON_Q_ROWS, padded // 2], "zero",
                  hopper.shared_layout(GLUON_Q_ROWS, padded // 2, torch.float32))
     fp32 = torch.empty(0, dtype=torch.float32, device=q.device)
 
@@ -677,7 +676,7 @@ def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[i
         dq_sum = alloc.new_empty(fp32, dq_shape)
         prep(out, grad_out, lse, dlse, delta, lse2, dq_sum)
         launch(*descriptors(q, k, v, grad_out, dk, dv, lse2, delta),
-               Descriptor(dq_sum, *dq_layout[:3], layout=dq_layout[3]))
+               Descriptor(dq_sum, *dq_layout))
         dq.copy_(dq_sum[..., :d])
 
     return run
