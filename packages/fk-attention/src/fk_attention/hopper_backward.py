@@ -139,26 +139,29 @@ if gluon is not None:
         return q, do, st, dpt
 
     @gluon.jit
-    def _row_terms(lse2_smem, delta_smem, stage, s_zero, Q_ROWS: gl.constexpr):
-        """The block's rows' base-2 log-sum-exp and delta, as row vectors of S^T's layout."""
+    def _row_term(smem, stage, s_zero, Q_ROWS: gl.constexpr):
+        """One of the block's row terms (base-2 log-sum-exp or delta), a row vector of S^T's layout."""
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        row_terms: gl.constexpr = gl.SliceLayout(0, s_zero.type.layout)
-        lse2 = reinterpret(lse2_smem.index(stage), gl.float32, [Q_ROWS], flat).load(row_terms)
-        delta = reinterpret(delta_smem.index(stage), gl.float32, [Q_ROWS], flat).load(row_terms)
-        return lse2, delta
+        return reinterpret(smem.index(stage), gl.float32, [Q_ROWS], flat).load(gl.SliceLayout(0, s_zero.type.layout))
 
     @gluon.jit
-    def _probs(st, lse2, keys, rows, m0, full_from, shift, qk_scale, CAUSAL: gl.constexpr):
-        """P^T from a finished S^T and the saved base-2 log-sum-exp (causal: masked on blocks before
-        full_from)."""
+    def _row_terms(lse2_smem, delta_smem, stage, s_zero, Q_ROWS: gl.constexpr):
+        """The block's rows' base-2 log-sum-exp and delta, as row vectors of S^T's layout."""
+        return _row_term(lse2_smem, stage, s_zero, Q_ROWS), _row_term(delta_smem, stage, s_zero, Q_ROWS)
+
+    @gluon.jit
+    def _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL: gl.constexpr):
+        """P^T from a finished S^T of the query rows from m0 and the saved base-2 log-sum-exp (causal: masked
+        on blocks before full_from)."""
         zt = st * qk_scale - gl.expand_dims(lse2, 0)
         if CAUSAL:
-            if m0 < full_from:
+            if m0 < full_from:  # the rows' indices made where masked, not held across the loop
+                rows = m0 + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, st.type.layout))
                 zt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + shift, zt, -float("inf"))
         return gl.exp2(zt)
 
     @gluon.jit
-    def _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, rows, m0, full_from, shift, qk_scale,
+    def _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0, full_from, shift, qk_scale,
                   stage, step, s_zero, dv, op_layout: gl.constexpr, tile_2d: gl.constexpr, CAUSAL: gl.constexpr,
                   Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
         """One (Q, dO) block of a backward consumer over keys (transposed, keys as rows): S^T = K Q^T
@@ -167,12 +170,19 @@ if gluon is not None:
         dtype: gl.constexpr = q_smem.dtype
         q, do, st, dpt = _issue_scores(k, v, q_smem, do_smem, ready, stage, step, s_zero, tile_2d, Q_ROWS, HEAD_DIM,
                                        STAGES)
-        lse2, delta = _row_terms(lse2_smem, delta_smem, stage, s_zero, Q_ROWS)
+        # the row terms read under the matmuls where causal, after each one's wait where full (TUNING.md: When the
+        # backward reads its row terms)
+        if CAUSAL:
+            lse2, delta = _row_terms(lse2_smem, delta_smem, stage, s_zero, Q_ROWS)
         st = warpgroup_mma_wait(1, deps=[st])
-        pt = _probs(st, lse2, keys, rows, m0, full_from, shift, qk_scale, CAUSAL)
+        if not CAUSAL:
+            lse2 = _row_term(lse2_smem, stage, s_zero, Q_ROWS)
+        pt = _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL)
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         dv = warpgroup_mma(pt_op, do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt])
+        if not CAUSAL:
+            delta = _row_term(delta_smem, stage, s_zero, Q_ROWS)
         return q, dv, pt_op, pt * (dpt - gl.expand_dims(delta, 0))
 
     @gluon.jit
@@ -186,11 +196,10 @@ if gluon is not None:
         k = reinterpret(k_tile, dtype, [KEYS, HEAD_DIM], kv_2d)
         v = reinterpret(v_tile, dtype, [KEYS, HEAD_DIM], kv_2d)
         keys = start_n + HALF * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-        cols = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([KEYS, Q_ROWS], gl.float32, s_layout)
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
-        return k_tile, v_tile, k, v, keys, cols, s_zero, dk, dv
+        return k_tile, v_tile, k, v, keys, s_zero, dk, dv
 
     @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, kv_bar, ready,
@@ -206,7 +215,7 @@ if gluon is not None:
         dtype: gl.constexpr = q_smem.dtype
         tile_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], dtype)
         kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_DIM], dtype)
-        k_tile, v_tile, k, v, keys, cols, s_zero, dk, dv = _key_tiles(k_smem, v_smem, start_n, kv_2d, s_layout,
+        k_tile, v_tile, k, v, keys, s_zero, dk, dv = _key_tiles(k_smem, v_smem, start_n, kv_2d, s_layout,
                                                                       acc_layout, HALF, KEYS, Q_ROWS, HEAD_DIM)
         # Row blocks from here on see every key of the program: no mask.
         full_from = start_n + 2 * KEYS - shift
@@ -215,7 +224,7 @@ if gluon is not None:
         for step in range(group * per_head):
             stage = step % STAGES
             m0 = (first_block + step % per_head) * Q_ROWS
-            q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0 + cols, m0,
+            q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0,
                                           full_from, shift, qk_scale, stage, step, s_zero, dv, op_layout, tile_2d,
                                           CAUSAL, Q_ROWS, HEAD_DIM, STAGES)
             ds_op = gl.convert_layout(dst.to(dtype), op_layout)
@@ -305,7 +314,6 @@ if gluon is not None:
             own = v_smem.index(0)
         kv = reinterpret(own, dtype, [KEYS, HEAD_DIM], kv_2d)
         keys = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-        cols = gl.arange(0, Q_ROWS, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([KEYS, Q_ROWS], gl.float32, s_layout)
         dk = gl.zeros([KEYS, COLS], gl.float32, acc_layout)
         dv = gl.zeros([KEYS, COLS], gl.float32, acc_layout)
@@ -324,7 +332,7 @@ if gluon is not None:
             if ROLE == 0:
                 st = warpgroup_mma(kv, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 st = warpgroup_mma_wait(0, deps=[st])
-                pt = _probs(st, lse2, keys, m0 + cols, m0, full_from, shift, qk_scale, CAUSAL)
+                pt = _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL)
                 mbarrier.wait(pt_free, (step & 1) ^ 1, pred=step >= 1)  # the other has read the last one
                 pt_smem.store(pt)
                 mbarrier.arrive(pt_full, count=1)
@@ -436,7 +444,7 @@ if gluon is not None:
 
     @gluon.jit
     def _steps_ahead(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile, dq_desc,
-                     ready, empty, ds_full, ds_free, keys, cols, s_zero, dq_zero, dk, dv, qk_scale, sm_scale, shift,
+                     ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale, sm_scale, shift,
                      full_from, b, hk, group, first_block, per_head, op_layout: gl.constexpr, tile_2d: gl.constexpr,
                      HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                      DQ_COLS: gl.constexpr, STAGES: gl.constexpr):
@@ -453,7 +461,7 @@ if gluon is not None:
                                           STAGES)
             lse2, delta = _row_terms(lse2_smem, delta_smem, 0, s_zero, Q_ROWS)
             st = warpgroup_mma_wait(1, deps=[st])
-            pt = _probs(st, lse2, keys, m0 + cols, m0, full_from, shift, qk_scale, CAUSAL)
+            pt = _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL)
             dpt = warpgroup_mma_wait(0, deps=[dpt])
             _store_ds((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype), ds_smem, ds_full, ds_free, 0, HALF)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -471,7 +479,7 @@ if gluon is not None:
                 dq = _issue_dq(ds_smem, ds_full, k_lo, k_hi, dq_zero, step)
                 lse2, delta = _row_terms(lse2_smem, delta_smem, ahead % STAGES, s_zero, Q_ROWS)
                 st = warpgroup_mma_wait(5, deps=[st])  # S^T ahead done; dP^T ahead, dV, dK, dQ still run
-                pt = _probs(st, lse2, keys, m_ahead + cols, m_ahead, full_from, shift, qk_scale, CAUSAL)
+                pt = _probs(st, lse2, keys, m_ahead, full_from, shift, qk_scale, CAUSAL)
                 dpt = warpgroup_mma_wait(4, deps=[dpt])
                 ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
                 dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op])
@@ -510,7 +518,7 @@ if gluon is not None:
         kv_2d: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=k_smem.layout.swizzle_byte_width,
                                                    element_bitwidth=k_smem.layout.element_bitwidth)
         dq_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, DQ_COLS], gl.float32)
-        k_tile, v_tile, k, v, keys, cols, s_zero, dk, dv = _key_tiles(k_smem, v_smem, start_n, kv_2d, s_layout,
+        k_tile, v_tile, k, v, keys, s_zero, dk, dv = _key_tiles(k_smem, v_smem, start_n, kv_2d, s_layout,
                                                                       acc_layout, HALF, KEYS, Q_ROWS, HEAD_DIM)
         # this warpgroup's half of the head dim of both key halves: dQ's B operands
         k_lo = reinterpret(k_smem.index(0), dtype, [KEYS, HEAD_DIM], kv_2d).slice(HALF * DQ_COLS, DQ_COLS, dim=1)
@@ -523,7 +531,7 @@ if gluon is not None:
         mbarrier.wait(kv_bar, 0)
         if AHEAD:
             dk, dv = _steps_ahead(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile,
-                                  dq_desc, ready, empty, ds_full, ds_free, keys, cols, s_zero, dq_zero, dk, dv, qk_scale,
+                                  dq_desc, ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale,
                                   sm_scale, shift, full_from, b, hk, group, first_block, per_head, op_layout, tile_2d,
                                   HALF, CAUSAL, Q_ROWS, HEAD_DIM, DQ_COLS, STAGES)
         else:
@@ -531,7 +539,7 @@ if gluon is not None:
                 stage = step % STAGES
                 h = hk * group + step // per_head
                 m0 = (first_block + step % per_head) * Q_ROWS
-                q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0 + cols,
+                q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys,
                                               m0, full_from, shift, qk_scale, stage, step, s_zero, dv, op_layout,
                                               tile_2d, CAUSAL, Q_ROWS, HEAD_DIM, STAGES)
                 ds_t = _store_ds(dst.to(dtype), ds_smem, ds_full, ds_free, step, HALF)
