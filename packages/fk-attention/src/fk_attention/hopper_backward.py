@@ -216,7 +216,7 @@ if gluon is not None:
         tile_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, HEAD_DIM], dtype)
         kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_DIM], dtype)
         k_tile, v_tile, k, v, keys, s_zero, dk, dv = _key_tiles(k_smem, v_smem, start_n, kv_2d, s_layout,
-                                                                      acc_layout, HALF, KEYS, Q_ROWS, HEAD_DIM)
+                                                                acc_layout, HALF, KEYS, Q_ROWS, HEAD_DIM)
         # Row blocks from here on see every key of the program: no mask.
         full_from = start_n + 2 * KEYS - shift
         per_head = n_blocks - first_block
@@ -519,7 +519,7 @@ if gluon is not None:
                                                    element_bitwidth=k_smem.layout.element_bitwidth)
         dq_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, DQ_COLS], gl.float32)
         k_tile, v_tile, k, v, keys, s_zero, dk, dv = _key_tiles(k_smem, v_smem, start_n, kv_2d, s_layout,
-                                                                      acc_layout, HALF, KEYS, Q_ROWS, HEAD_DIM)
+                                                                acc_layout, HALF, KEYS, Q_ROWS, HEAD_DIM)
         # this warpgroup's half of the head dim of both key halves: dQ's B operands
         k_lo = reinterpret(k_smem.index(0), dtype, [KEYS, HEAD_DIM], kv_2d).slice(HALF * DQ_COLS, DQ_COLS, dim=1)
         k_hi = reinterpret(k_smem.index(1), dtype, [KEYS, HEAD_DIM], kv_2d).slice(HALF * DQ_COLS, DQ_COLS, dim=1)
