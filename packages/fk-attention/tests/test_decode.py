@@ -344,19 +344,11 @@ def test_gluon_decode_matches_float64_and_the_tl_kernel(monkeypatch, case, dtype
         _assert_within_tl(sliced, tl_out[i:i + 1], ref_out, sliced_lse, tl_lse[i:i + 1], ref_lse)
 
 
-def _on_an_h200(monkeypatch) -> None:
-    """Plans as on an H200: 132 multiprocessors, 228 KiB of shared memory each (227 a program), its decode grids."""
-    monkeypatch.setattr(decode.backend, "multiprocessor_count", lambda index=0: 132)
-    monkeypatch.setattr(decode.backend, "shared_memory_per_multiprocessor", lambda index=0: 233472)
-    monkeypatch.setattr(decode.backend, "shared_memory_per_program", lambda index=0: 232448)
-    monkeypatch.setattr(decode.backend, "device_name", lambda index=0: "NVIDIA H200")
-
-
-def test_gluon_decode_rings_fill_the_shared_memory_of_the_resident_programs(monkeypatch):
+def test_gluon_decode_rings_fill_the_shared_memory_of_the_resident_programs(monkeypatch, hopper_card):
     """`decode.gluon_stages`: the stages that the programs a multiprocessor holds fit in its shared
     memory, within `config.GLUON_DECODE_STAGES`; and a Gluon plan keeps the usual slices (not the tl
     kernel's wide-block ones), on grids of GLUON_DECODE_PROGRAMS_PER_SM programs a multiprocessor."""
-    _on_an_h200(monkeypatch)
+    hopper_card("NVIDIA H200")
     monkeypatch.setattr(fk_config, "GLUON_DECODE_STAGES", (2, 4))
     stages = {grid: decode.gluon_stages(grid, 64, 64, torch.bfloat16, 0) for grid in (8, 132, 396, 397, 512, 2048)}
     assert stages == {8: 4, 132: 4, 396: 4, 397: 2, 512: 2, 2048: 2}
@@ -384,10 +376,10 @@ def test_gluon_decode_rings_fill_the_shared_memory_of_the_resident_programs(monk
     assert not decode.split_plan(16, 8, 4, 1024, 64, torch.bfloat16, 0, 0).gluon
 
 
-def test_gluon_decode_leaves_a_short_cache_to_the_tl_kernel_where_it_alone_would_slice_it(monkeypatch):
+def test_gluon_decode_leaves_a_short_cache_to_the_tl_kernel_where_it_alone_would_slice_it(hopper_card, monkeypatch):
     """`config.GLUON_DECODE_KEEP_UNSLICED`: on an H200, B16 H32:8 d64 over 1024 keys is one tl launch (wide blocks, no
     slices) but four Gluon slices and their merge: the tl kernel; over 8192 keys both slice, the Gluon kernel."""
-    _on_an_h200(monkeypatch)
+    hopper_card("NVIDIA H200")
     monkeypatch.setattr(decode.backend, "is_interpreter", lambda: False)
     monkeypatch.setattr(decode, "gluon_block", lambda *args: 64)
     short = decode.split_plan(16, 8, 4, 1024, 64, torch.bfloat16, 0, 0)

@@ -232,7 +232,8 @@ DECODE_WARMUP_STEPS_GLUON = {"NVIDIA H100 80GB HBM3": {(0, 64): 7}, "NVIDIA H200
 @pytest.mark.parametrize("card", list(DECODE_WARMUP_STEPS))
 @pytest.mark.parametrize("page_size,head_dim,gluon", [(0, 128, False), (0, 64, False), (64, 128, False),
                                                       (256, 128, False), (16, 64, False), (0, 64, True)], ids=str)
-def test_decode_warmup_reaches_every_variant_of_its_range(monkeypatch, page_size, head_dim, card, gluon):
+def test_decode_warmup_reaches_every_variant_of_its_range(monkeypatch, hopper_card, page_size, head_dim, card,
+                                                          gluon):
     """On an H100 or H200 (132 SMs, 227 KiB of shared memory a program; the H200 takes its own
     decode grids), a decode step of every batch of 1..64 sequences on a dense cache of 32K rows,
     or on tables up to 32K keys of a paged one, picks a compiled variant that one of warmup's
@@ -240,12 +241,9 @@ def test_decode_warmup_reaches_every_variant_of_its_range(monkeypatch, page_size
     from fk_attention import config, decode
 
     monkeypatch.setattr(decode.backend, "is_interpreter", lambda: False)
-    monkeypatch.setattr(decode.backend, "multiprocessor_count", lambda index=0: 132)
-    monkeypatch.setattr(decode.backend, "shared_memory_per_program", lambda index=0: 232448)
-    monkeypatch.setattr(decode.backend, "device_name", lambda index=0: card)
+    hopper_card(card)
     if gluon:  # the Gluon kernel's plans (Hopper, its Triton): dense d64 only
         monkeypatch.setattr(decode, "gluon_block", lambda *args: 64)
-        monkeypatch.setattr(decode.backend, "shared_memory_per_multiprocessor", lambda index=0: 233472)
     else:
         monkeypatch.setattr(config, "GLUON_DECODE_TILES", ())
     dtype, rows = torch.bfloat16, 32768
