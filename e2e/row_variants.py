@@ -2,9 +2,11 @@
 
 A variant sets module constants (`fk_softmax.plan:SPLIT_FORWARD_PROGRAMS_PER_SM={}`; also in the
 package's modules that imported the name, `importers`) and clears the plan caches. Each round times
-every row under every variant back to back (the variants' order reversed every other round, the
+every row under every variant back to back (the variants' order turned by one place each round, the
 round's first one run once untimed before: a row's first timing ran slow), so that a slow stretch of
-the GPU, or its drift over a long run, weighs on each variant alike. Each row is timed as the main
+the GPU, or its drift over a long run, weighs on each variant alike; a count of rounds that is a multiple
+of the variants' (base included) puts each in each place alike (the first place still timed up to 3% slow:
+H200, B1 H16 N16384 d128 backward, 2026-12-01). Each row is timed as the main
 tables time fk (CUDA-graph replays, `do_bench` median), and the table gives each variant's median
 over the rounds and its ratio to the first variant.
 
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     unfit: dict = {}  # "variant row": why it cannot run (a tile over the shared memory): left out, not fatal
     for round_ in range(args.rounds):
         for row in wanted:
-            order = variants if round_ % 2 == 0 else variants[::-1]
+            order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
             # a row's first timing in a round ran slow, whichever variant it was (H200, decode B64 KV1024
             # H32:32: 0.147 against 0.133 ms): the round's first variant once untimed before
             with contextlib.suppress(triton.runtime.errors.OutOfResources), applied(order[0][1]):
