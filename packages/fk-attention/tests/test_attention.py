@@ -412,15 +412,23 @@ FUSED_CASES = HOPPER_CASES + [
 
 
 def test_5_matmul_backward_issues_steps_ahead_where_configured(monkeypatch):
-    """The 5-matmul backward's step order and ring by padded head dim (`hopper_backward.fused_builds`):
-    ahead on GLUON_BWD_AHEAD_STAGES stages at the configured head dims, else in order on GLUON_BWD_STAGES."""
+    """The 5-matmul backward's step order, ring and dQ split by padded head dim and mask
+    (`hopper_backward.fused_builds`): ahead on GLUON_BWD_AHEAD_STAGES stages at the configured head dims,
+    else in order on GLUON_BWD_STAGES, its consumers taking turns at dQ under full masks at the head dims
+    of GLUON_BWD_DQ_TURNS_HEAD_DIMS; the dQ sum's box spans what one consumer adds."""
     monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_HEAD_DIMS", (64,))
     monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_STAGES", 3)
+    monkeypatch.setattr(fk_config, "GLUON_BWD_DQ_TURNS_HEAD_DIMS", (64, 128))
     builds = hopper_backward.fused_builds
-    assert builds(40) == builds(64) == {"AHEAD": True, "STAGES": 3}
-    assert builds(128) == {"AHEAD": False, "STAGES": fk_config.GLUON_BWD_STAGES}
+    in_order = {"AHEAD": False, "STAGES": fk_config.GLUON_BWD_STAGES}
+    for causal in (False, True):
+        assert builds(40, causal) == builds(64, causal) == {"AHEAD": True, "STAGES": 3, "DQ_TURNS": False}
+        assert builds(96, causal) == builds(128, causal) == {**in_order, "DQ_TURNS": not causal}
     monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_HEAD_DIMS", ())
-    assert builds(64) == {"AHEAD": False, "STAGES": fk_config.GLUON_BWD_STAGES}
+    monkeypatch.setattr(fk_config, "GLUON_BWD_DQ_TURNS_HEAD_DIMS", (128,))
+    assert builds(64, False) == {**in_order, "DQ_TURNS": False}
+    boxes = [hopper_backward.dq_sum_fields([2, 4, 300, 128], builds(128, causal))[2] for causal in (False, True)]
+    assert boxes == [[1, 1, fk_config.GLUON_Q_ROWS, 128], [1, 1, fk_config.GLUON_Q_ROWS, 64]]
 
 
 @pytest.fixture

@@ -74,13 +74,13 @@ def fused_backward(d: int, causal: bool, **builds):
     tiles = [descriptor(q, r, layout) for r, layout in (
         (fk_config.GLUON_Q_ROWS, None), (fk_config.GLUON_KEYS, kv), (fk_config.GLUON_KEYS, kv),
         (fk_config.GLUON_Q_ROWS, None), (fk_config.GLUON_KEYS, kv), (fk_config.GLUON_KEYS, kv))]
+    builds = {**hopper_backward.fused_builds(d, causal), **builds}
     dq_sum = torch.empty(B, H, N, d)
-    dq = Descriptor(dq_sum, list(dq_sum.shape), list(dq_sum.stride()), [1, 1, fk_config.GLUON_Q_ROWS, d // 2],
-                    layout=hopper.shared_layout(fk_config.GLUON_Q_ROWS, d // 2, torch.float32)).real()
+    dq = Descriptor(dq_sum, *hopper_backward.dq_sum_fields(list(dq_sum.shape), builds)).real()
     return hopper_backward.attn_bwd_hopper_kernel.warmup(
         *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, 0, 2, CAUSAL=causal, HEAD_DIM=d,
         CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS, PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
-        num_warps=4, grid=(1,), **{**hopper_backward.fused_builds(d), **builds})
+        num_warps=4, grid=(1,), **builds)
 
 
 def role_dkdv(d: int, causal: bool):

@@ -448,6 +448,11 @@ GLUON_FUSED_HEAD_DIMS = (64, 128)
 # d128 1.65-1.99x (the second block's scores spill). TUNING.md: Steps ahead.
 GLUON_BWD_AHEAD_HEAD_DIMS = (64,)
 GLUON_BWD_AHEAD_STAGES = 4
+# Padded head dims (in order, not ahead) whose full-mask 5-matmul backward has its consumers take turns at dQ, one
+# the whole 64 x 128 block a step (`hopper_backward._dq_turn_step`): each forming half of it every step took
+# 1.006-1.021x the time on Triton 3.9, 0.989-1.008x on 3.8; causal masks by turns took 1.06-1.10x (TUNING.md: dQ
+# by turns).
+GLUON_BWD_DQ_TURNS_HEAD_DIMS = (128,)
 # Causal backward programs (any of the kernels) go key block by key block, the longest first, over sections of KV
 # heads whose query heads' Q, dO and dQ sum fit this many bytes of L2 (`hopper_backward.causal_section`), so that
 # the last wave holds the shortest programs: 0.2-4.8% less time than head by head (0); 64 MiB took more

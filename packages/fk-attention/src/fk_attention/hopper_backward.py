@@ -51,11 +51,15 @@ def fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) 
             and hopper.on_hopper(q, k, v, config.GLUON_FUSED_HEAD_DIMS))
 
 
-def fused_builds(head_dim: int) -> dict:
-    """The 5-matmul backward's step order and ring depth at this head dim: the next block's scores
-    issued ahead at the head dims of `config.GLUON_BWD_AHEAD_HEAD_DIMS`, on `GLUON_BWD_AHEAD_STAGES`."""
-    ahead = padded_head_dim(head_dim) in config.GLUON_BWD_AHEAD_HEAD_DIMS
-    return {"AHEAD": ahead, "STAGES": config.GLUON_BWD_AHEAD_STAGES if ahead else GLUON_BWD_STAGES}
+def fused_builds(head_dim: int, causal: bool) -> dict:
+    """The 5-matmul backward's step order, ring depth and dQ split at this head dim and mask: the next
+    block's scores issued ahead at the head dims of `config.GLUON_BWD_AHEAD_HEAD_DIMS`, on
+    `GLUON_BWD_AHEAD_STAGES`; else under full masks at `GLUON_BWD_DQ_TURNS_HEAD_DIMS` the consumers take
+    turns at dQ."""
+    padded = padded_head_dim(head_dim)
+    ahead = padded in config.GLUON_BWD_AHEAD_HEAD_DIMS
+    return {"AHEAD": ahead, "STAGES": config.GLUON_BWD_AHEAD_STAGES if ahead else GLUON_BWD_STAGES,
+            "DQ_TURNS": not (ahead or causal) and padded in config.GLUON_BWD_DQ_TURNS_HEAD_DIMS}
 
 
 if gluon is not None:
@@ -412,9 +416,9 @@ if gluon is not None:
 
     @gluon.jit
     def _store_ds(ds16, ds_smem, ds_full, ds_free, step, HALF: gl.constexpr):
-        """This warpgroup's dS^T of `step` into its buffer of the step's parity, for both warpgroups' dQ."""
+        """This warpgroup's dS^T of `step` into its buffer of the step's parity, for dQ."""
         parity = step % 2
-        # the dQ matmuls of two steps back (both warpgroups') have read this parity's buffers
+        # the dQ matmuls of two steps back have read this parity's buffers
         mbarrier.wait(ds_free.index(parity), ((step // 2) & 1) ^ 1, pred=step >= 2)
         ds_t = ds_smem.index(2 * parity + HALF)
         ds_t.store(ds16)
@@ -424,7 +428,8 @@ if gluon is not None:
 
     @gluon.jit
     def _issue_dq(ds_smem, ds_full, k_lo, k_hi, dq_zero, step):
-        """Once both warpgroups' dS^T of `step` are in, this warpgroup's half of dQ = dS K issued."""
+        """Once both warpgroups' dS^T of `step` are in, dQ = dS K issued over the head dim's columns of k_lo and
+        k_hi (this warpgroup's half, or all of them where the warpgroups take turns)."""
         parity = step % 2
         mbarrier.wait(ds_full.index(parity), (step // 2) & 1)
         dq = warpgroup_mma(ds_smem.index(2 * parity).permute((1, 0)), k_lo, dq_zero, use_acc=False, is_async=True)
@@ -433,14 +438,41 @@ if gluon is not None:
     @gluon.jit
     def _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, h, m0, step, sm_scale, HALF: gl.constexpr,
                 DQ_COLS: gl.constexpr, STAGES: gl.constexpr):
-        """After `step`'s matmuls: its dS^T buffers and ring stage released, its dQ half (times the scale)
-        added into the fp32 sum by a TMA reduce-add."""
+        """After `step`'s matmuls: its dS^T buffers and ring stage released, its dQ (a half, or all where the
+        warpgroups take turns; times the scale) added into the fp32 sum by a TMA reduce-add."""
         mbarrier.arrive(ds_free.index(step % 2), count=1)
         mbarrier.arrive(empty.index(step % STAGES), count=1)
         store_wait(0)  # this warpgroup's add of the step before has read its tile
         dq_out.store(dq * sm_scale)
         fence_async_shared()
         tma_reduce_add(dq_desc, [b, h, m0, HALF * DQ_COLS], dq_tile)
+
+    @gluon.jit
+    def _dq_turn_step(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile, dq_desc, ready,
+                      empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale, sm_scale, shift, full_from, b,
+                      hk, group, first_block, per_head, step, op_layout: gl.constexpr, tile_2d: gl.constexpr,
+                      HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      STAGES: gl.constexpr):
+        """A consumer's step where the two take turns at dQ: on steps of its parity, once its dV and dK are done,
+        this warpgroup forms dQ = dS K over both key halves and the whole head dim (N = 128: less shared memory
+        read a product than two N = 64 halves) and adds it; on the others it goes on to the next block while
+        the other one does."""
+        dtype: gl.constexpr = q_smem.dtype
+        stage = step % STAGES
+        m0 = (first_block + step % per_head) * Q_ROWS
+        q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0, full_from,
+                                      shift, qk_scale, stage, step, s_zero, dv, op_layout, tile_2d, CAUSAL, Q_ROWS,
+                                      HEAD_DIM, STAGES)
+        ds_t = _store_ds(dst.to(dtype), ds_smem, ds_full, ds_free, step, HALF)
+        dk = warpgroup_mma(ds_t, q, dk, is_async=True)
+        dv, dk, pt_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op])
+        if step % 2 == HALF:
+            dq = warpgroup_mma_wait(0, deps=[_issue_dq(ds_smem, ds_full, k_lo, k_hi, dq_zero, step)])
+            _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, hk * group + step // per_head, m0, step,
+                    sm_scale, 0, HEAD_DIM, STAGES)
+        else:
+            mbarrier.arrive(empty.index(stage), count=1)
+        return dk, dv
 
     @gluon.jit
     def _steps_ahead(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile, dq_desc,
@@ -503,13 +535,15 @@ if gluon is not None:
     def _bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem,
                       dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b, hk, start_n,
                       group, first_block, n_blocks, HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
-                      KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr):
+                      KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
+                      DQ_TURNS: gl.constexpr):
         """`_dkdv_consumer`, plus dQ = dS K (FlashAttention-3's split): both warpgroups' dS^T meet in
         shared memory (two buffers by step parity, `ds_full` / `ds_free`), and each forms its half of
-        the head dim over all 2 x KEYS keys, which one TMA reduce-add puts into the fp32 dQ sum."""
+        the head dim over all 2 x KEYS keys, which one TMA reduce-add puts into the fp32 dQ sum; with
+        DQ_TURNS one of them forms all of it, each on steps of its parity (`_dq_turn_step`)."""
         s_layout: gl.constexpr = hopper.mma_layout(Q_ROWS)
         acc_layout: gl.constexpr = hopper.mma_layout(HEAD_DIM)
-        DQ_COLS: gl.constexpr = HEAD_DIM // 2
+        DQ_COLS: gl.constexpr = HEAD_DIM if DQ_TURNS else HEAD_DIM // 2
         dq_layout: gl.constexpr = hopper.mma_layout(DQ_COLS)
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         dtype: gl.constexpr = q_smem.dtype
@@ -520,9 +554,12 @@ if gluon is not None:
         dq_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, DQ_COLS], gl.float32)
         k_tile, v_tile, k, v, keys, s_zero, dk, dv = _key_tiles(k_smem, v_smem, start_n, kv_2d, s_layout,
                                                                 acc_layout, HALF, KEYS, Q_ROWS, HEAD_DIM)
-        # this warpgroup's half of the head dim of both key halves: dQ's B operands
-        k_lo = reinterpret(k_smem.index(0), dtype, [KEYS, HEAD_DIM], kv_2d).slice(HALF * DQ_COLS, DQ_COLS, dim=1)
-        k_hi = reinterpret(k_smem.index(1), dtype, [KEYS, HEAD_DIM], kv_2d).slice(HALF * DQ_COLS, DQ_COLS, dim=1)
+        # this warpgroup's half of the head dim (by turns: all of it) of both key halves: dQ's B operands
+        k_lo = reinterpret(k_smem.index(0), dtype, [KEYS, HEAD_DIM], kv_2d)
+        k_hi = reinterpret(k_smem.index(1), dtype, [KEYS, HEAD_DIM], kv_2d)
+        if not DQ_TURNS:
+            k_lo = k_lo.slice(HALF * DQ_COLS, DQ_COLS, dim=1)
+            k_hi = k_hi.slice(HALF * DQ_COLS, DQ_COLS, dim=1)
         dq_tile = dq_smem.index(HALF)
         dq_out = reinterpret(dq_tile, gl.float32, [Q_ROWS, DQ_COLS], dq_2d)
         dq_zero = gl.zeros([Q_ROWS, DQ_COLS], gl.float32, dq_layout)
@@ -534,6 +571,12 @@ if gluon is not None:
                                   dq_desc, ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale,
                                   sm_scale, shift, full_from, b, hk, group, first_block, per_head, op_layout, tile_2d,
                                   HALF, CAUSAL, Q_ROWS, HEAD_DIM, DQ_COLS, STAGES)
+        elif DQ_TURNS:
+            for step in range(group * per_head):
+                dk, dv = _dq_turn_step(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile,
+                                       dq_desc, ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv,
+                                       qk_scale, sm_scale, shift, full_from, b, hk, group, first_block, per_head,
+                                       step, op_layout, tile_2d, HALF, CAUSAL, Q_ROWS, HEAD_DIM, STAGES)
         else:
             for step in range(group * per_head):
                 stage = step % STAGES
@@ -556,11 +599,12 @@ if gluon is not None:
     def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc, dq_desc,
                                qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, section,
                                CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                               AHEAD: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+                               AHEAD: gl.constexpr, DQ_TURNS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
                                PRODUCER_REGISTERS: gl.constexpr):
         """The 5-matmul backward (Triton >= 3.8): `attn_bwd_dkdv_hopper_kernel` that also adds dQ
         (times the scale) into the fp32 dQ sum through `dq_desc` (TMA reduce-adds: not
-        deterministic); AHEAD: each consumer issues the next block's scores first (`_steps_ahead`).
+        deterministic); AHEAD: each consumer issues the next block's scores first (`_steps_ahead`); DQ_TURNS:
+        the consumers take turns at dQ by step (`_dq_turn_step`; `dq_desc`'s box then spans the head dim).
         Reads the row terms `kernels.attn_bwd_prep_kernel` wrote."""
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -577,16 +621,16 @@ if gluon is not None:
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(ds_full.index(i), count=2)
-            mbarrier.init(ds_free.index(i), count=2)
+            mbarrier.init(ds_free.index(i), count=1 if DQ_TURNS else 2)  # the warpgroups that read dS
         gl.warp_specialize([
             (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem,
                              ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b,
                              hk, start_n, group, first_block, n_blocks, 0, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES,
-                             AHEAD)),
+                             AHEAD, DQ_TURNS)),
             (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem,
                              ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b,
                              hk, start_n, group, first_block, n_blocks, 1, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES,
-                             AHEAD)),
+                             AHEAD, DQ_TURNS)),
             (_dkdv_producer, (q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
                               delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
                               n_blocks, Q_ROWS, KEYS, STAGES, 2)),
@@ -658,6 +702,16 @@ def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, s
     return launch, descriptors
 
 
+def dq_sum_fields(dq_shape: list[int], builds: dict) -> tuple:
+    """The fp32 dQ sum's (contiguous, `dq_shape`) TMA descriptor fields after its base, (shape, strides, box,
+    padding, layout), for the 5-matmul kernel of `builds` (`fused_builds`): a Q block's rows, half the
+    head dim (each consumer adds its half), or all of it where the consumers take turns."""
+    b, hq, n_q, padded = dq_shape
+    cols = padded if builds["DQ_TURNS"] else padded // 2
+    return (dq_shape, [hq * n_q * padded, n_q * padded, padded, 1], [1, 1, GLUON_Q_ROWS, cols], "zero",
+            hopper.shared_layout(GLUON_Q_ROWS, cols, torch.float32))
+
+
 def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[int, int],
                   scratch_strides: tuple[int, int], mask: Mask, sm_scale: float):
     """launch(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, dk, dv) of the 5-matmul backward
@@ -672,12 +726,11 @@ def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[i
                    *(dlse.stride() if has_dlse else (0, 0, 0)), *scratch_strides),
                   {"HAS_DLSE": has_dlse, "HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_M": PREP_ROWS,
                    "num_warps": 4}, q.device)
+    builds = fused_builds(d, mask.right == 0)
     launch, descriptors = _bwd_launch(attn_bwd_hopper_kernel, (q, k, v, grad_out, dk, dv), scratch_strides,
-                                      mask, sm_scale, fused_kv_layout(padded, q.dtype), fused_builds(d), dq_sum=True)
+                                      mask, sm_scale, fused_kv_layout(padded, q.dtype), builds, dq_sum=True)
     dq_shape = [b, hq, n_q, padded]
-    # each consumer adds its half of the head dim
-    dq_layout = (dq_shape, [hq * n_q * padded, n_q * padded, padded, 1], [1, 1, GLUON_Q_ROWS, padded // 2], "zero",
-                 hopper.shared_layout(GLUON_Q_ROWS, padded // 2, torch.float32))
+    dq_layout = dq_sum_fields(dq_shape, builds)
     fp32 = torch.empty(0, dtype=torch.float32, device=q.device)
 
     def run(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, dk, dv):
