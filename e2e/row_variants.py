@@ -5,8 +5,8 @@ package's modules that imported the name, `importers`) and clears the plan cache
 every row under every variant back to back (the variants' order turned by one place each round, the
 round's first one run once untimed before: a row's first timing ran slow), so that a slow stretch of
 the GPU, or its drift over a long run, weighs on each variant alike; a count of rounds that is a multiple
-of the variants' (base included) puts each in each place alike (the first place still timed up to 3% slow:
-H200, B1 H16 N16384 d128 backward, 2026-12-01). Each row is timed as the main
+of the variants' (base and peers included) puts each in each place alike (the first place still timed up to
+3% slow: H200, B1 H16 N16384 d128 backward, 2026-12-01). Each row is timed as the main
 tables time fk (CUDA-graph replays, `do_bench` median), and the table gives each variant's median
 over the rounds and its ratio to the first variant.
 
@@ -22,7 +22,7 @@ A row is `op direction shape dtype` as the main tables name them (`x` for `×`),
 for every row of a main table; the first variant is always `base` (the code as it is), and
 `env:FK_AUTOTUNE='1'` is a variant too (attention autotuned, as a bind reads it). `--time NAME` times
 the row's variant NAME (default `fk`) under the patches, e.g. `'fk paged'`. `--peers` times
-each row's other variants (torch, ...) once a round beside `base`. Writes
+each row's other variants (torch, ...) once a round, in turn with the variants. Writes
 `<out>/row-variants-<triton>.json` and prints the table (a variant that cannot run a row, a tile
 over the shared memory, is named and left out of it), with what attention's autotuner picked
 for each row it tuned in this process (`tuned_picks`; picks read back from FK_CACHE_DIR are not
@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="+", required=True)
     parser.add_argument("--variant", nargs=2, action="append", default=[], metavar=("NAME", "PATCHES"))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--peers", action="store_true", help="also time each row's peers (torch, ...) once a round")
+    parser.add_argument("--peers", action="store_true", help="also time each row's peers (torch, ...) once a round, "
+                        "in turn among the variants")
     parser.add_argument("--time", default="fk", help="the row's variant timed under the patches (default fk; e.g. "
                         "'fk paged' of the decode table)")
     args = parser.parse_args(argv)
@@ -184,12 +185,18 @@ def main(argv: list[str] | None = None) -> int:
     unfit: dict = {}  # "variant row": why it cannot run (a tile over the shared memory): left out, not fatal
     for round_ in range(args.rounds):
         for row in wanted:
-            order = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
+            # the row's peers take their turns among the variants (a peer: its name and no patches)
+            entries = variants + [(p, None) for p in peers if p in cases[row].variants]
+            order = entries[round_ % len(entries):] + entries[:round_ % len(entries)]
             # a row's first timing in a round ran slow, whichever variant it was (H200, decode B64 KV1024
             # H32:32: 0.147 against 0.133 ms): the round's first variant once untimed before
-            with contextlib.suppress(triton.runtime.errors.OutOfResources), applied(order[0][1]):
-                _time(cases[row], args.time, bench, torch)
+            with contextlib.suppress(triton.runtime.errors.OutOfResources), applied(order[0][1] or []):
+                _time(cases[row], args.time if order[0][1] is not None else order[0][0], bench, torch)
             for vname, patched in order:
+                if patched is None:
+                    times[(vname, row)].append(_time(cases[row], vname, bench, torch))
+                    print(f"round {round_} {vname:12s} {row}: {times[(vname, row)][-1]:.4f} ms", flush=True)
+                    continue
                 if f"{vname} {row}" in unfit:
                     continue
                 before = _tuned_picks()
@@ -205,10 +212,6 @@ def main(argv: list[str] | None = None) -> int:
                     picks[f"{vname} {row}"] = new
                 times[(vname, row)].append(ms)
                 print(f"round {round_} {vname:12s} {row}: {ms:.4f} ms", flush=True)
-            for peer in peers:
-                if peer in cases[row].variants:
-                    times[(peer, row)].append(_time(cases[row], peer, bench, torch))
-                    print(f"round {round_} {peer:12s} {row}: {times[(peer, row)][-1]:.4f} ms", flush=True)
     meta = bench.environment()
     meta["command"] = "python e2e/row_variants.py " + " ".join(sys.argv[1:])
     names = [v for v, _ in variants] + peers
