@@ -449,7 +449,7 @@ GLUON_FUSED_HEAD_DIMS = (64, 128)
 GLUON_BWD_AHEAD_HEAD_DIMS = (64,)
 GLUON_BWD_AHEAD_STAGES = 4
 # Padded head dims (in order, not ahead) whose full-mask 5-matmul backward has its consumers take turns at dQ, one
-# the whole 64 x 128 block a step (`hopper_backward._dq_turn_step`): each forming half of it every step took
+# the whole 64 x 128 block a step (`hopper_backward._dq_by_turns`): each forming half of it every step took
 # 1.006-1.021x the time on Triton 3.9, 0.989-1.008x on 3.8; causal masks by turns took 1.06-1.10x (TUNING.md: dQ
 # by turns).
 GLUON_BWD_DQ_TURNS_HEAD_DIMS = (128,)

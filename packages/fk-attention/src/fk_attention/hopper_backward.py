@@ -448,31 +448,21 @@ if gluon is not None:
         tma_reduce_add(dq_desc, [b, h, m0, HALF * DQ_COLS], dq_tile)
 
     @gluon.jit
-    def _dq_turn_step(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile, dq_desc, ready,
-                      empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale, sm_scale, shift, full_from, b,
-                      hk, group, first_block, per_head, step, op_layout: gl.constexpr, tile_2d: gl.constexpr,
-                      HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr):
-        """A consumer's step where the two take turns at dQ: on steps of its parity, once its dV and dK are done,
-        this warpgroup forms dQ = dS K over both key halves and the whole head dim (N = 128: less shared memory
-        read a product than two N = 64 halves) and adds it; on the others it goes on to the next block while
-        the other one does."""
-        dtype: gl.constexpr = q_smem.dtype
-        stage = step % STAGES
-        m0 = (first_block + step % per_head) * Q_ROWS
-        q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0, full_from,
-                                      shift, qk_scale, stage, step, s_zero, dv, op_layout, tile_2d, CAUSAL, Q_ROWS,
-                                      HEAD_DIM, STAGES)
-        ds_t = _store_ds(dst.to(dtype), ds_smem, ds_full, ds_free, step, HALF)
-        dk = warpgroup_mma(ds_t, q, dk, is_async=True)
+    def _dq_by_turns(dv, dk, pt_op, ds_smem, dq_out, dq_tile, dq_desc, empty, ds_full, ds_free, k_lo, k_hi, dq_zero,
+                     b, hk, group, per_head, m0, step, sm_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     STAGES: gl.constexpr):
+        """The end of a step where the consumers take turns at dQ: once this warpgroup's dV and dK are done, on
+        steps of its parity it forms dQ = dS K over both key halves and the whole head dim (N = 128: less shared
+        memory read a product than two N = 64 halves) and adds it; on the others it goes on to the next block
+        while the other one does. Returns (dV, dK)."""
         dv, dk, pt_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op])
         if step % 2 == HALF:
             dq = warpgroup_mma_wait(0, deps=[_issue_dq(ds_smem, ds_full, k_lo, k_hi, dq_zero, step)])
             _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, hk * group + step // per_head, m0, step,
                     sm_scale, 0, HEAD_DIM, STAGES)
         else:
-            mbarrier.arrive(empty.index(stage), count=1)
-        return dk, dv
+            mbarrier.arrive(empty.index(step % STAGES), count=1)
+        return dv, dk
 
     @gluon.jit
     def _steps_ahead(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile, dq_desc,
@@ -540,7 +530,7 @@ if gluon is not None:
         """`_dkdv_consumer`, plus dQ = dS K (FlashAttention-3's split): both warpgroups' dS^T meet in
         shared memory (two buffers by step parity, `ds_full` / `ds_free`), and each forms its half of
         the head dim over all 2 x KEYS keys, which one TMA reduce-add puts into the fp32 dQ sum; with
-        DQ_TURNS one of them forms all of it, each on steps of its parity (`_dq_turn_step`)."""
+        DQ_TURNS one of them forms all of it, each on steps of its parity (`_dq_by_turns`)."""
         s_layout: gl.constexpr = hopper.mma_layout(Q_ROWS)
         acc_layout: gl.constexpr = hopper.mma_layout(HEAD_DIM)
         DQ_COLS: gl.constexpr = HEAD_DIM if DQ_TURNS else HEAD_DIM // 2
@@ -571,12 +561,6 @@ if gluon is not None:
                                   dq_desc, ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale,
                                   sm_scale, shift, full_from, b, hk, group, first_block, per_head, op_layout, tile_2d,
                                   HALF, CAUSAL, Q_ROWS, HEAD_DIM, DQ_COLS, STAGES)
-        elif DQ_TURNS:
-            for step in range(group * per_head):
-                dk, dv = _dq_turn_step(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile,
-                                       dq_desc, ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv,
-                                       qk_scale, sm_scale, shift, full_from, b, hk, group, first_block, per_head,
-                                       step, op_layout, tile_2d, HALF, CAUSAL, Q_ROWS, HEAD_DIM, STAGES)
         else:
             for step in range(group * per_head):
                 stage = step % STAGES
@@ -587,9 +571,15 @@ if gluon is not None:
                                               tile_2d, CAUSAL, Q_ROWS, HEAD_DIM, STAGES)
                 ds_t = _store_ds(dst.to(dtype), ds_smem, ds_full, ds_free, step, HALF)
                 dk = warpgroup_mma(ds_t, q, dk, is_async=True)  # dS^T read from shared memory: no registers held
-                dq = _issue_dq(ds_smem, ds_full, k_lo, k_hi, dq_zero, step)
-                dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op])
-                _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, h, m0, step, sm_scale, HALF, DQ_COLS, STAGES)
+                if DQ_TURNS:
+                    dv, dk = _dq_by_turns(dv, dk, pt_op, ds_smem, dq_out, dq_tile, dq_desc, empty, ds_full, ds_free,
+                                          k_lo, k_hi, dq_zero, b, hk, group, per_head, m0, step, sm_scale, HALF,
+                                          HEAD_DIM, STAGES)
+                else:
+                    dq = _issue_dq(ds_smem, ds_full, k_lo, k_hi, dq_zero, step)
+                    dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op])
+                    _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, h, m0, step, sm_scale, HALF, DQ_COLS,
+                            STAGES)
         last = group * per_head - 1
         if last >= 0:  # dK leaves through this K tile: the other warpgroup's last dQ matmul has read it
             mbarrier.wait(ds_free.index(last % 2), (last // 2) & 1)
@@ -604,7 +594,7 @@ if gluon is not None:
         """The 5-matmul backward (Triton >= 3.8): `attn_bwd_dkdv_hopper_kernel` that also adds dQ
         (times the scale) into the fp32 dQ sum through `dq_desc` (TMA reduce-adds: not
         deterministic); AHEAD: each consumer issues the next block's scores first (`_steps_ahead`); DQ_TURNS:
-        the consumers take turns at dQ by step (`_dq_turn_step`; `dq_desc`'s box then spans the head dim).
+        the consumers take turns at dQ by step (`_dq_by_turns`; `dq_desc`'s box then spans the head dim).
         Reads the row terms `kernels.attn_bwd_prep_kernel` wrote."""
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
