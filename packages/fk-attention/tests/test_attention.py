@@ -412,23 +412,29 @@ FUSED_CASES = HOPPER_CASES + [
 
 
 def test_5_matmul_backward_issues_steps_ahead_where_configured(monkeypatch):
-    """The 5-matmul backward's step order, ring and dQ split by padded head dim and mask
+    """The 5-matmul backward's step order, ring, dQ split and dQ sum layout by padded head dim and mask
     (`hopper_backward.fused_builds`): ahead on GLUON_BWD_AHEAD_STAGES stages at the configured head dims,
     else in order on GLUON_BWD_STAGES, its consumers taking turns at dQ under full masks at the head dims
-    of GLUON_BWD_DQ_TURNS_HEAD_DIMS; the dQ sum's box spans what one consumer adds."""
+    of GLUON_BWD_DQ_TURNS_HEAD_DIMS, the sum in fragment rows at GLUON_BWD_DQ_FRAGMENT_HEAD_DIMS; the dQ
+    sum's box spans what one consumer adds."""
     monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_HEAD_DIMS", (64,))
     monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_STAGES", 3)
     monkeypatch.setattr(fk_config, "GLUON_BWD_DQ_TURNS_HEAD_DIMS", (64, 128))
+    monkeypatch.setattr(fk_config, "GLUON_BWD_DQ_FRAGMENT_HEAD_DIMS", (128,))
     builds = hopper_backward.fused_builds
     in_order = {"AHEAD": False, "STAGES": fk_config.GLUON_BWD_STAGES}
     for causal in (False, True):
-        assert builds(40, causal) == builds(64, causal) == {"AHEAD": True, "STAGES": 3, "DQ_TURNS": False}
-        assert builds(96, causal) == builds(128, causal) == {**in_order, "DQ_TURNS": not causal}
+        assert builds(40, causal) == builds(64, causal) == {"AHEAD": True, "STAGES": 3, "DQ_TURNS": False,
+                                                            "DQ_FRAGMENTS": False}
+        assert builds(96, causal) == builds(128, causal) == {**in_order, "DQ_TURNS": not causal, "DQ_FRAGMENTS": True}
     monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_HEAD_DIMS", ())
     monkeypatch.setattr(fk_config, "GLUON_BWD_DQ_TURNS_HEAD_DIMS", (128,))
-    assert builds(64, False) == {**in_order, "DQ_TURNS": False}
-    boxes = [hopper_backward.dq_sum_fields([2, 4, 300, 128], builds(128, causal))[2] for causal in (False, True)]
-    assert boxes == [[1, 1, fk_config.GLUON_Q_ROWS, 128], [1, 1, fk_config.GLUON_Q_ROWS, 64]]
+    assert builds(64, False) == {**in_order, "DQ_TURNS": False, "DQ_FRAGMENTS": False}
+    assert hopper_backward.dq_sum_rows(300) == 320
+    fields = [hopper_backward.dq_sum_fields([2, 4, 320, d], builds(d, causal)) for d in (128, 64) for causal in (0, 1)]
+    # fragment rows (all of a Q block's, or a half's) at d128; rows in order at d64, half the head dim each
+    assert [f[2] for f in fields] == [[1, 1, 256, 32], [1, 1, 128, 32], [1, 1, 64, 32], [1, 1, 64, 32]]
+    assert [f[0] for f in fields] == [[2, 4, 1280, 32]] * 2 + [[2, 4, 320, 64]] * 2
 
 
 @pytest.fixture
@@ -737,7 +743,8 @@ def test_backward_prep_kernel_writes_the_row_terms_and_clears_the_dq_sum():
     """The 5-matmul backward's prep (`kernels.attn_bwd_prep_kernel`, any Triton, the interpreter
     too): delta = rowsum(dO * O) - dlse and the base-2 lse (+inf where no key was seen) against
     float64, its padding rows (delta 0, lse2 +inf) to STATS_ALIGN, and every dQ-sum row cleared;
-    strided O and dO, a head dim below its padding, an odd row count over several blocks."""
+    strided O and dO, a head dim below its padding, an odd row count over several blocks (the sum's rows
+    to whole Q blocks)."""
     from fk_attention import kernels
 
     align = int(kernels.STATS_ALIGN)
@@ -748,11 +755,12 @@ def test_backward_prep_kernel_writes_the_row_terms_and_clears_the_dq_sum():
     lse = testing.randn((b, h, n), torch.float32)
     lse[0, 1, 5] = -math.inf
     padded_n = -(-n // align) * align
+    n_sum = hopper_backward.dq_sum_rows(n)
     for dlse in (None, testing.randn((b, h, n), torch.float32)):
         scratch = torch.full((2, b, h, padded_n), math.nan, device=lse.device)
-        dq_sum = torch.full((b, h, n, padded), math.nan, device=lse.device)
+        dq_sum = torch.full((b, h, n_sum, padded), math.nan, device=lse.device)
         kernels.attn_bwd_prep_kernel[(-(-n // fk_config.PREP_ROWS) * b * h,)](
-            out, grad_out, lse, lse if dlse is None else dlse, scratch[0], scratch[1], dq_sum, n, h,
+            out, grad_out, lse, lse if dlse is None else dlse, scratch[0], scratch[1], dq_sum, n, h, n_sum,
             *out.stride(), *grad_out.stride(), *lse.stride()[:2], *(lse if dlse is None else dlse).stride(),
             *scratch.stride()[1:3], HAS_DLSE=dlse is not None, HEAD_DIM=d, HEAD_DIM_PADDED=padded,
             BLOCK_M=fk_config.PREP_ROWS)
@@ -765,6 +773,33 @@ def test_backward_prep_kernel_writes_the_row_terms_and_clears_the_dq_sum():
         assert torch.equal(scratch[0, ..., n:], torch.zeros_like(scratch[0, ..., n:]))
         assert bool((scratch[1, ..., n:] == math.inf).all())
         assert torch.equal(dq_sum, torch.zeros_like(dq_sum))
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["in order", "fragments"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [40, 64, 128])
+def test_dq_cast_kernel_puts_the_fragment_rows_in_order(dtype, d, fragments):
+    """`kernels.attn_bwd_dq_cast_kernel` (any Triton, the interpreter too) reads the 5-matmul backward's fp32 dQ
+    sum in order or in fragment rows (`hopper_backward.dq_sum_fields`, here laid out by torch from a sum in
+    order) and writes dQ in order, cast, into strided rows; a head dim below its padding, rows past n_q
+    left alone."""
+    from fk_attention import kernels
+
+    b, h, n = 2, 3, 77
+    padded, n_sum = fk_layout.padded_head_dim(d), hopper_backward.dq_sum_rows(n)
+    dense = testing.randn((b, h, n_sum, padded), torch.float32)
+    # a block's 64 rows: warp, row + 8, lane // 4; columns: half, 8-column group, lane % 4, column pair;
+    # fragment rows: half, warp, lane (lane // 4, lane % 4), then 8-column group, row + 8, column pair
+    parts = dense.view(b, h, n_sum // 64, 4, 2, 8, 2, padded // 16, 4, 2)
+    laid = parts.permute(0, 1, 2, 6, 3, 5, 8, 7, 4, 9).reshape(b, h, n_sum, padded).contiguous() if fragments else dense
+    dq = torch.full((b, n + 5, h, d + 3), math.nan, dtype=dtype, device=dense.device)
+    view = dq[:, :n, :, :d].transpose(1, 2)
+    kernels.attn_bwd_dq_cast_kernel[(n_sum // 64 * b * h,)](laid, view, n, h, n_sum, *view.stride(), HEAD_DIM=d,
+                                                            HEAD_DIM_PADDED=padded, FRAGMENTS=fragments)
+    # within one rounding (the interpreter rounds bf16 toward zero; fp16 subnormals): a misplaced float is far off
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(view.float(), dense[:, :, :n, :d], rtol=ulp, atol=torch.finfo(dtype).tiny)
+    assert bool(dq[:, n:].isnan().all()) and bool(dq[..., d:].isnan().all())
 
 @ON_GLUON_HOPPER
 def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch, switch):

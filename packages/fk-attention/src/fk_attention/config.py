@@ -453,6 +453,10 @@ GLUON_BWD_AHEAD_STAGES = 4
 # 1.006-1.021x the time on Triton 3.9, 0.989-1.008x on 3.8; causal masks by turns took 1.06-1.10x (TUNING.md: dQ
 # by turns).
 GLUON_BWD_DQ_TURNS_HEAD_DIMS = (128,)
+# Padded head dims whose 5-matmul backward keeps its fp32 dQ sum in fragment rows, as the consumers' accumulators
+# hold it (`hopper_backward.dq_sum_fields`: 16-byte stores, no bank conflict, where rows in order took 2-way
+# conflicts): d128 1.012-1.061x faster, d64 0.964-0.987x (TUNING.md: The dQ sum in fragment rows).
+GLUON_BWD_DQ_FRAGMENT_HEAD_DIMS = (128,)
 # Causal backward programs (any of the kernels) go key block by key block, the longest first, over sections of KV
 # heads whose query heads' Q, dO and dQ sum fit this many bytes of L2 (`hopper_backward.causal_section`), so that
 # the last wave holds the shortest programs: 0.2-4.8% less time than head by head (0); 64 MiB took more

@@ -9,9 +9,10 @@ warpgroup cannot hold dK and dV of 64 keys (d256), the role-split kernel takes 6
 one warpgroup forms the scores and P, the other dP and dS, and each keeps half the head dim of dK and dV.
 The 5-matmul backward (Triton >= 3.8, `config.GLUON_FUSED_DQ`) adds dQ = dS K to that kernel's
 consumers, FlashAttention-3's way: both warpgroups' dS in shared memory, each forms half the head
-dim over all the program's keys and adds it into an fp32 sum with a TMA reduce-add
-(`kernels.attn_bwd_prep_kernel` writes the row terms and clears the sum first; a cast ends it). At
-the head dims of `config.GLUON_BWD_AHEAD_HEAD_DIMS` a consumer issues the next block's scores before
+dim over all the program's keys and adds it into an fp32 sum (at d128 in the accumulators' fragment
+order, `dq_sum_fields`) with a TMA reduce-add (`kernels.attn_bwd_prep_kernel` writes the row terms
+and clears the sum first; `kernels.attn_bwd_dq_cast_kernel` puts it in order and casts it). At the
+head dims of `config.GLUON_BWD_AHEAD_HEAD_DIMS` a consumer issues the next block's scores before
 this block's gradients (`_steps_ahead`).
 
 Taken for what they were built and measured on (TUNING.md: Hopper backward): `hopper.on_hopper`'s
@@ -55,11 +56,12 @@ def fused_builds(head_dim: int, causal: bool) -> dict:
     """The 5-matmul backward's step order, ring depth and dQ split at this head dim and mask: the next
     block's scores issued ahead at the head dims of `config.GLUON_BWD_AHEAD_HEAD_DIMS`, on
     `GLUON_BWD_AHEAD_STAGES`; else under full masks at `GLUON_BWD_DQ_TURNS_HEAD_DIMS` the consumers take
-    turns at dQ."""
+    turns at dQ; the dQ sum in fragment rows at `GLUON_BWD_DQ_FRAGMENT_HEAD_DIMS` (`dq_sum_fields`)."""
     padded = padded_head_dim(head_dim)
     ahead = padded in config.GLUON_BWD_AHEAD_HEAD_DIMS
     return {"AHEAD": ahead, "STAGES": config.GLUON_BWD_AHEAD_STAGES if ahead else GLUON_BWD_STAGES,
-            "DQ_TURNS": not (ahead or causal) and padded in config.GLUON_BWD_DQ_TURNS_HEAD_DIMS}
+            "DQ_TURNS": not (ahead or causal) and padded in config.GLUON_BWD_DQ_TURNS_HEAD_DIMS,
+            "DQ_FRAGMENTS": padded in config.GLUON_BWD_DQ_FRAGMENT_HEAD_DIMS}
 
 
 if gluon is not None:
@@ -436,21 +438,37 @@ if gluon is not None:
         return warpgroup_mma(ds_smem.index(2 * parity + 1).permute((1, 0)), k_hi, dq, is_async=True)
 
     @gluon.jit
+    def _fragment_rows(dq, HEAD_DIM: gl.constexpr):
+        """A warpgroup's dQ accumulator (64 rows, a half or all of the head dim) as the dQ sum's fragment rows
+        (`dq_sum_fields`): thread t's registers of half h become row h x 128 + t, 4 floats of a (row, row + 8)
+        pair of columns after another, so that a thread stores 16 bytes at a time with no bank conflict."""
+        halves: gl.constexpr = dq.shape[1] // (HEAD_DIM // 2)
+        # rows: warp, row + 8, lane // 4; columns: half, 8-column group, lane % 4, column pair
+        parts = dq.reshape([4, 2, 8, halves, HEAD_DIM // 16, 4, 2])
+        return gl.permute(parts, (3, 0, 2, 5, 4, 1, 6)).reshape([halves * 128, HEAD_DIM // 4])
+
+    @gluon.jit
     def _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, h, m0, step, sm_scale, HALF: gl.constexpr,
-                DQ_COLS: gl.constexpr, STAGES: gl.constexpr):
+                HEAD_DIM: gl.constexpr, FRAGMENTS: gl.constexpr, STAGES: gl.constexpr):
         """After `step`'s matmuls: its dS^T buffers and ring stage released, its dQ (a half, or all where the
-        warpgroups take turns; times the scale) added into the fp32 sum by a TMA reduce-add."""
+        warpgroups take turns; times the scale) added into the fp32 sum (in fragment rows with FRAGMENTS) by a
+        TMA reduce-add."""
         mbarrier.arrive(ds_free.index(step % 2), count=1)
         mbarrier.arrive(empty.index(step % STAGES), count=1)
         store_wait(0)  # this warpgroup's add of the step before has read its tile
-        dq_out.store(dq * sm_scale)
-        fence_async_shared()
-        tma_reduce_add(dq_desc, [b, h, m0, HALF * DQ_COLS], dq_tile)
+        if FRAGMENTS:
+            dq_out.store(_fragment_rows(dq * sm_scale, HEAD_DIM))
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [b, h, 4 * m0 + HALF * 128, 0], dq_tile)  # a Q block: 256 fragment rows
+        else:
+            dq_out.store(dq * sm_scale)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [b, h, m0, HALF * dq.shape[1]], dq_tile)
 
     @gluon.jit
     def _dq_by_turns(dv, dk, pt_op, ds_smem, dq_out, dq_tile, dq_desc, empty, ds_full, ds_free, k_lo, k_hi, dq_zero,
                      b, hk, group, per_head, m0, step, sm_scale, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     STAGES: gl.constexpr):
+                     FRAGMENTS: gl.constexpr, STAGES: gl.constexpr):
         """The end of a step where the consumers take turns at dQ: once this warpgroup's dV and dK are done, on
         steps of its parity it forms dQ = dS K over both key halves and the whole head dim (N = 128: less shared
         memory read a product than two N = 64 halves) and adds it; on the others it goes on to the next block
@@ -459,7 +477,7 @@ if gluon is not None:
         if step % 2 == HALF:
             dq = warpgroup_mma_wait(0, deps=[_issue_dq(ds_smem, ds_full, k_lo, k_hi, dq_zero, step)])
             _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, hk * group + step // per_head, m0, step,
-                    sm_scale, 0, HEAD_DIM, STAGES)
+                    sm_scale, 0, HEAD_DIM, FRAGMENTS, STAGES)
         else:
             mbarrier.arrive(empty.index(step % STAGES), count=1)
         return dv, dk
@@ -469,7 +487,7 @@ if gluon is not None:
                      ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale, sm_scale, shift,
                      full_from, b, hk, group, first_block, per_head, op_layout: gl.constexpr, tile_2d: gl.constexpr,
                      HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     DQ_COLS: gl.constexpr, STAGES: gl.constexpr):
+                     FRAGMENTS: gl.constexpr, STAGES: gl.constexpr):
         """A consumer's steps with the next block's S^T and dP^T issued ahead of this block's dV, dK and dQ,
         so that the next softmax runs while those are on the tensor cores (the other order leaves them idle
         while both warpgroups, which meet on dS every step, take their softmax together). Needs registers
@@ -506,7 +524,7 @@ if gluon is not None:
                 ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
                 dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op])
                 _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, hk * group + step // per_head, m0, step,
-                        sm_scale, HALF, DQ_COLS, STAGES)
+                        sm_scale, HALF, HEAD_DIM, FRAGMENTS, STAGES)
                 _store_ds(ds16, ds_smem, ds_full, ds_free, ahead, HALF)
                 pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             last = n - 1
@@ -518,7 +536,7 @@ if gluon is not None:
             dq = _issue_dq(ds_smem, ds_full, k_lo, k_hi, dq_zero, last)
             dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op])
             _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, hk * group + last // per_head,
-                    (first_block + last % per_head) * Q_ROWS, last, sm_scale, HALF, DQ_COLS, STAGES)
+                    (first_block + last % per_head) * Q_ROWS, last, sm_scale, HALF, HEAD_DIM, FRAGMENTS, STAGES)
         return dk, dv
 
     @gluon.jit
@@ -526,11 +544,12 @@ if gluon is not None:
                       dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b, hk, start_n,
                       group, first_block, n_blocks, HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
                       KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-                      DQ_TURNS: gl.constexpr):
+                      DQ_TURNS: gl.constexpr, DQ_FRAGMENTS: gl.constexpr):
         """`_dkdv_consumer`, plus dQ = dS K (FlashAttention-3's split): both warpgroups' dS^T meet in
         shared memory (two buffers by step parity, `ds_full` / `ds_free`), and each forms its half of
         the head dim over all 2 x KEYS keys, which one TMA reduce-add puts into the fp32 dQ sum; with
-        DQ_TURNS one of them forms all of it, each on steps of its parity (`_dq_by_turns`)."""
+        DQ_TURNS one of them forms all of it, each on steps of its parity (`_dq_by_turns`); DQ_FRAGMENTS: the sum
+        in fragment rows (`dq_sum_fields`)."""
         s_layout: gl.constexpr = hopper.mma_layout(Q_ROWS)
         acc_layout: gl.constexpr = hopper.mma_layout(HEAD_DIM)
         DQ_COLS: gl.constexpr = HEAD_DIM if DQ_TURNS else HEAD_DIM // 2
@@ -541,7 +560,8 @@ if gluon is not None:
         # K's swizzle as its descriptor has it (`fused_kv_layout`: dQ reads half of each row)
         kv_2d: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=k_smem.layout.swizzle_byte_width,
                                                    element_bitwidth=k_smem.layout.element_bitwidth)
-        dq_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([Q_ROWS, DQ_COLS], gl.float32)
+        dq_box: gl.constexpr = dq_desc.block_type.shape[2:]  # what this warpgroup adds: rows in order or fragments
+        dq_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for(dq_box, gl.float32)
         k_tile, v_tile, k, v, keys, s_zero, dk, dv = _key_tiles(k_smem, v_smem, start_n, kv_2d, s_layout,
                                                                 acc_layout, HALF, KEYS, Q_ROWS, HEAD_DIM)
         # this warpgroup's half of the head dim (by turns: all of it) of both key halves: dQ's B operands
@@ -551,7 +571,7 @@ if gluon is not None:
             k_lo = k_lo.slice(HALF * DQ_COLS, DQ_COLS, dim=1)
             k_hi = k_hi.slice(HALF * DQ_COLS, DQ_COLS, dim=1)
         dq_tile = dq_smem.index(HALF)
-        dq_out = reinterpret(dq_tile, gl.float32, [Q_ROWS, DQ_COLS], dq_2d)
+        dq_out = reinterpret(dq_tile, gl.float32, dq_box, dq_2d)
         dq_zero = gl.zeros([Q_ROWS, DQ_COLS], gl.float32, dq_layout)
         full_from = start_n + 2 * KEYS - shift
         per_head = n_blocks - first_block
@@ -560,7 +580,7 @@ if gluon is not None:
             dk, dv = _steps_ahead(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile,
                                   dq_desc, ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale,
                                   sm_scale, shift, full_from, b, hk, group, first_block, per_head, op_layout, tile_2d,
-                                  HALF, CAUSAL, Q_ROWS, HEAD_DIM, DQ_COLS, STAGES)
+                                  HALF, CAUSAL, Q_ROWS, HEAD_DIM, DQ_FRAGMENTS, STAGES)
         else:
             for step in range(group * per_head):
                 stage = step % STAGES
@@ -574,12 +594,12 @@ if gluon is not None:
                 if DQ_TURNS:
                     dv, dk = _dq_by_turns(dv, dk, pt_op, ds_smem, dq_out, dq_tile, dq_desc, empty, ds_full, ds_free,
                                           k_lo, k_hi, dq_zero, b, hk, group, per_head, m0, step, sm_scale, HALF,
-                                          HEAD_DIM, STAGES)
+                                          HEAD_DIM, DQ_FRAGMENTS, STAGES)
                 else:
                     dq = _issue_dq(ds_smem, ds_full, k_lo, k_hi, dq_zero, step)
                     dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op])
-                    _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, h, m0, step, sm_scale, HALF, DQ_COLS,
-                            STAGES)
+                    _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, h, m0, step, sm_scale, HALF, HEAD_DIM,
+                            DQ_FRAGMENTS, STAGES)
         last = group * per_head - 1
         if last >= 0:  # dK leaves through this K tile: the other warpgroup's last dQ matmul has read it
             mbarrier.wait(ds_free.index(last % 2), (last // 2) & 1)
@@ -589,12 +609,13 @@ if gluon is not None:
     def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc, dq_desc,
                                qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, section,
                                CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                               AHEAD: gl.constexpr, DQ_TURNS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
-                               PRODUCER_REGISTERS: gl.constexpr):
+                               AHEAD: gl.constexpr, DQ_TURNS: gl.constexpr, DQ_FRAGMENTS: gl.constexpr,
+                               CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
         """The 5-matmul backward (Triton >= 3.8): `attn_bwd_dkdv_hopper_kernel` that also adds dQ
         (times the scale) into the fp32 dQ sum through `dq_desc` (TMA reduce-adds: not
         deterministic); AHEAD: each consumer issues the next block's scores first (`_steps_ahead`); DQ_TURNS:
-        the consumers take turns at dQ by step (`_dq_by_turns`; `dq_desc`'s box then spans the head dim).
+        the consumers take turns at dQ by step (`_dq_by_turns`; `dq_desc`'s box then spans the head dim);
+        DQ_FRAGMENTS: the sum in fragment rows (`dq_sum_fields`).
         Reads the row terms `kernels.attn_bwd_prep_kernel` wrote."""
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -616,11 +637,11 @@ if gluon is not None:
             (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem,
                              ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b,
                              hk, start_n, group, first_block, n_blocks, 0, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES,
-                             AHEAD, DQ_TURNS)),
+                             AHEAD, DQ_TURNS, DQ_FRAGMENTS)),
             (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem,
                              ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b,
                              hk, start_n, group, first_block, n_blocks, 1, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES,
-                             AHEAD, DQ_TURNS)),
+                             AHEAD, DQ_TURNS, DQ_FRAGMENTS)),
             (_dkdv_producer, (q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
                               delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
                               n_blocks, Q_ROWS, KEYS, STAGES, 2)),
@@ -692,14 +713,25 @@ def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, s
     return launch, descriptors
 
 
+def dq_sum_rows(n_q: int) -> int:
+    """Rows of the fp32 dQ sum a head: whole Q blocks (its fragment rows mix a block's rows)."""
+    return sizing.cdiv(n_q, GLUON_Q_ROWS) * GLUON_Q_ROWS
+
+
 def dq_sum_fields(dq_shape: list[int], builds: dict) -> tuple:
-    """The fp32 dQ sum's (contiguous, `dq_shape`) TMA descriptor fields after its base, (shape, strides, box,
-    padding, layout), for the 5-matmul kernel of `builds` (`fused_builds`): a Q block's rows, half the
-    head dim (each consumer adds its half), or all of it where the consumers take turns."""
-    b, hq, n_q, padded = dq_shape
-    cols = padded if builds["DQ_TURNS"] else padded // 2
-    return (dq_shape, [hq * n_q * padded, n_q * padded, padded, 1], [1, 1, GLUON_Q_ROWS, cols], "zero",
-            hopper.shared_layout(GLUON_Q_ROWS, cols, torch.float32))
+    """The fp32 dQ sum's (contiguous, `dq_shape` = (B, H, `dq_sum_rows`, padded head dim)) TMA descriptor
+    fields after its base, (shape, strides, box, padding, layout), for the 5-matmul kernel of `builds`
+    (`fused_builds`). With DQ_FRAGMENTS the sum is kept in fragment rows, as a consumer's dQ accumulator
+    holds it: a Q block's 64 x padded floats are 256 rows of padded / 4, row h x 128 + t the registers of
+    thread t for half h of the head dim (`_fragment_rows`); else in order. The box: what one consumer
+    adds, a Q block's half of the head dim, or all of it where the consumers take turns."""
+    b, hq, rows, padded = dq_shape
+    if builds["DQ_FRAGMENTS"]:
+        shape, box = [b, hq, 4 * rows, padded // 4], [256 if builds["DQ_TURNS"] else 128, padded // 4]
+    else:
+        shape, box = dq_shape, [GLUON_Q_ROWS, padded if builds["DQ_TURNS"] else padded // 2]
+    return (shape, [hq * rows * padded, rows * padded, shape[3], 1], [1, 1, *box], "zero",
+            hopper.shared_layout(*box, torch.float32))
 
 
 def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[int, int],
@@ -711,16 +743,20 @@ def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[i
     b, hq, n_q, d = q.shape
     padded = padded_head_dim(d)
     has_dlse = dlse is not None
+    rows = dq_sum_rows(n_q)
     prep = Launch(kernels.attn_bwd_prep_kernel, (sizing.cdiv(n_q, PREP_ROWS) * b * hq,),
-                  (n_q, hq, *out.stride(), *grad_out.stride(), *lse_strides,
+                  (n_q, hq, rows, *out.stride(), *grad_out.stride(), *lse_strides,
                    *(dlse.stride() if has_dlse else (0, 0, 0)), *scratch_strides),
                   {"HAS_DLSE": has_dlse, "HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_M": PREP_ROWS,
                    "num_warps": 4}, q.device)
     builds = fused_builds(d, mask.right == 0)
     launch, descriptors = _bwd_launch(attn_bwd_hopper_kernel, (q, k, v, grad_out, dk, dv), scratch_strides,
                                       mask, sm_scale, fused_kv_layout(padded, q.dtype), builds, dq_sum=True)
-    dq_shape = [b, hq, n_q, padded]
+    dq_shape = [b, hq, rows, padded]
     dq_layout = dq_sum_fields(dq_shape, builds)
+    cast = Launch(kernels.attn_bwd_dq_cast_kernel, (rows // GLUON_Q_ROWS * b * hq,), (n_q, hq, rows, *dq.stride()),
+                  {"HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "FRAGMENTS": builds["DQ_FRAGMENTS"], "num_warps": 4},
+                  q.device)
     fp32 = torch.empty(0, dtype=torch.float32, device=q.device)
 
     def run(q, k, v, out, grad_out, lse, dlse, delta, lse2, dq, dk, dv):
@@ -728,6 +764,6 @@ def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[i
         prep(out, grad_out, lse, dlse, delta, lse2, dq_sum)
         launch(*descriptors(q, k, v, grad_out, dk, dv, lse2, delta),
                Descriptor(dq_sum, *dq_layout))
-        dq.copy_(dq_sum[..., :d])
+        cast(dq_sum, dq)
 
     return run

@@ -693,15 +693,15 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit(do_not_specialize=["n_q", "slb", "slh", "sdlb", "sdlh"])
-def attn_bwd_prep_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_sum_ptr, n_q, n_heads,
+def attn_bwd_prep_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_sum_ptr, n_q, n_heads, n_sum,
                          sob, soh, son, sod, sdob, sdoh, sdon, sdod, slb, slh, sdlb, sdlh, sdln, ssb, ssh,
                          HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
                          BLOCK_M: tl.constexpr):
     """Before the 5-matmul backward (`hopper_backward.attn_bwd_hopper_kernel`), rows [start, start + BLOCK_M)
     of one dense (batch, head): the row terms delta = rowsum(dO * O) (minus dlse) and the base-2 lse
     in the scratch rows (past n_q, to their STATS_ALIGN padding: delta 0, lse2 +inf, as the dQ
-    kernel leaves them), and the rows of the fp32 dQ sum (B, H, N, HEAD_DIM_PADDED), contiguous,
-    cleared for the TMA adds."""
+    kernel leaves them), and the rows of the fp32 dQ sum (B, H, n_sum, HEAD_DIM_PADDED), contiguous,
+    cleared for the TMA adds (all n_sum, whole Q blocks: `hopper_backward.dq_sum_rows`)."""
     n_blocks = tl.cdiv(n_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // n_blocks
@@ -723,8 +723,36 @@ def attn_bwd_prep_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, 
     in_scratch = offs_m < tl.cdiv(n_q, STATS_ALIGN) * STATS_ALIGN
     tl.store(delta_ptr + scratch, delta, mask=in_scratch)
     tl.store(lse2_ptr + scratch, lse2, mask=in_scratch)
-    dq_rows = dq_sum_ptr + (tl.cast(bh, tl.int64) * n_q + offs_m[:, None]) * HEAD_DIM_PADDED + cols[None, :]
-    tl.store(dq_rows, tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32), mask=offs_m[:, None] < n_q)
+    dq_rows = dq_sum_ptr + (tl.cast(bh, tl.int64) * n_sum + offs_m[:, None]) * HEAD_DIM_PADDED + cols[None, :]
+    tl.store(dq_rows, tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32), mask=offs_m[:, None] < n_sum)
+
+
+@triton.jit(do_not_specialize=["n_q", "n_sum"])
+def attn_bwd_dq_cast_kernel(dq_sum_ptr, dq_ptr, n_q, n_heads, n_sum, sqb, sqh, sqn, sqd,
+                            HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, FRAGMENTS: tl.constexpr):
+    """After the 5-matmul backward, one Q block (64 rows) of one (batch, head): its fp32 dQ sum, in order or
+    (FRAGMENTS) in fragment rows (`hopper_backward.dq_sum_fields`: the block's floats as 256 rows of
+    HEAD_DIM_PADDED / 4, row half x 128 + thread of a warpgroup's accumulator, 4 floats of a (row, row + 8)
+    column pair each) put back in order, cast into dQ (B, H, n_q, HEAD_DIM), any strides."""
+    n_blocks = n_sum // 64
+    pid = tl.program_id(0)
+    bh = pid // n_blocks
+    start = (pid % n_blocks) * 64
+    block = dq_sum_ptr + (tl.cast(bh, tl.int64) * n_sum + start) * HEAD_DIM_PADDED
+    c = tl.arange(0, HEAD_DIM_PADDED)
+    if FRAGMENTS:
+        quarter: tl.constexpr = HEAD_DIM_PADDED // 4
+        frag = tl.load(block + tl.arange(0, 256)[:, None] * quarter + tl.arange(0, quarter)[None, :])
+        # fragment rows: half, warp, lane // 4, lane % 4; columns: 8-column group, row + 8, column pair
+        parts = tl.reshape(frag, [2, 4, 8, 4, HEAD_DIM_PADDED // 16, 2, 2])
+        # rows: warp, row + 8, lane // 4; columns: half, 8-column group, lane % 4, column pair
+        dq = tl.reshape(tl.permute(parts, (1, 5, 2, 0, 4, 3, 6)), [64, HEAD_DIM_PADDED])
+    else:
+        dq = tl.load(block + tl.arange(0, 64)[:, None] * HEAD_DIM_PADDED + c[None, :])
+    rows = start + tl.arange(0, 64)
+    at = (tl.cast(bh // n_heads, tl.int64) * sqb + tl.cast(bh % n_heads, tl.int64) * sqh
+          + tl.cast(rows[:, None], tl.int64) * sqn + c[None, :] * sqd)
+    tl.store(dq_ptr + at, dq.to(dq_ptr.dtype.element_ty), mask=(rows[:, None] < n_q) & (c[None, :] < HEAD_DIM))
 
 
 # ---- packed sequences: the rows of a padded buffer past its last sequence -------------------------
