@@ -759,7 +759,7 @@ def test_backward_prep_kernel_writes_the_row_terms_and_clears_the_dq_sum():
     for dlse in (None, testing.randn((b, h, n), torch.float32)):
         scratch = torch.full((2, b, h, padded_n), math.nan, device=lse.device)
         dq_sum = torch.full((b, h, n_sum, padded), math.nan, device=lse.device)
-        kernels.attn_bwd_prep_kernel[(-(-n // fk_config.PREP_ROWS) * b * h,)](
+        kernels.attn_bwd_prep_kernel[(-(-n_sum // fk_config.PREP_ROWS) * b * h,)](
             out, grad_out, lse, lse if dlse is None else dlse, scratch[0], scratch[1], dq_sum, n, h, n_sum,
             *out.stride(), *grad_out.stride(), *lse.stride()[:2], *(lse if dlse is None else dlse).stride(),
             *scratch.stride()[1:3], HAS_DLSE=dlse is not None, HEAD_DIM=d, HEAD_DIM_PADDED=padded,
@@ -800,6 +800,7 @@ def test_dq_cast_kernel_puts_the_fragment_rows_in_order(dtype, d, fragments):
     ulp = torch.finfo(dtype).eps
     torch.testing.assert_close(view.float(), dense[:, :, :n, :d], rtol=ulp, atol=torch.finfo(dtype).tiny)
     assert bool(dq[:, n:].isnan().all()) and bool(dq[..., d:].isnan().all())
+
 
 @ON_GLUON_HOPPER
 def test_hopper_forward_leaves_unaligned_bases_and_other_masks_to_tl(monkeypatch, switch):

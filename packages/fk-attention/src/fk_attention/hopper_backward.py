@@ -744,7 +744,7 @@ def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[i
     padded = padded_head_dim(d)
     has_dlse = dlse is not None
     rows = dq_sum_rows(n_q)
-    prep = Launch(kernels.attn_bwd_prep_kernel, (sizing.cdiv(n_q, PREP_ROWS) * b * hq,),
+    prep = Launch(kernels.attn_bwd_prep_kernel, (sizing.cdiv(rows, PREP_ROWS) * b * hq,),
                   (n_q, hq, rows, *out.stride(), *grad_out.stride(), *lse_strides,
                    *(dlse.stride() if has_dlse else (0, 0, 0)), *scratch_strides),
                   {"HAS_DLSE": has_dlse, "HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_M": PREP_ROWS,

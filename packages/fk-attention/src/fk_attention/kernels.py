@@ -701,8 +701,8 @@ def attn_bwd_prep_kernel(o_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, 
     of one dense (batch, head): the row terms delta = rowsum(dO * O) (minus dlse) and the base-2 lse
     in the scratch rows (past n_q, to their STATS_ALIGN padding: delta 0, lse2 +inf, as the dQ
     kernel leaves them), and the rows of the fp32 dQ sum (B, H, n_sum, HEAD_DIM_PADDED), contiguous,
-    cleared for the TMA adds (all n_sum, whole Q blocks: `hopper_backward.dq_sum_rows`)."""
-    n_blocks = tl.cdiv(n_q, BLOCK_M)
+    cleared for the TMA adds (all n_sum, whole Q blocks: `hopper_backward.dq_sum_rows`; the grid covers them)."""
+    n_blocks = tl.cdiv(n_sum, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // n_blocks
     b = bh // n_heads
