@@ -75,7 +75,7 @@ def fused_backward(d: int, causal: bool, **builds):
         (fk_config.GLUON_Q_ROWS, None), (fk_config.GLUON_KEYS, kv), (fk_config.GLUON_KEYS, kv),
         (fk_config.GLUON_Q_ROWS, None), (fk_config.GLUON_KEYS, kv), (fk_config.GLUON_KEYS, kv))]
     builds = {**hopper_backward.fused_builds(d, causal), **builds}
-    dq_sum = torch.empty(B, H, N, d)
+    dq_sum = torch.empty(B, H, hopper_backward.dq_sum_rows(N), d)
     dq = Descriptor(dq_sum, *hopper_backward.dq_sum_fields(list(dq_sum.shape), builds)).real()
     return hopper_backward.attn_bwd_hopper_kernel.warmup(
         *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, 0, 2, CAUSAL=causal, HEAD_DIM=d,

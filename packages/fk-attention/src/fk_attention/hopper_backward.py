@@ -458,12 +458,12 @@ if gluon is not None:
         store_wait(0)  # this warpgroup's add of the step before has read its tile
         if FRAGMENTS:
             dq_out.store(_fragment_rows(dq * sm_scale, HEAD_DIM))
-            fence_async_shared()
-            tma_reduce_add(dq_desc, [b, h, 4 * m0 + HALF * 128, 0], dq_tile)  # a Q block: 256 fragment rows
+            row, col = 4 * m0 + HALF * 128, 0  # a Q block: 256 fragment rows
         else:
             dq_out.store(dq * sm_scale)
-            fence_async_shared()
-            tma_reduce_add(dq_desc, [b, h, m0, HALF * dq.shape[1]], dq_tile)
+            row, col = m0, HALF * dq.shape[1]
+        fence_async_shared()
+        tma_reduce_add(dq_desc, [b, h, row, col], dq_tile)
 
     @gluon.jit
     def _dq_by_turns(dv, dk, pt_op, ds_smem, dq_out, dq_tile, dq_desc, empty, ds_full, ds_free, k_lo, k_hi, dq_zero,
