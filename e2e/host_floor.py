@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("host_floor.py times CUDA calls: run it on a GPU machine")
     found = calls()
     for fn in found.values():
         for _ in range(WARMUP):

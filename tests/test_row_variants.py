@@ -126,3 +126,10 @@ def test_host_variants_refuses_a_machine_without_a_gpu(e2e_script):
     """e2e/host_variants.py times CUDA launches: without a GPU it says so, timing nothing."""
     with pytest.raises(SystemExit, match="GPU machine"):
         e2e_script("host_variants").main(["--variant", "nocache", "fk_runtime.launch:DESCRIPTOR_CACHE=0"])
+
+
+@pytest.mark.skipif(backend.backend() is not backend.Backend.INTERPRETER, reason="a machine without a GPU")
+def test_host_floor_refuses_a_machine_without_a_gpu(e2e_script):
+    """e2e/host_floor.py times CUDA calls: without a GPU it says so, timing nothing."""
+    with pytest.raises(SystemExit, match="GPU machine"):
+        e2e_script("host_floor").main([])
