@@ -1,12 +1,14 @@
 """What an eager fwd+bwd costs the host on a GPU box, fk beside torch's op and beside the floor of any Python
 `autograd.Function` (a no-op one: its forward and backward only allocate), with autograd's device threads (how a
 user runs it) and with the backward on the calling thread (`torch.autograd.set_multithreading_enabled(False)`:
-what is left without the hand-over to the engine's thread). shared/TUNING.md: The floor of a recorded call.
+what is left without the hand-over to the engine's thread). BENCHMARKS.md: The floor of a recorded call;
+shared/TUNING.md: Recorded calls straight to the autograd.Function.
 
 Calls (bf16, tiny device times): attention B1 H8 N128 d64 causal (SDPA's default beside fk), rms_norm 4 x 4096
-(torch's beside fk); 30 warm-up calls, then 7 interleaved samples of 200 calls back to back and one
-synchronization; µs a call, the median and the fastest sample. `--profile` adds cProfile of fk's fwd+bwd on the
-calling thread (all of fk's Python, with the profiler's own overhead).
+(torch's beside fk), made as the host section makes them (`bench.host_call`); 30 warm-up calls, then 7
+interleaved samples of 200 calls back to back and one synchronization (`bench.interleaved_samples`); µs a call,
+the median and the fastest sample. `--profile` adds cProfile of fk's fwd+bwd on the calling thread (all of fk's
+Python, with the profiler's own overhead).
 
     bash shared/from-source.sh python e2e/host_floor.py [--profile]
 """
@@ -19,10 +21,11 @@ import io
 import pstats
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+
+from fk_runtime.harness import bench
 
 CALLS = 200
 SAMPLES = 7
@@ -49,37 +52,29 @@ def one_thread(fn):
     return call
 
 
-def with_backward(fn, leaves, grad):
-    """fn() and autograd.grad of its result (as the host section's `fwd+bwd`)."""
-    return lambda: torch.autograd.grad(fn(), leaves, grad)
-
-
 def calls() -> dict:
+    """{(row, mode): call}: each op's host calls as the host section makes them (`bench.host_call`), and fwd+bwd
+    on one thread."""
     from fk_attention import attention
     from fk_layernorm import rms_norm
 
-    def randn(*shape, grad=True):
-        return torch.randn(*shape, dtype=torch.bfloat16, device="cuda", requires_grad=grad)
+    def randn(*shape):
+        return torch.randn(*shape, dtype=torch.bfloat16, device="cuda", requires_grad=True)
 
-    q, k, v = (randn(1, 8, 128, 64) for _ in range(3))
-    g = randn(1, 8, 128, 64, grad=False)
-    x, w, gx = randn(4, 4096), randn(4096), randn(4, 4096, grad=False)
-    pairs = {
-        "attention": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                      lambda: attention(q, k, v, causal=True), (q, k, v), g),
-        "rms_norm": (lambda: F.rms_norm(x, (4096,), w), lambda: rms_norm(x, w), (x, w), gx),
-        "no-op Function": (None, lambda: Noop.apply(q, k, v), (q, k, v), g),
+    qkv = [randn(1, 8, 128, 64) for _ in range(3)]
+    xw = [randn(4, 4096), randn(4096)]
+    ops = {
+        "attention torch": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), qkv),
+        "attention fk": (lambda q, k, v: attention(q, k, v, causal=True), qkv),
+        "rms_norm torch": (lambda x, w: F.rms_norm(x, (4096,), w), xw),
+        "rms_norm fk": (rms_norm, xw),
+        "no-op Function": (Noop.apply, qkv),
     }
     found = {}
-    for op, (torch_fn, fk_fn, leaves, grad) in pairs.items():
-        for who, fn in (("torch", torch_fn), ("fk", fk_fn)):
-            if fn is None:
-                continue
-            name = f"{op} {who}" if op != "no-op Function" else op
-            both = with_backward(fn, leaves, grad)
-            found[(name, "fwd")] = fn
-            found[(name, "fwd+bwd")] = both
-            found[(name, "fwd+bwd, one thread")] = one_thread(both)
+    for name, (fn, inputs) in ops.items():
+        found[(name, "fwd")] = bench.host_call(fn, inputs, "fwd")
+        found[(name, "fwd+bwd")] = bench.host_call(fn, inputs, "fwd+bwd")
+        found[(name, "fwd+bwd, one thread")] = one_thread(found[(name, "fwd+bwd")])
     return found
 
 
@@ -90,20 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("host_floor.py times CUDA calls: run it on a GPU machine")
     found = calls()
-    for fn in found.values():
-        for _ in range(WARMUP):
-            fn()
-    from fk_runtime import ahead
-    ahead.finish()
-    samples = {key: [] for key in found}
-    for _ in range(SAMPLES):
-        for key, fn in found.items():
-            torch.cuda.synchronize()
-            began = time.perf_counter()
-            for _ in range(CALLS):
-                fn()
-            torch.cuda.synchronize()
-            samples[key].append((time.perf_counter() - began) / CALLS * 1e6)
+    samples = {key: [t * 1e6 for t in times]
+               for key, times in bench.interleaved_samples(found, WARMUP, CALLS, SAMPLES).items()}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
           f"{__import__('triton').__version__}: µs a call, median (fastest) of {SAMPLES} samples of {CALLS}\n")
     modes = ("fwd", "fwd+bwd", "fwd+bwd, one thread")

@@ -521,7 +521,12 @@ def host_settings() -> tuple[int, int, int]:
 
 def interleaved_seconds(calls: dict[str, Callable[[], object]], warmup: int, count: int,
                         repeats: int) -> dict[str, float]:
-    """Median wall seconds per call of each of `calls`: `count` calls back to back between two
+    """Median wall seconds per call of each of `calls` (`interleaved_samples`)."""
+    return {name: statistics.median(s) for name, s in interleaved_samples(calls, warmup, count, repeats).items()}
+
+
+def interleaved_samples(calls: dict, warmup: int, count: int, repeats: int) -> dict[object, list[float]]:
+    """`repeats` samples of wall seconds per call of each of `calls`: `count` calls back to back between two
     synchronizations make one sample; the samples of all calls are interleaved so that a slow
     stretch of the machine weighs on each alike. Host work included: what a user pays, once the
     compiles that the warm-up started ahead are done (`ahead.finish`): per call, not per process."""
@@ -529,7 +534,7 @@ def interleaved_seconds(calls: dict[str, Callable[[], object]], warmup: int, cou
         for _ in range(warmup):
             call()
     ahead.finish()
-    samples: dict[str, list[float]] = {name: [] for name in calls}
+    samples: dict[object, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
             _synchronize()
@@ -538,7 +543,7 @@ def interleaved_seconds(calls: dict[str, Callable[[], object]], warmup: int, cou
                 call()
             _synchronize()
             samples[name].append((time.perf_counter() - start) / count)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
 
 
 def time_per_call_us(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
