@@ -27,8 +27,7 @@ import torch.nn.functional as F
 
 from fk_runtime.harness import bench
 
-CALLS = 200
-SAMPLES = 7
+CALLS, SAMPLES = bench.HOST_CALLS_GPU, bench.HOST_REPEATS_GPU  # the host section's samples
 WARMUP = 30
 
 
@@ -87,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     found = calls()
     samples = {key: [t * 1e6 for t in times]
                for key, times in bench.interleaved_samples(found, WARMUP, CALLS, SAMPLES).items()}
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-          f"{__import__('triton').__version__}: µs a call, median (fastest) of {SAMPLES} samples of {CALLS}\n")
+    env = bench.environment()
+    print(f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}: µs a call, median (fastest) "
+          f"of {SAMPLES} samples of {CALLS}\n")
     modes = ("fwd", "fwd+bwd", "fwd+bwd, one thread")
     print("| call | " + " | ".join(modes) + " |\n| --- |" + " --- |" * len(modes))
     for name in dict.fromkeys(key[0] for key in found):
