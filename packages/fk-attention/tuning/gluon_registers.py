@@ -125,7 +125,8 @@ def forward(d: int, mask, n: int = N):
         BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CONSUMERS=consumers,
         PERSISTENT=hopper.persistent_grid(builds["SEEN"], d, n),
         CONSUMER_REGISTERS=hopper.consumer_registers(consumers),
-        PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
+        PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
+        HALF_LAST=hopper.half_last(builds["SEEN"], d, consumers), num_warps=4, grid=(1,))
 
 
 def decode(d: int, stages: int, sliced: bool):

@@ -408,6 +408,12 @@ GLUON_FORWARD_FULL_OR_CAUSAL = (64,)
 # N1024 (three: five 192-row tiles and one of 64) on two: 0.98 / 0.94-0.96x three's time (3.8 / 3.6); past
 # 1024 rows three (two took 3-10% more time at N >= 4096). TUNING.md: Hopper forward.
 GLUON_FORWARD_TWO = ((64, 1, 4096), (64, 0, 1024))
+# (padded head dim, SEEN) whose forward on two consumers takes a consumer's last key block at half width
+# where its rows see none of the block's second half (causal: a 128-row tile's first 64 rows on its
+# diagonal): d64 up to 4096 rows 1.00-1.04x the speed in 10 of 11 row runs (0.98x in one); d96-d256 and d64
+# on three consumers level or slower
+# (TUNING.md: Hopper forward, the diagonal at half width).
+GLUON_FORWARD_HALF_LAST = ((64, 1),)
 # Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) and padded head dims whose Gluon
 # forward runs on a persistent grid, a program a multiprocessor: the next tile's loads under this
 # one's epilogue, about 9% less time at d128 N1024, 7-12% at d64 N1024 (TUNING.md: Forward on a

@@ -102,6 +102,13 @@ def forward_mask_args(mask: Mask, sm_scale: float) -> tuple[dict, tuple]:
     return {"SEEN": seen, "SOFTCAP": False}, (sm_scale * LOG2E, 1.0, left, right)
 
 
+def half_last(seen: int, head_dim: int, consumers: int) -> bool:
+    """Whether the forward of mask build `seen` at this head dim on `consumers` warpgroups takes a consumer's
+    last key block at half width where its rows see none of the block's second half (causal: a 128-row
+    tile's first 64 rows on its diagonal block; `config.GLUON_FORWARD_HALF_LAST`, two consumers)."""
+    return consumers == 2 and (padded_head_dim(head_dim), seen) in config.GLUON_FORWARD_HALF_LAST
+
+
 def persistent_grid(seen: int, head_dim: int, n_q: int) -> bool:
     """Whether the forward runs on a persistent grid: its padded head dim in
     `config.GLUON_PERSISTENT_HEAD_DIMS`, its mask in `GLUON_PERSISTENT_SEEN` (causal up to
@@ -168,6 +175,18 @@ if gluon is not None:
             full_lo = gl.cdiv(gl.maximum(row0 + ROWS - 1 + shift - left, 0), BLOCK_N)
             full_hi = gl.minimum(full_hi, gl.maximum(row0 + shift + right + 1, 0) // BLOCK_N)
         return full_lo, full_hi
+
+    @gluon.jit
+    def _half_last(row0, last_block, n_k, shift, right, SEEN: gl.constexpr, ROWS: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+        """Whether the ROWS query rows from row0 see no key of the second half of key block last_block
+        (causal: the diagonal block of a tile's first 64 rows), so that it can be skipped."""
+        last_key = n_k - 1
+        if SEEN == 1:
+            last_key = gl.minimum(last_key, row0 + ROWS - 1 + shift)
+        if SEEN == 2:
+            last_key = gl.minimum(last_key, row0 + ROWS - 1 + shift + right)
+        return last_key < last_block * BLOCK_N + BLOCK_N // 2
 
     @gluon.jit
     def _units(n_q, SEEN: gl.constexpr, TILE: gl.constexpr):
@@ -298,11 +317,52 @@ if gluon is not None:
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
+    def _half_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_free, acc, m_i, l_i, at, key_block, row0,
+                   qk_scale, cap_scale, n_k, shift, left, right, full_lo, full_hi, PART: gl.constexpr,
+                   SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+        """A tile's last step (ring position `at`, `key_block`) on the first BLOCK_N / 2 keys of its K and V,
+        after the previous step's P V: Q K^T, softmax, P V, half as wide as `_consume_tile`'s steps.
+        Returns the output accumulator and the rows' max and sum."""
+        HALF: gl.constexpr = BLOCK_N // 2
+        s_layout: gl.constexpr = mma_layout(BLOCK_N)
+        h_layout: gl.constexpr = mma_layout(HALF)
+        o_layout: gl.constexpr = mma_layout(HEAD_DIM)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        dtype: gl.constexpr = k_smem.dtype
+        kv_2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        V_STAGES: gl.constexpr = v_smem.shape[0]
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, h_layout))
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, h_layout))
+        stage = at % STAGES
+        mbarrier.wait(k_ready.index(stage), (at // STAGES) & 1)
+        k_h = reinterpret(k_smem.index(stage), dtype, [BLOCK_N, HEAD_DIM], kv_2d).slice(0, HALF, dim=0)
+        s = warpgroup_mma(q, k_h.permute((1, 0)), gl.zeros([ROWS, HALF], gl.float32, h_layout), use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        mbarrier.arrive(q_free.index(PART), count=1)
+        s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, key_block, n_k, shift, left, right, full_lo, full_hi,
+                    SEEN, BLOCK_N)
+        p, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
+                                      gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), qk_scale)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p_h = gl.convert_layout(p.to(dtype), p_layout)
+        slot = at % V_STAGES
+        mbarrier.wait(v_ready.index(slot), (at // V_STAGES) & 1)
+        v_h = reinterpret(v_smem.index(slot), dtype, [BLOCK_N, HEAD_DIM], kv_2d).slice(0, HALF, dim=0)
+        acc = warpgroup_mma(p_h, v_h, acc, is_async=True)
+        acc, p_h = warpgroup_mma_wait(0, deps=[acc, p_h])
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        return (acc, gl.convert_layout(m_h, gl.SliceLayout(1, s_layout)),
+                gl.convert_layout(l_h, gl.SliceLayout(1, s_layout)))
+
+    @gluon.jit
     def _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                       v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left,
                       right, slb, slh, PART: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr,
                       ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      PERSISTENT: gl.constexpr):
+                      PERSISTENT: gl.constexpr, HALF_LAST: gl.constexpr):
         """One warpgroup's ROWS rows (the tile's PART-th) of the program's j-th tile, its K/V blocks from
         ring position `step` on: S_j = Q K_j^T issued, then P_{j-1} V_{j-1}; the softmax of S_j runs while
         the latter is on the tensor cores, and P_j, cast to the operand P V takes, is what the next step
@@ -310,7 +370,9 @@ if gluon is not None:
         through TMA from o_smem: on a persistent grid a buffer of its own, left to drain while the next
         tile runs (Q's buffer frees after the last Q K^T, so that the next tile's Q and K load under this
         epilogue); one tile a program, Q's own buffer. Three consumers: one whose rows all lie past n_q
-        passes the tile's blocks on, no matmul, no epilogue. Returns the ring position after the tile."""
+        passes the tile's blocks on, no matmul, no epilogue. HALF_LAST: a last block whose second half
+        these rows do not see (causal: the first 64 rows' diagonal) is taken at half width (`_half_step`).
+        Returns the ring position after the tile."""
         s_layout: gl.constexpr = mma_layout(BLOCK_N)
         o_layout: gl.constexpr = mma_layout(HEAD_DIM)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -356,7 +418,12 @@ if gluon is not None:
                         full_hi, SEEN, BLOCK_N)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
             p_op = gl.convert_layout(p.to(dtype), p_layout)  # carried as the operand: half p's registers
-            for i in range(1, n_steps):
+            half = False
+            n_full = n_steps
+            if HALF_LAST:
+                half = (n_steps > 1) & _half_last(row0, first + n_steps - 1, n_k, shift, right, SEEN, ROWS, BLOCK_N)
+                n_full = n_steps - half.to(gl.int32)
+            for i in range(1, n_full):
                 at = step + i
                 prev = (at - 1) % V_STAGES
                 stage = at % STAGES
@@ -376,13 +443,18 @@ if gluon is not None:
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-            at = step + n_steps - 1
+            at = step + n_full - 1
             last = at % V_STAGES
             mbarrier.wait(v_ready.index(last), (at // V_STAGES) & 1)
             v_last = reinterpret(v_smem.index(last), dtype, [BLOCK_N, HEAD_DIM], kv_2d)
             acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(last), count=1)
+            if half:  # (after the last full P V: p_op used in a branch cost every step's operand a PRMT)
+                acc, m_i, l_i = _half_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_free, acc, m_i,
+                                           l_i, at + 1, first + n_steps - 1, row0, qk_scale, cap_scale, n_k, shift,
+                                           left, right, full_lo, full_hi, PART, SEEN, SOFTCAP, ROWS, BLOCK_N,
+                                           HEAD_DIM, STAGES)
         else:
             mbarrier.arrive(q_free.index(PART), count=1)
         if not SKIP_EMPTY or row0 < n_q:
@@ -404,7 +476,8 @@ if gluon is not None:
     def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready, v_empty,
                   lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles, slb, slh,
                   PART: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr,
-                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+                  HALF_LAST: gl.constexpr):
         if PERSISTENT:  # the rings run on across tiles
             step = 0
             j = 0
@@ -415,20 +488,22 @@ if gluon is not None:
                     step = _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready,
                                          k_empty, v_ready, v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale,
                                          n_q, n_k, n_heads, group, shift, left, right, slb, slh, PART, SEEN,
-                                         SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, True)
+                                         SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, True, HALF_LAST)
                     j += 1
             store_wait(0)  # before the program's shared memory goes
         else:
             _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                           v_empty, lse_ptr, gl.program_id(0), 0, 0, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift,
-                          left, right, slb, slh, PART, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, False)
+                          left, right, slb, slh, PART, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, False,
+                          HALF_LAST)
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "n_tiles", "slb", "slh"])
     def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads,
                                group, shift, left, right, n_tiles, slb, slh, SEEN: gl.constexpr,
                                SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
-                               CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
+                               CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
+                               HALF_LAST: gl.constexpr):
         """Tiles of CONSUMERS (2 or 3) x 64 query rows of one (batch, head) against every key they see
         (SEEN 0 all, 1 causal, 2 a window of `left` and `right` keys, key blocks outside it skipped;
         `_fwd_tile`); PERSISTENT: a program a multiprocessor takes units pid, pid + programs, ... of the
@@ -464,13 +539,16 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
+                             n_tiles, slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
+                             HALF_LAST)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
+                             n_tiles, slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
+                             HALF_LAST)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, 2, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
+                             n_tiles, slb, slh, 2, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
+                             HALF_LAST)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                              v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN, ROWS,
                              BLOCK_N, STAGES, PERSISTENT)),
@@ -479,10 +557,12 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
+                             n_tiles, slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
+                             HALF_LAST)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT)),
+                             n_tiles, slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
+                             HALF_LAST)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                              v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN, ROWS,
                              BLOCK_N, STAGES, PERSISTENT)),
@@ -524,7 +604,8 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
                      n_tiles, *lse_strides),
                     {**builds, "BLOCK_N": block_n, "HEAD_DIM": padded, "STAGES": stages, "CONSUMERS": consumers,
                      "PERSISTENT": persistent, "CONSUMER_REGISTERS": consumer_registers(consumers),
-                     "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS, "num_warps": 4}, q.device)
+                     "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
+                     "HALF_LAST": half_last(builds["SEEN"], d, consumers), "num_warps": 4}, q.device)
 
     def run(q, k, v, out, lse):  # (no generator a call: 1-2 µs)
         launch(Descriptor(q, *q_tile), Descriptor(k, *k_tile), Descriptor(v, *v_tile), Descriptor(out, *o_tile), lse)
