@@ -410,9 +410,8 @@ GLUON_FORWARD_FULL_OR_CAUSAL = (64,)
 GLUON_FORWARD_TWO = ((64, 1, 4096), (64, 0, 1024))
 # (padded head dim, SEEN) whose forward on two consumers takes a consumer's last key block at half width
 # where its rows see none of the block's second half (causal: a 128-row tile's first 64 rows on its
-# diagonal): d64 up to 4096 rows 1.00-1.04x the speed in 10 of 11 row runs (0.98x in one); d96-d256 and d64
-# on three consumers level or slower
-# (TUNING.md: Hopper forward, the diagonal at half width).
+# diagonal): d64 up to 4096 rows 1.00-1.04x the speed in 10 of 11 row runs (0.98x in one); d96-d256 and
+# d64 on three consumers level or slower (TUNING.md: Hopper forward, the diagonal at half width).
 GLUON_FORWARD_HALF_LAST = ((64, 1),)
 # Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) and padded head dims whose Gluon
 # forward runs on a persistent grid, a program a multiprocessor: the next tile's loads under this
