@@ -177,15 +177,13 @@ if gluon is not None:
         return full_lo, full_hi
 
     @gluon.jit
-    def _half_last(row0, last_block, n_k, shift, right, SEEN: gl.constexpr, ROWS: gl.constexpr,
-                   BLOCK_N: gl.constexpr):
+    def _half_last(row0, last_block, n_k, shift, SEEN: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
         """Whether the ROWS query rows from row0 see no key of the second half of key block last_block
-        (causal: the diagonal block of a tile's first 64 rows), so that it can be skipped."""
+        (causal: the diagonal block of a tile's first 64 rows; other masks: past n_k), so that it can be
+        skipped."""
         last_key = n_k - 1
         if SEEN == 1:
             last_key = gl.minimum(last_key, row0 + ROWS - 1 + shift)
-        if SEEN == 2:
-            last_key = gl.minimum(last_key, row0 + ROWS - 1 + shift + right)
         return last_key < last_block * BLOCK_N + BLOCK_N // 2
 
     @gluon.jit
@@ -421,7 +419,7 @@ if gluon is not None:
             half = False
             n_full = n_steps
             if HALF_LAST:
-                half = (n_steps > 1) & _half_last(row0, first + n_steps - 1, n_k, shift, right, SEEN, ROWS, BLOCK_N)
+                half = (n_steps > 1) & _half_last(row0, first + n_steps - 1, n_k, shift, SEEN, ROWS, BLOCK_N)
                 n_full = n_steps - half.to(gl.int32)
             for i in range(1, n_full):
                 at = step + i
