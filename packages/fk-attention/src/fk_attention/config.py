@@ -386,10 +386,10 @@ GLUON_HEAD_DIMS = (128, 256)
 # at d256): the d256 backward 1.15-1.26x the speed it had with the tl dV and dK launches on Triton 3.8
 # (1.19-1.49x on 3.6), 1.03-1.15x cuDNN's (TUNING.md: Backward dK/dV at d256).
 GLUON_ROLE_HEAD_DIMS = (256,)
-# Triton releases whose Gluon forward takes windows and softcaps too, where timed against the tl kernel
-# (window 1024 0.90x / 0.91x, softcap 50 0.76x / 0.80x its time on 3.6 / 3.8, TUNING.md: Hopper
-# forward); 3.7 and 3.9 keep the tl kernel for them until timed there.
-GLUON_FORWARD_MASKS = ((3, 6), (3, 8))
+# Triton releases whose Gluon forward takes windows and softcaps too, each timed against the tl kernel
+# (H200; window 1024 0.90 / 0.82 / 0.91 / 0.84x, softcap 50 0.76 / 0.86 / 0.80 / 0.84x its time on
+# 3.6 / 3.7 / 3.8 / 3.9; TUNING.md: Hopper forward).
+GLUON_FORWARD_MASKS = ((3, 6), (3, 7), (3, 8), (3, 9))
 
 # The forward's padded head dims, each with its keys per step, K/V ring stages and consumer warpgroups
 # of GLUON_ROWS query rows, (head dim, BLOCK_N, STAGES, CONSUMERS; V's ring a stage shorter): d128 beat
