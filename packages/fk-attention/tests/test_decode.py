@@ -369,8 +369,9 @@ def test_gluon_decode_rings_fill_the_shared_memory_of_the_resident_programs(monk
     assert not decode.split_plan(64, 32, 1, 1024, 64, torch.bfloat16, 0, 0).gluon
     assert not decode.split_plan(16, 8, 4, 1024, 64, torch.bfloat16, 0, 0).gluon
     assert decode.split_plan(16, 32, 1, 1024, 64, torch.bfloat16, 0, 0).gluon
-    monkeypatch.setattr(decode.backend, "triton_release", lambda version=None: (3, 8))
-    assert decode.split_plan(64, 32, 1, 1024, 64, torch.bfloat16, 0, 0).gluon
+    for release in ((3, 7), (3, 8)):
+        monkeypatch.setattr(decode.backend, "triton_release", lambda version=None, release=release: release)
+        assert decode.split_plan(64, 32, 1, 1024, 64, torch.bfloat16, 0, 0).gluon
     assert not decode.split_plan(64, 32, 1, 1025, 64, torch.bfloat16, 0, 0).gluon
     assert not decode.split_plan(64, 32, 1, 8192, 64, torch.bfloat16, 0, 0).gluon
     assert not decode.split_plan(16, 8, 4, 1024, 64, torch.bfloat16, 0, 0).gluon

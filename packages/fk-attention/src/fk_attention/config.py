@@ -365,10 +365,10 @@ GLUON_DECODE_RESERVE = 3 << 10
 # H32:8), 16 (several waves) 1.01-1.10x (B64 H32:32).
 GLUON_DECODE_PROGRAMS_PER_SM = (1, 4)
 # Grids past that `most` whose programs read at most GLUON_DECODE_SHORT_KEYS keys each take it too, from Triton
-# GLUON_DECODE_SHORT_FROM on: at B64 KV1024 H32:32 (2048 programs) 0.984x the tl kernel's time on 3.8, 0.976x on
-# 3.9, but 1.034x on 3.6; at KV8192 1.008x (3.8).
+# GLUON_DECODE_SHORT_FROM on: at B64 KV1024 H32:32 (2048 programs) 0.976x the tl kernel's time on 3.7, 0.984x on
+# 3.8, 0.976x on 3.9, but 1.034x on 3.6; at KV8192 1.008x (3.8).
 GLUON_DECODE_SHORT_KEYS = 1024
-GLUON_DECODE_SHORT_FROM = (3, 8)
+GLUON_DECODE_SHORT_FROM = (3, 7)
 # A cache shorter than SHORT_CACHE_KEYS that the tl kernel reads without slices keeps it where the Gluon kernel
 # would slice it (and merge the slices in a second launch): B16 KV1024 H32:8 d64, 4 slices, took 1.03x the tl
 # kernel's time on 3.8, 1.01x on 3.6.
