@@ -579,7 +579,6 @@ def test_forward_mask_args_match_the_tl_kernels_scales():
     assert qk == pytest.approx(30.0 * log2e) and cap_scale == pytest.approx(2 * log2e * 0.125 / 30.0)
 
 
-
 def test_forward_takes_the_diagonal_at_half_width_where_configured(monkeypatch):
     """The half-width diagonal step (`hopper.half_last`): causal builds of the head dims in
     `config.GLUON_FORWARD_HALF_LAST` on two consumers, padded (d40 as d64); never three consumers, full
@@ -590,6 +589,7 @@ def test_forward_takes_the_diagonal_at_half_width_where_configured(monkeypatch):
     assert not hopper.half_last(1, 128, 2) and not hopper.half_last(1, 256, 2)
     monkeypatch.setattr(fk_config, "GLUON_FORWARD_HALF_LAST", ((128, 1),))
     assert hopper.half_last(1, 96, 2) and not hopper.half_last(1, 64, 2)
+
 
 def _masked_reference(q, k, v, mask: fk_mask.Mask, scale: float, with_lse: bool = False):
     """float64 attention with GQA and any mask (windows of either alignment, softcap); rows that see
