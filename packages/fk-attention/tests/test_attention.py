@@ -591,6 +591,19 @@ def test_forward_takes_the_diagonal_at_half_width_where_configured(monkeypatch):
     assert hopper.half_last(1, 96, 2) and not hopper.half_last(1, 64, 2)
 
 
+def test_forward_waits_for_p_v_below_the_softmax_where_configured(monkeypatch):
+    """The P V wait below a branch after the softmax (`hopper.late_pv_wait`): the (padded head dim, mask
+    build, consumers) builds in `config.GLUON_FORWARD_LATE_PV_WAIT`; as shipped, d64 full masks on three
+    consumers (padded: d40 as d64) and no other build."""
+    assert fk_config.GLUON_FORWARD_LATE_PV_WAIT == ((64, 0, 3),)
+    assert hopper.late_pv_wait(0, 64, 3) and hopper.late_pv_wait(0, 40, 3)
+    assert not hopper.late_pv_wait(0, 64, 2) and not hopper.late_pv_wait(1, 64, 3)
+    assert not hopper.late_pv_wait(0, 128, 2) and not hopper.late_pv_wait(1, 256, 2)
+    assert hopper.forward_tiles(64, 0, 4096)[2] == 3 and hopper.forward_tiles(64, 0, 1024)[2] == 2
+    monkeypatch.setattr(fk_config, "GLUON_FORWARD_LATE_PV_WAIT", ((128, 1, 2),))
+    assert hopper.late_pv_wait(1, 96, 2) and not hopper.late_pv_wait(0, 64, 3)
+
+
 def _masked_reference(q, k, v, mask: fk_mask.Mask, scale: float, with_lse: bool = False):
     """float64 attention with GQA and any mask (windows of either alignment, softcap); rows that see
     no key give 0 (and a log-sum-exp of -inf)."""

@@ -97,7 +97,27 @@ def role_dkdv(d: int, causal: bool):
         PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
 
 
-def usage(compiled) -> str:
+def pv_waits_below(sass: str) -> str:
+    """In how many of the forward's step loops (innermost predicated backward branches around wgmma and exp2)
+    the last full wgmma wait comes after the last exp2: the P V that is meant to run under the softmax (ptxas
+    moves a wgmma wait up to the top of its basic block; `hopper.late_pv_wait`)."""
+    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    at = {int(a, 16): i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (_, text) in enumerate(ins):
+        back = re.match(r"@!?U?P\d\s+BRA\s+(?:`\(\.L_x_\d+\)\s*)?.*?0x([0-9a-f]+)", text)
+        start = at.get(int(back.group(1), 16), i) if back else i
+        body = [t for _, t in ins[start:i + 1]]
+        if start < i and any("MUFU.EX2" in t for t in body) and any("HGMMA" in t for t in body):
+            loops.append((start, i, body))
+    inner = [body for start, end, body in loops
+             if not any(start <= s2 and e2 <= end and (s2, e2) != (start, end) for s2, e2, _ in loops)]
+    below = sum(any("DEPBAR.LE gsb0, 0x0" in t for t in body[max(j for j, t in enumerate(body) if "MUFU.EX2" in t):])
+                for body in inner)
+    return f"; P V wait below the exponentials in {below} of {len(inner)} step loops"
+
+
+def usage(compiled, pv_waits: bool = False) -> str:
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "k.ptx")
         with open(ptx, "w") as f:
@@ -105,11 +125,13 @@ def usage(compiled) -> str:
         tool = get_ptxas(90).path  # the ptxas this Triton compiles sm_90 with (3.9: its newer one)
         log = subprocess.run([tool, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(folder, "k.o")],
                              capture_output=True, text=True).stderr
+        sass = subprocess.run([os.path.join(os.path.dirname(tool), "cuobjdump"), "--dump-sass",
+                               os.path.join(folder, "k.o")], capture_output=True, text=True).stdout if pv_waits else ""
     spills = next((line.strip() for line in log.splitlines() if "spill" in line), "")
     # ptxas serializes every wgmma of a kernel where other code reads an accumulator still in flight
     serialized = "; wgmma serialized (C7514)" if "C7514" in log else ""
     atomics = Counter(re.findall(r"\b(?:red|atom)\.[\w.]+", compiled.asm["ptx"]))
-    found = f"shared {compiled.metadata.shared}; {spills}{serialized}"
+    found = f"shared {compiled.metadata.shared}; {spills}{serialized}" + (pv_waits_below(sass) if pv_waits else "")
     return found + (f"; {dict(atomics)}" if atomics else "")
 
 
@@ -126,7 +148,8 @@ def forward(d: int, mask, n: int = N):
         PERSISTENT=hopper.persistent_grid(builds["SEEN"], d, n),
         CONSUMER_REGISTERS=hopper.consumer_registers(consumers),
         PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
-        HALF_LAST=hopper.half_last(builds["SEEN"], d, consumers), num_warps=4, grid=(1,))
+        HALF_LAST=hopper.half_last(builds["SEEN"], d, consumers), LATE_PV_WAIT=hopper.late_pv_wait(builds["SEEN"], d, consumers),
+        num_warps=4, grid=(1,))
 
 
 def decode(d: int, stages: int, sliced: bool):
@@ -155,7 +178,7 @@ def main() -> None:
             two = hopper.two_consumer_rows(d, hopper.forward_mask_args(mask, 0.1)[0]["SEEN"])
             for n in (two, two + 1) if two else (N,):  # two consumers up to `two` rows, then its count
                 length = f" (N {n})" if two else ""
-                print(f"forward d{d} {name}{length}: {usage(forward(d, mask, n))}")
+                print(f"forward d{d} {name}{length}: {usage(forward(d, mask, n), pv_waits=True)}")
     for causal in (False, True):
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]

@@ -109,6 +109,13 @@ def half_last(seen: int, head_dim: int, consumers: int) -> bool:
     return consumers == 2 and (padded_head_dim(head_dim), seen) in config.GLUON_FORWARD_HALF_LAST
 
 
+def late_pv_wait(seen: int, head_dim: int, consumers: int) -> bool:
+    """Whether the forward of mask build `seen` at this head dim on `consumers` warpgroups waits for a step's
+    P V below a branch after the softmax (`config.GLUON_FORWARD_LATE_PV_WAIT`): ptxas moves a wgmma wait up
+    to the top of its basic block, which without the branch puts P_{j-1} V_{j-1}'s wait before S_j's softmax."""
+    return (padded_head_dim(head_dim), seen, consumers) in config.GLUON_FORWARD_LATE_PV_WAIT
+
+
 def persistent_grid(seen: int, head_dim: int, n_q: int) -> bool:
     """Whether the forward runs on a persistent grid: its padded head dim in
     `config.GLUON_PERSISTENT_HEAD_DIMS`, its mask in `GLUON_PERSISTENT_SEEN` (causal up to
@@ -360,7 +367,7 @@ if gluon is not None:
                       v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left,
                       right, slb, slh, PART: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr,
                       ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      PERSISTENT: gl.constexpr, HALF_LAST: gl.constexpr):
+                      PERSISTENT: gl.constexpr, HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
         """One warpgroup's ROWS rows (the tile's PART-th) of the program's j-th tile, its K/V blocks from
         ring position `step` on: S_j = Q K_j^T issued, then P_{j-1} V_{j-1}; the softmax of S_j runs while
         the latter is on the tensor cores, and P_j, cast to the operand P V takes, is what the next step
@@ -433,10 +440,14 @@ if gluon is not None:
                 acc = warpgroup_mma(p_op, v_prev, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=[s])  # S_j is done; P V may still run
                 mbarrier.arrive(k_empty.index(stage), count=1)
-                mbarrier.arrive(q_free.index(PART), count=1, pred=i == n_steps - 1)
+                if not LATE_PV_WAIT:
+                    mbarrier.arrive(q_free.index(PART), count=1, pred=i == n_steps - 1)
                 s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, first + i, n_k, shift, left, right,
                             full_lo, full_hi, SEEN, BLOCK_N)
                 p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
+                if LATE_PV_WAIT:  # a basic block ends here, so that ptxas keeps the P V wait below the softmax
+                    if i == n_steps - 1:
+                        mbarrier.arrive(q_free.index(PART), count=1)
                 acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -475,7 +486,7 @@ if gluon is not None:
                   lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles, slb, slh,
                   PART: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-                  HALF_LAST: gl.constexpr):
+                  HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
         if PERSISTENT:  # the rings run on across tiles
             step = 0
             j = 0
@@ -486,14 +497,15 @@ if gluon is not None:
                     step = _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready,
                                          k_empty, v_ready, v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale,
                                          n_q, n_k, n_heads, group, shift, left, right, slb, slh, PART, SEEN,
-                                         SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, True, HALF_LAST)
+                                         SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, True, HALF_LAST,
+                                         LATE_PV_WAIT)
                     j += 1
             store_wait(0)  # before the program's shared memory goes
         else:
             _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                           v_empty, lse_ptr, gl.program_id(0), 0, 0, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift,
                           left, right, slb, slh, PART, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, False,
-                          HALF_LAST)
+                          HALF_LAST, LATE_PV_WAIT)
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "n_tiles", "slb", "slh"])
     def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads,
@@ -501,7 +513,7 @@ if gluon is not None:
                                SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
                                CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
-                               HALF_LAST: gl.constexpr):
+                               HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
         """Tiles of CONSUMERS (2 or 3) x 64 query rows of one (batch, head) against every key they see
         (SEEN 0 all, 1 causal, 2 a window of `left` and `right` keys, key blocks outside it skipped;
         `_fwd_tile`); PERSISTENT: a program a multiprocessor takes units pid, pid + programs, ... of the
@@ -538,15 +550,15 @@ if gluon is not None:
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
                              n_tiles, slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
-                             HALF_LAST)),
+                             HALF_LAST, LATE_PV_WAIT)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
                              n_tiles, slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
-                             HALF_LAST)),
+                             HALF_LAST, LATE_PV_WAIT)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
                              n_tiles, slb, slh, 2, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
-                             HALF_LAST)),
+                             HALF_LAST, LATE_PV_WAIT)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                              v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN, ROWS,
                              BLOCK_N, STAGES, PERSISTENT)),
@@ -556,11 +568,11 @@ if gluon is not None:
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
                              n_tiles, slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
-                             HALF_LAST)),
+                             HALF_LAST, LATE_PV_WAIT)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
                              n_tiles, slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
-                             HALF_LAST)),
+                             HALF_LAST, LATE_PV_WAIT)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                              v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN, ROWS,
                              BLOCK_N, STAGES, PERSISTENT)),
@@ -603,7 +615,8 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
                     {**builds, "BLOCK_N": block_n, "HEAD_DIM": padded, "STAGES": stages, "CONSUMERS": consumers,
                      "PERSISTENT": persistent, "CONSUMER_REGISTERS": consumer_registers(consumers),
                      "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
-                     "HALF_LAST": half_last(builds["SEEN"], d, consumers), "num_warps": 4}, q.device)
+                     "HALF_LAST": half_last(builds["SEEN"], d, consumers),
+                     "LATE_PV_WAIT": late_pv_wait(builds["SEEN"], d, consumers), "num_warps": 4}, q.device)
 
     def run(q, k, v, out, lse):  # (no generator a call: 1-2 µs)
         launch(Descriptor(q, *q_tile), Descriptor(k, *k_tile), Descriptor(v, *v_tile), Descriptor(out, *o_tile), lse)
