@@ -7,7 +7,8 @@ backward). Needs a Triton in fk_runtime.gluon.VERSIONS (3.6-3.9).
 
 A consumer warpgroup's registers are set by `setmaxnreg` at run time; ptxas reports the launch's
 count (168 with 12 warps, 128 with 16) and the spills it had to place at the registers the code asks for,
-and "wgmma serialized (C7514)" where it serialized a kernel's wgmma (TUNING.md: Measured and not kept).
+and "wgmma serialized (C7514)" where it serialized a kernel's wgmma (TUNING.md: Measured and not kept); for
+each forward build, in how many step loops the P V wait lands below the exponentials (`hopper.late_pv_wait`).
 """
 
 import os
@@ -148,8 +149,8 @@ def forward(d: int, mask, n: int = N):
         PERSISTENT=hopper.persistent_grid(builds["SEEN"], d, n),
         CONSUMER_REGISTERS=hopper.consumer_registers(consumers),
         PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
-        HALF_LAST=hopper.half_last(builds["SEEN"], d, consumers), LATE_PV_WAIT=hopper.late_pv_wait(builds["SEEN"], d, consumers),
-        num_warps=4, grid=(1,))
+        HALF_LAST=hopper.half_last(builds["SEEN"], d, consumers),
+        LATE_PV_WAIT=hopper.late_pv_wait(builds["SEEN"], d, consumers), num_warps=4, grid=(1,))
 
 
 def decode(d: int, stages: int, sliced: bool):

@@ -415,9 +415,9 @@ GLUON_FORWARD_TWO = ((64, 1, 4096), (64, 0, 1024))
 GLUON_FORWARD_HALF_LAST = ((64, 1),)
 # (padded head dim, SEEN, consumers) whose forward waits for a step's P V below a branch after the
 # softmax, so that the softmax runs under it: ptxas moves a wgmma wait up to the top of its basic block,
-# before the softmax (SASS, Triton 3.6 and 3.8). H200, on ÷ off time, 5 runs on 3.8 and 3.6: d64 full on
-# three consumers (N > 1024) 0.96-0.98 at N16384, 0.97-1.01 at N4096; every other build level or slower
-# (N1024 two consumers 1.00-1.04, d96 1.03-1.04). TUNING.md: Hopper forward, the P V wait below the softmax.
+# before the softmax (SASS, Triton 3.6 and 3.8). H200, on ÷ off time, 3 runs on 3.8 and 2 on 3.6: d64 full
+# on three consumers (N > 1024) 0.96-0.98 at N16384, 0.97-1.01 at N4096; every other build level or slower
+# (N1024 two consumers 0.99-1.05, d96 1.03-1.04). TUNING.md: Hopper forward, the P V wait below the softmax.
 GLUON_FORWARD_LATE_PV_WAIT = ((64, 0, 3),)
 # Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) and padded head dims whose Gluon
 # forward runs on a persistent grid, a program a multiprocessor: the next tile's loads under this

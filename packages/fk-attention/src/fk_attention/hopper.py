@@ -370,11 +370,12 @@ if gluon is not None:
                       PERSISTENT: gl.constexpr, HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
         """One warpgroup's ROWS rows (the tile's PART-th) of the program's j-th tile, its K/V blocks from
         ring position `step` on: S_j = Q K_j^T issued, then P_{j-1} V_{j-1}; the softmax of S_j runs while
-        the latter is on the tensor cores, and P_j, cast to the operand P V takes, is what the next step
+        the latter is on the tensor cores (LATE_PV_WAIT: elsewhere ptxas waits for it before the softmax,
+        `late_pv_wait`), and P_j, cast to the operand P V takes, is what the next step
         carries (not P_j in fp32 beside S_{j+1}: three consumers fit 160 registers). The output leaves
         through TMA from o_smem: on a persistent grid a buffer of its own, left to drain while the next
-        tile runs (Q's buffer frees after the last Q K^T, so that the next tile's Q and K load under this
-        epilogue); one tile a program, Q's own buffer. Three consumers: one whose rows all lie past n_q
+        tile runs (Q's buffer frees after the last Q K^T, LATE_PV_WAIT after its softmax, so that the next
+        tile's Q and K load under this epilogue); one tile a program, Q's own buffer. Three consumers: one whose rows all lie past n_q
         passes the tile's blocks on, no matmul, no epilogue. HALF_LAST: a last block whose second half
         these rows do not see (causal: the first 64 rows' diagonal) is taken at half width (`_half_step`).
         Returns the ring position after the tile."""
