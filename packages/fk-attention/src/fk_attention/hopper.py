@@ -375,8 +375,8 @@ if gluon is not None:
         carries (not P_j in fp32 beside S_{j+1}: three consumers fit 160 registers). The output leaves
         through TMA from o_smem: on a persistent grid a buffer of its own, left to drain while the next
         tile runs (Q's buffer frees after the last Q K^T, LATE_PV_WAIT after its softmax, so that the next
-        tile's Q and K load under this epilogue); one tile a program, Q's own buffer. Three consumers: one whose rows all lie past n_q
-        passes the tile's blocks on, no matmul, no epilogue. HALF_LAST: a last block whose second half
+        tile's Q and K load under this epilogue); one tile a program, Q's own buffer. Three consumers: one
+        whose rows all lie past n_q passes the tile's blocks on, no matmul, no epilogue. HALF_LAST: a last block whose second half
         these rows do not see (causal: the first 64 rows' diagonal) is taken at half width (`_half_step`).
         Returns the ring position after the tile."""
         s_layout: gl.constexpr = mma_layout(BLOCK_N)
