@@ -8,7 +8,7 @@ import torch
 from fk_runtime.harness import testing
 from fk_runtime.launch import PlanCache
 
-from fk_attention import attention, attention_varlen
+from fk_attention import attention, attention_varlen, hopper
 from fk_attention import plan
 from fk_attention.mask import op_args
 from fk_attention import config as fk_config, layout as fk_layout, mask as fk_mask
@@ -303,6 +303,45 @@ def test_packed_rows_past_the_last_sequence_are_zero():
             assert torch.isfinite(g[:n]).all() and torch.equal(g[n:], torch.zeros_like(g[n:]))
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+# Packed sequences on the Gluon forward: an empty sequence, one row, tiles cut by a sequence's end, Nq != Nk
+# both ways, GQA; max_seqlen_q the longest or a third of it (a grid tile then stands for several).
+GLUON_PACKED = [([700, 0, 1, 129, 1000], [700, 3, 1, 300, 1000]), ([300, 1025, 64], [1300, 77, 64])]
+
+
+@pytest.mark.skipif(not (testing.on_gpu() and hopper.gluon_device(0)), reason="the Gluon forward: Hopper")
+@pytest.mark.parametrize("cut", [1, 3])
+@pytest.mark.parametrize("mask", [(False, None, None), (True, None, None), ("lower_right", None, None),
+                                  ("lower_right", (100, 0), None), (False, (50, 37), 20.0)], ids=str)
+@pytest.mark.parametrize("lengths", GLUON_PACKED, ids=str)
+@pytest.mark.parametrize("d", [40, 64, 128, 200])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_packed_forward_on_hopper_matches_each_sequence_alone(monkeypatch, dtype, d, lengths, mask, cut):
+    """Packed sequences through the Gluon forward at every head dim it has (`config.GLUON_FORWARD_PACKED_HEAD_DIMS`
+    switched to all; d40 pads to 64, d200 to 256; d64 takes full and causal masks only): output and
+    log-sum-exp against each sequence's float64 reference, within the tl kernel's own error on the same inputs
+    (its forced config runs tl)."""
+    monkeypatch.setattr(fk_config, "GLUON_FORWARD_PACKED_HEAD_DIMS", (64, 128, 256))
+    ran = []
+    bind = hopper.bind
+    monkeypatch.setattr(hopper, "bind", lambda *args: ran.append(args[-1]) or bind(*args))
+    causal, window, softcap = mask
+    q, k, v, cu_q, cu_k = packed_inputs(*lengths, 4, 2, d, dtype, requires_grad=False)
+    packing = fk_layout.Packing(len(lengths[0]), max(lengths[0]) // cut, max(lengths[1]))
+    as_mask = fk_mask.from_op_args(op_args(causal, window, softcap))
+    scale = 1 / math.sqrt(d)
+    out, lse = plan.forward_packed(q, k, v, cu_q, cu_k, packing, as_mask, scale)
+    assert ran == ([packing] if d > 64 or not (window or softcap) else [])
+    tl_out, tl_lse = plan.forward_packed(q, k, v, cu_q, cu_k, packing, as_mask, scale, config=fk_config.default_config(
+        fk_config.Kind.FORWARD, d, dtype, True))
+    want, want_lse = packed_reference(*(t.double() for t in (q, k, v)), cu_q, cu_k, causal, window, softcap, scale)
+    for name, got, tl_got, ref in (("out", out, tl_out, want), ("lse", lse, tl_lse, want_lse)):
+        finite = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(got), finite), name
+        err = (got.double() - ref).where(finite, 0).norm() / ref.where(finite, 0).norm()
+        tl_err = (tl_got.double() - ref).where(finite, 0).norm() / ref.where(finite, 0).norm()
+        assert err <= 1.1 * tl_err + 1e-6, f"{name}: Gluon {err:.2e} against tl {tl_err:.2e}"
 
 
 def test_packed_backward_of_an_expanded_gradient():

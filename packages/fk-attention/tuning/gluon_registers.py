@@ -136,17 +136,19 @@ def usage(compiled, pv_waits: bool = False) -> str:
     return found + (f"; {dict(atomics)}" if atomics else "")
 
 
-def forward(d: int, mask, n: int = N):
-    """The forward at padded head dim d as `hopper.bind` launches it on a length-n query."""
+def forward(d: int, mask, n: int = N, varlen: bool = False):
+    """The forward at padded head dim d as `hopper.bind` launches it on a length-n query (varlen: B packed
+    sequences of up to n rows)."""
     q = torch.empty(B, H, n, d, dtype=torch.bfloat16)
     builds, args = hopper.forward_mask_args(mask, 0.1)
-    block_n, stages, consumers = hopper.forward_tiles(d, builds["SEEN"], n)
+    block_n, stages, consumers = hopper.forward_tiles(d, builds["SEEN"], n, varlen)
     tiles = [descriptor(q, r) for r in (fk_config.GLUON_ROWS, block_n, block_n, fk_config.GLUON_ROWS)]
     n_tiles = B * H * n // (consumers * fk_config.GLUON_ROWS)
+    cu = torch.empty(B + 1, dtype=torch.int32)
     return hopper.attn_fwd_hopper_kernel.warmup(
-        *tiles, torch.empty(B, H, n), *args[:2], n, n, H, 1, 0, *args[2:], n_tiles, H * n, n, **builds,
-        BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CONSUMERS=consumers,
-        PERSISTENT=hopper.persistent_grid(builds["SEEN"], d, n),
+        *tiles, torch.empty(B, H, n), cu, cu, q, *args[:2], B if varlen else n, n, H, 1, 0, *args[2:], n_tiles, H * n,
+        n, B * n, B * n, H * d, d, d, **builds, VARLEN=varlen, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
+        CONSUMERS=consumers, PERSISTENT=not varlen and hopper.persistent_grid(builds["SEEN"], d, n),
         CONSUMER_REGISTERS=hopper.consumer_registers(consumers),
         PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
         HALF_LAST=hopper.half_last(builds["SEEN"], d, consumers),

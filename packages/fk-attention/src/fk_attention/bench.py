@@ -15,8 +15,8 @@ of a row, so a peer's rate is fk's work over the peer's time and `fk / peer` the
   fixed seed), causal, against fk's dense kernel on the same documents (equal lengths: the same
   batch; random: padded to the longest) and SDPA on the whole packed sequence with the equivalent
   block-diagonal causal mask (its backends that take a mask).
-- attention-window: a causal sliding window, and a causal softcap (Gemma 2's), at N = 16384 against
-  fk's full causal.
+- attention-window: a causal sliding window, and a causal softcap (Gemma 2's), at N = 16384, d64 and
+  d128, against fk's full causal.
 - attention-head-dims: head dims 64, 96, 128, 256 at one shape (d96 runs padded to 128 in `tl`).
 
 attention-serving (`serving_cases`): a serving batch against a paged cache, device time of the mixed
@@ -65,8 +65,8 @@ BACKWARD_FLOP_FACTOR = 2.5
 PACKED_HEAD_DIMS = [64, 128]
 PACKED_MIN, PACKED_MAX, PACKED_SEED = 64, 4096, 0
 PACKED_EQUAL = 2048
-# Sliding window: (B, H, N, D) causal, WINDOW keys to the left.
-WINDOW_SHAPE, WINDOW = (1, 16, 16384, 128), 1024
+# Sliding window: (B, H, N, D) causal, WINDOW keys to the left; each shape also softcapped.
+WINDOW_SHAPES, WINDOW = ((1, 16, 16384, 128), (1, 32, 16384, 64)), 1024
 SOFTCAP = 50.0  # Gemma 2's attention logit cap
 # Head dims at one causal shape: (B, H, N), head dims.
 HEAD_DIM_SHAPE, HEAD_DIM_SWEEP = (8, 16, 2048), [64, 96, 128, 256]
@@ -328,7 +328,8 @@ def feature_cases(full: bool) -> list[bench.Case]:
         lengths = packed_lengths(TOKENS, PACKED_MIN, PACKED_MAX, PACKED_SEED)
         out += _varlen_cases(lengths, heads, d, dtype,
                              f"{len(lengths)} docs random {PACKED_MIN}-{PACKED_MAX}", full)
-    out += _window_cases(WINDOW_SHAPE, WINDOW, dtype) + _window_cases(WINDOW_SHAPE, None, dtype, SOFTCAP)
+    for shape in WINDOW_SHAPES:
+        out += _window_cases(shape, WINDOW, dtype) + _window_cases(shape, None, dtype, SOFTCAP)
     return out + _head_dim_cases(HEAD_DIM_SHAPE, HEAD_DIM_SWEEP, dtype) + decode_cases(full) + serving_cases(full)
 
 

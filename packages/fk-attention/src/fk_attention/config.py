@@ -399,9 +399,16 @@ GLUON_FORWARD_MASKS = ((3, 6), (3, 7), (3, 8), (3, 9))
 # time at N1024 on 3.8, level on 3.6). TUNING.md: Hopper forward. Two stages at least: a consumer
 # still reads step j - 1's V while it waits for step j's K.
 GLUON_FORWARD_TILES = ((64, 128, 3, 3), (128, 128, 3, 2), (256, 64, 3, 2))
-# Padded head dims whose Gluon forward takes full and causal masks only (d64: windows and softcaps not
-# timed there; they run tl).
+# Padded head dims whose Gluon forward takes full and causal masks only: d64's windows and softcaps run tl
+# (H200, B1 N16384, Gluon ÷ tl time on three consumers 1.29-1.43 window 1024, 1.14-1.15 softcap; on two
+# 0.96-0.98 and 1.01-1.04; TUNING.md: Measured and not kept).
 GLUON_FORWARD_FULL_OR_CAUSAL = (64,)
+# Padded head dims whose Gluon forward takes packed sequences too (else the tl kernel), one tile a program
+# on at most GLUON_FORWARD_PACKED_CONSUMERS consumers (d64 on three spilled 168 bytes, offline, 3.8). H200,
+# causal bf16 forward, Gluon ÷ tl time, 3.8 / 3.6: d128 0.87 / 0.90 (8 x 2048), 0.91 / 0.92 (9 random
+# lengths); d64 1.10 / 1.13 and 1.10 / 1.13, so tl; d256 not timed. TUNING.md: Packed sequences.
+GLUON_FORWARD_PACKED_HEAD_DIMS = (128,)
+GLUON_FORWARD_PACKED_CONSUMERS = 2
 # (padded head dim, SEEN, rows): the mask build SEEN (0 full, 1 causal) up to `rows` query rows takes two
 # consumers (128-row tiles) where GLUON_FORWARD_TILES has three: d64 causal on three took 1.47-1.50x the tl
 # kernel's time at N1024, on two 0.95-0.97x (N4096 0.95-0.96x); past 4096 rows three, 0.94x. d64 full at

@@ -16,7 +16,9 @@ capability 9.x), the Triton versions in `fk_runtime.gluon.VERSIONS` (whose names
 kernels use), fp16/bf16, head dims padded to those of `config.GLUON_FORWARD_TILES`, full or causal
 masks (either alignment), windows and softcaps on the releases in `config.GLUON_FORWARD_MASKS` (but
 not at the head dims of `config.GLUON_FORWARD_FULL_OR_CAUSAL`), dense (B, H, N, D) tensors whose
-strides a TMA descriptor takes and whose bases are aligned (checked per call), a positive scale.
+strides a TMA descriptor takes and whose bases are aligned (checked per call), or packed sequences at
+the head dims of `config.GLUON_FORWARD_PACKED_HEAD_DIMS` (one tile a program, the output stored from
+registers: a tile's last rows may be the next sequence's), a positive scale.
 Everything else, and any Triton where Gluon or this API is missing, runs the `tl` kernels
 (`kernels.py`), which stay the reference the GPU tests compare with.
 """
@@ -34,7 +36,7 @@ from fk_runtime.launch import Descriptor, Launch
 
 from . import config
 from .config import GLUON_CONSUMER_REGISTERS, GLUON_PRODUCER_REGISTERS, GLUON_ROWS
-from .layout import descriptor_strides, descriptors_may_serve, padded_head_dim
+from .layout import Packing, descriptor_strides, descriptors_may_serve, padded_head_dim
 from .mask import Mask
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -55,14 +57,21 @@ def on_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: tupl
             and descriptors_may_serve(q.device, (q, k, v)) and gluon_device(q.device.index or 0))
 
 
-def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float) -> bool:
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scale: float,
+          packing: Packing | None = None) -> bool:
     """Whether the forward of these tensors runs here (at any length): the row max is taken on unscaled
     scores, so the scale must be positive; full or causal masks, windows and softcaps too on the releases
-    in `config.GLUON_FORWARD_MASKS`, but not at the head dims in `config.GLUON_FORWARD_FULL_OR_CAUSAL`."""
-    if padded_head_dim(q.shape[-1]) in config.GLUON_FORWARD_FULL_OR_CAUSAL:
+    in `config.GLUON_FORWARD_MASKS`, but not at the head dims in `config.GLUON_FORWARD_FULL_OR_CAUSAL`.
+    Packed sequences (`packing`, views as `layout.packed` makes): at the head dims of
+    `config.GLUON_FORWARD_PACKED_HEAD_DIMS`, on a grid of some rows and keys."""
+    padded = padded_head_dim(q.shape[-1])
+    if padded in config.GLUON_FORWARD_FULL_OR_CAUSAL:
         masks = mask.full_or_causal
     else:
         masks = mask.full_or_causal or backend.triton_release() in config.GLUON_FORWARD_MASKS
+    if packing is not None and (padded not in config.GLUON_FORWARD_PACKED_HEAD_DIMS
+                                or min(packing.max_q, packing.max_k) == 0):
+        return False
     return sm_scale > 0 and masks and on_hopper(q, k, v, tuple(row[0] for row in config.GLUON_FORWARD_TILES))
 
 
@@ -73,15 +82,18 @@ def two_consumer_rows(head_dim: int, seen: int) -> int | None:
     return next((rows for dim, built, rows in config.GLUON_FORWARD_TWO if (dim, built) == (padded, seen)), None)
 
 
-def forward_tiles(head_dim: int, seen: int, n_q: int) -> tuple[int, int, int]:
+def forward_tiles(head_dim: int, seen: int, n_q: int, packed: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, STAGES, CONSUMERS) of the forward at this head dim (`config.GLUON_FORWARD_TILES`) for
-    the mask build `seen` (`forward_mask_args`) on n_q query rows: two up to `two_consumer_rows`."""
+    the mask build `seen` (`forward_mask_args`) on n_q query rows: two up to `two_consumer_rows`; packed
+    sequences at most `config.GLUON_FORWARD_PACKED_CONSUMERS`."""
     padded = padded_head_dim(head_dim)
     block_n, stages, consumers = next(tuple(tiles[1:]) for tiles in config.GLUON_FORWARD_TILES
                                       if tiles[0] == padded)
     two = two_consumer_rows(head_dim, seen)
     if two is not None and n_q <= two:
         consumers = 2
+    if packed:
+        consumers = min(consumers, config.GLUON_FORWARD_PACKED_CONSUMERS)
     return block_n, stages, consumers
 
 
@@ -147,18 +159,29 @@ if gluon is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
 
     @gluon.jit
-    def _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left, right, SEEN: gl.constexpr, TILE: gl.constexpr,
-                  BLOCK_N: gl.constexpr):
-        """(b, h, hk, start_m, first, n_steps) of a tile, TILE query rows of one (batch, head) (causal:
-        within a head, the blocks that see the most keys come first): key blocks [first, first + n_steps)
-        (`kernels._key_range`'s bounds)."""
-        n_blocks = gl.cdiv(n_q, TILE)
-        bh = tile // n_blocks
-        block = tile % n_blocks
-        if SEEN == 1:
-            block = n_blocks - 1 - block
-        b = bh // n_heads
-        h = bh % n_heads
+    def _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left, right, cu_q, cu_k, total_q, total_k,
+                  SEEN: gl.constexpr, TILE: gl.constexpr, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr):
+        """(b, h, hk, start_m, first, n_steps, q0, k0, n_q, n_k, shift) of a tile, TILE query rows of one
+        (batch, head) (causal: within a head, the blocks that see the most keys come first): key blocks
+        [first, first + n_steps) (`kernels._key_range`'s bounds); dense: q0 = k0 = 0. VARLEN: b is a
+        packed sequence, rows q0 + [0, n_q) of q against k0 + [0, n_k) of k (`_sequence`); n_q in is the
+        sequences' count, shift in the lower-right flag, and the tiles are `_packed_slot`'s."""
+        if VARLEN:  # heads innermost: a sequence's block for every head, then its next
+            h = tile % n_heads
+            b, block = _packed_slot(tile // n_heads, cu_q, total_q, n_q, SEEN, TILE)
+            q0, n_q = _sequence(cu_q, b, total_q)
+            k0, n_k = _sequence(cu_k, b, total_k)
+            shift = shift * (n_k - n_q)
+        else:
+            n_blocks = gl.cdiv(n_q, TILE)
+            bh = tile // n_blocks
+            block = tile % n_blocks
+            if SEEN == 1:
+                block = n_blocks - 1 - block
+            b = bh // n_heads
+            h = bh % n_heads
+            q0 = 0
+            k0 = 0
         start_m = block * TILE
         first = 0
         end = n_k
@@ -167,7 +190,38 @@ if gluon is not None:
         if SEEN == 2:
             first = gl.maximum(start_m + shift - left, 0) // BLOCK_N
             end = gl.maximum(gl.minimum(n_k, start_m + TILE + shift + right), first * BLOCK_N)
-        return b, h, h // group, start_m, first, gl.cdiv(end, BLOCK_N) - first
+        n_steps = gl.cdiv(end, BLOCK_N) - first
+        if VARLEN:  # a sequence's spare slot: no rows
+            n_steps = gl.where(start_m < n_q, n_steps, 0)
+        return b, h, h // group, start_m, first, n_steps, q0, k0, n_q, n_k, shift
+
+    @gluon.jit
+    def _sequence(cu, b, total):
+        """(first row, length) of packed sequence b, clamped to [0, total] as `kernels._sequence` (bad
+        bounds give wrong rows, never an out-of-range access)."""
+        first = gl.minimum(gl.maximum(gl.load(cu + b), 0), total)
+        return first, gl.minimum(gl.maximum(gl.load(cu + b + 1), first), total) - first
+
+    @gluon.jit
+    def _packed_slot(slot, cu_q, total_q, sequences, SEEN: gl.constexpr, TILE: gl.constexpr):
+        """(sequence, block) of a head's slot-th tile of packed sequences: sequence b holds slots from
+        first_b // TILE + b on, at least its blocks (a spare at most), so total_q // TILE + sequences slots
+        hold every block and no search needs the lengths summed; found by bisection (causal: a
+        sequence's last blocks, which see the most keys, first)."""
+        lo = 0
+        hi = sequences
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            first, _ = _sequence(cu_q, mid, total_q)
+            if first // TILE + mid <= slot:
+                lo = mid
+            else:
+                hi = mid
+        first, n = _sequence(cu_q, lo, total_q)
+        block = slot - (first // TILE + lo)
+        if SEEN == 1:
+            block = (first + n) // TILE - first // TILE - block
+        return lo, gl.where(block < 0, n // TILE + 1, block)  # (bounds out of order: no rows)
 
     @gluon.jit
     def _full_blocks(row0, n_k, shift, left, right, SEEN: gl.constexpr, ROWS: gl.constexpr,
@@ -233,36 +287,41 @@ if gluon is not None:
 
     @gluon.jit
     def _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
-                      v_ready, v_empty, tile, j, step, n_q, n_k, n_heads, group, shift, left, right, SEEN: gl.constexpr,
-                      ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                      v_ready, v_empty, tile, j, step, n_q, n_k, n_heads, group, shift, left, right, cu_q, cu_k,
+                      total_q, total_k, SEEN: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, VARLEN: gl.constexpr):
         """The program's j-th tile: every consumer's Q tile once it is done with the last tile's
         (after its last Q K^T), then its K and V blocks into their rings (STAGES and as many V stages
         as v_smem holds) from position `step` on, as stages free up. Returns the position after."""
         V_STAGES: gl.constexpr = v_smem.shape[0]
         CONSUMERS: gl.constexpr = q_smem.shape[0]
-        b, h, hk, start_m, first, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left, right,
-                                                     SEEN, CONSUMERS * ROWS, BLOCK_N)
+        b, h, hk, start_m, first, n_steps, q0, k0, _, _, _ = _fwd_tile(
+            tile, n_q, n_k, n_heads, group, shift, left, right, cu_q, cu_k, total_q, total_k, SEEN,
+            CONSUMERS * ROWS, BLOCK_N, VARLEN)
+        if VARLEN:  # packed: one (1, H, total, D) view, the sequence's rows from q0 and k0
+            b = 0
         for i in gl.static_range(CONSUMERS):
             mbarrier.wait(q_free.index(i), (j & 1) ^ 1, pred=j > 0)
             mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
-            tma_load(q_desc, [b, h, start_m + i * ROWS, 0], q_bars.index(i), q_smem.index(i))
+            tma_load(q_desc, [b, h, q0 + start_m + i * ROWS, 0], q_bars.index(i), q_smem.index(i))
         for key_block in range(first, first + n_steps):
             at = step + key_block - first
             stage = at % STAGES
             phase = ((at // STAGES) & 1) ^ 1  # the first lap finds every stage free
             mbarrier.wait(k_empty.index(stage), phase, pred=at >= STAGES)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma_load(k_desc, [b, hk, key_block * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+            tma_load(k_desc, [b, hk, k0 + key_block * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
             v_stage = at % V_STAGES
             mbarrier.wait(v_empty.index(v_stage), ((at // V_STAGES) & 1) ^ 1, pred=at >= V_STAGES)
             mbarrier.expect(v_ready.index(v_stage), v_desc.block_type.nbytes)
-            tma_load(v_desc, [b, hk, key_block * BLOCK_N, 0], v_ready.index(v_stage), v_smem.index(v_stage))
+            tma_load(v_desc, [b, hk, k0 + key_block * BLOCK_N, 0], v_ready.index(v_stage), v_smem.index(v_stage))
         return step + n_steps
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty, v_ready,
-                  v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN: gl.constexpr,
-                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+                  v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, cu_q, cu_k, total_q, total_k,
+                  SEEN: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
         if PERSISTENT:  # the rings run on across tiles
             step = 0
             j = 0
@@ -272,12 +331,13 @@ if gluon is not None:
                     tile = _unit_tile(unit, m, n_blocks, half, SEEN, q_smem.shape[0])
                     step = _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free,
                                          k_ready, k_empty, v_ready, v_empty, tile, j, step, n_q, n_k, n_heads,
-                                         group, shift, left, right, SEEN, ROWS, BLOCK_N, STAGES)
+                                         group, shift, left, right, cu_q, cu_k, total_q, total_k, SEEN, ROWS, BLOCK_N,
+                                         STAGES, VARLEN)
                     j += 1
         else:  # (no loop: one round spills nothing)
             _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
-                          v_ready, v_empty, gl.program_id(0), 0, 0, n_q, n_k, n_heads, group, shift, left, right, SEEN,
-                          ROWS, BLOCK_N, STAGES)
+                          v_ready, v_empty, gl.program_id(0), 0, 0, n_q, n_k, n_heads, group, shift, left, right,
+                          cu_q, cu_k, total_q, total_k, SEEN, ROWS, BLOCK_N, STAGES, VARLEN)
 
     @gluon.jit
     def _capped(s, cap_scale, SOFTCAP: gl.constexpr):
@@ -364,10 +424,11 @@ if gluon is not None:
 
     @gluon.jit
     def _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
-                      v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left,
-                      right, slb, slh, PART: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr,
-                      ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                      PERSISTENT: gl.constexpr, HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
+                      v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift,
+                      left, right, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim,
+                      PART: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr,
+                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+                      HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr, VARLEN: gl.constexpr):
         """One warpgroup's ROWS rows (the tile's PART-th) of the program's j-th tile, its K/V blocks from
         ring position `step` on: S_j = Q K_j^T issued, then P_{j-1} V_{j-1}; the softmax of S_j runs while
         the latter is on the tensor cores (LATE_PV_WAIT: elsewhere ptxas waits for it before the softmax,
@@ -375,9 +436,11 @@ if gluon is not None:
         carries (not P_j in fp32 beside S_{j+1}: three consumers fit 160 registers). The output leaves
         through TMA from o_smem: on a persistent grid a buffer of its own, left to drain while the next
         tile runs (Q's buffer frees after the last Q K^T, LATE_PV_WAIT after its softmax, so that the next
-        tile's Q and K load under this epilogue); one tile a program, Q's own buffer. Three consumers: one
-        whose rows all lie past n_q passes the tile's blocks on, no matmul, no epilogue. HALF_LAST: a last block whose second half
-        these rows do not see (causal: the first 64 rows' diagonal) is taken at half width (`_half_step`).
+        tile's Q and K load under this epilogue); one tile a program, Q's own buffer. VARLEN: through
+        masked stores from registers instead (a tile's rows past its sequence are the next one's). Three
+        consumers: one whose rows all lie past n_q passes the tile's blocks on, no matmul, no epilogue.
+        HALF_LAST: a last block whose second half these rows do not see (causal: the first 64 rows'
+        diagonal) is taken at half width (`_half_step`).
         Returns the ring position after the tile."""
         s_layout: gl.constexpr = mma_layout(BLOCK_N)
         o_layout: gl.constexpr = mma_layout(HEAD_DIM)
@@ -393,8 +456,9 @@ if gluon is not None:
         SKIP_EMPTY: gl.constexpr = q_smem.shape[0] == 3
         o_tile = o_smem.index(PART)
         o_2d = reinterpret(o_tile, dtype, [ROWS, HEAD_DIM], q_2d)
-        b, h, hk, start_m, first, n_steps = _fwd_tile(tile, n_q, n_k, n_heads, group, shift, left, right,
-                                                     SEEN, q_smem.shape[0] * ROWS, BLOCK_N)
+        b, h, hk, start_m, first, n_steps, q0, _, n_q, n_k, shift = _fwd_tile(
+            tile, n_q, n_k, n_heads, group, shift, left, right, cu_q, cu_k, total_q, total_k, SEEN,
+            q_smem.shape[0] * ROWS, BLOCK_N, VARLEN)
         row0 = start_m + PART * ROWS
         full_lo, full_hi = _full_blocks(row0, n_k, shift, left, right, SEEN, ROWS, BLOCK_N)
         rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
@@ -472,22 +536,30 @@ if gluon is not None:
             l_safe = gl.where(seen, l_i, 1.0)
             out = acc / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
             lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, -float("inf"))
-            gl.store(lse_ptr + b.to(gl.int64) * slb + h.to(gl.int64) * slh + rows, lse, mask=rows < n_q)
-            if PERSISTENT:
-                store_wait(0)  # the last tile's output has left the buffer
-            o_2d.store(out.to(dtype))
-            fence_async_shared()
-            tma_store(o_desc, [b, h, row0, 0], o_tile)
-            if not PERSISTENT:
-                store_wait(0)
+            gl.store(lse_ptr + b.to(gl.int64) * slb + h.to(gl.int64) * slh + q0 + rows, lse, mask=rows < n_q)
+            if VARLEN:
+                o_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+                o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                offsets = gl.expand_dims((q0 + o_rows).to(gl.int64) * son, 1) + gl.expand_dims(o_cols, 0)
+                keep = gl.expand_dims(o_rows < n_q, 1) & gl.expand_dims(o_cols < head_dim, 0)
+                gl.store(o_ptr + h.to(gl.int64) * soh + offsets, out.to(dtype), mask=keep)
+            else:
+                if PERSISTENT:
+                    store_wait(0)  # the last tile's output has left the buffer
+                o_2d.store(out.to(dtype))
+                fence_async_shared()
+                tma_store(o_desc, [b, h, row0, 0], o_tile)
+                if not PERSISTENT:
+                    store_wait(0)
         return step + n_steps
 
     @gluon.jit
     def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready, v_empty,
                   lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles, slb, slh,
-                  PART: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr,
-                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-                  HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
+                  cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, PART: gl.constexpr, SEEN: gl.constexpr,
+                  SOFTCAP: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HALF_LAST: gl.constexpr,
+                  LATE_PV_WAIT: gl.constexpr, VARLEN: gl.constexpr):
         if PERSISTENT:  # the rings run on across tiles
             step = 0
             j = 0
@@ -497,29 +569,32 @@ if gluon is not None:
                     tile = _unit_tile(unit, m, n_blocks, half, SEEN, q_smem.shape[0])
                     step = _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready,
                                          k_empty, v_ready, v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale,
-                                         n_q, n_k, n_heads, group, shift, left, right, slb, slh, PART, SEEN,
-                                         SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, True, HALF_LAST,
-                                         LATE_PV_WAIT)
+                                         n_q, n_k, n_heads, group, shift, left, right, slb, slh, cu_q, cu_k, total_q,
+                                         total_k, o_ptr, son, soh, head_dim, PART, SEEN, SOFTCAP, ROWS, BLOCK_N,
+                                         HEAD_DIM, STAGES, True, HALF_LAST, LATE_PV_WAIT, VARLEN)
                     j += 1
             store_wait(0)  # before the program's shared memory goes
         else:
             _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
-                          v_empty, lse_ptr, gl.program_id(0), 0, 0, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift,
-                          left, right, slb, slh, PART, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, False,
-                          HALF_LAST, LATE_PV_WAIT)
+                          v_empty, lse_ptr, gl.program_id(0), 0, 0, qk_scale, cap_scale, n_q, n_k, n_heads, group,
+                          shift, left, right, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, PART,
+                          SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, False, HALF_LAST, LATE_PV_WAIT, VARLEN)
 
-    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "n_tiles", "slb", "slh"])
-    def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads,
-                               group, shift, left, right, n_tiles, slb, slh, SEEN: gl.constexpr,
+    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "n_tiles", "slb", "slh", "total_q", "total_k"])
+    def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, cu_q, cu_k, o_ptr, qk_scale, cap_scale, n_q,
+                               n_k, n_heads, group, shift, left, right, n_tiles, slb, slh, total_q, total_k, son,
+                               soh, head_dim, SEEN: gl.constexpr,
                                SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
                                CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
-                               HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
+                               HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr, VARLEN: gl.constexpr):
         """Tiles of CONSUMERS (2 or 3) x 64 query rows of one (batch, head) against every key they see
         (SEEN 0 all, 1 causal, 2 a window of `left` and `right` keys, key blocks outside it skipped;
         `_fwd_tile`); PERSISTENT: a program a multiprocessor takes units pid, pid + programs, ... of the
         n_tiles tiles (`_units`), else one tile a program. Out and the row log-sum-exp (natural log), as
-        `kernels.attn_fwd_kernel` gives them."""
+        `kernels.attn_fwd_kernel` gives them. VARLEN (one tile a program): packed sequences, n_q of them
+        (`_fwd_tile`), bounded by the prefix sums cu_q and cu_k over total_q and total_k rows, the output
+        stored through o_ptr (strides son, soh; head_dim columns) instead of o_desc; dense: those unread."""
         ROWS: gl.constexpr = q_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
@@ -550,33 +625,33 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
-                             HALF_LAST, LATE_PV_WAIT)),
+                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, 0, SEEN,
+                             SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
-                             HALF_LAST, LATE_PV_WAIT)),
+                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, 1, SEEN,
+                             SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, 2, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
-                             HALF_LAST, LATE_PV_WAIT)),
+                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, 2, SEEN,
+                             SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
-                             v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN, ROWS,
-                             BLOCK_N, STAGES, PERSISTENT)),
+                             v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, cu_q, cu_k,
+                             total_q, total_k, SEEN, ROWS, BLOCK_N, STAGES, PERSISTENT, VARLEN)),
             ], [4, 4, 1], [CONSUMER_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS])
         else:
             gl.warp_specialize([
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, 0, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
-                             HALF_LAST, LATE_PV_WAIT)),
+                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, 0, SEEN,
+                             SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, 1, SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT,
-                             HALF_LAST, LATE_PV_WAIT)),
+                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, 1, SEEN,
+                             SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
-                             v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, SEEN, ROWS,
-                             BLOCK_N, STAGES, PERSISTENT)),
+                             v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, cu_q, cu_k,
+                             total_q, total_k, SEEN, ROWS, BLOCK_N, STAGES, PERSISTENT, VARLEN)),
             ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 def shared_layout(rows: int, cols: int, dtype: torch.dtype):
@@ -593,33 +668,44 @@ def tile_descriptors(tensors, rows, padded: int, dtype: torch.dtype, layouts=Non
             for t, r, layout in zip(tensors, rows, layouts, strict=True)]
 
 
-def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float):
-    """launch(q, k, v, out, lse) of the forward for tensors laid out like these (`takes` holds), out
-    like q and lse (B, H, N) fp32 with strides (*lse_strides, 1); the caller checks
-    `bases_aligned` per call. A program a multiprocessor where `persistent_grid` holds, else one tile a
-    program."""
+def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float, packing: Packing | None = None):
+    """launch(q, k, v, out, lse, cu_q, cu_k) of the forward for tensors laid out like these (`takes` holds),
+    out like q and lse (B, H, N) fp32 with strides (*lse_strides, 1); the caller checks `bases_aligned`
+    per call. A program a multiprocessor where `persistent_grid` holds, else one tile a program. Packed
+    sequences (`packing`): the (1, H, total, D) views of (total, H, D) tensors (`layout.packed`), the calls
+    passing the tensors themselves and the prefix sums; one tile a program, total // tile + sequences
+    tiles a head (`_packed_slot`); dense: cu_q, cu_k unread."""
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
     builds, (qk_scale, cap_scale, left, right) = forward_mask_args(mask, sm_scale)
-    block_n, stages, consumers = forward_tiles(d, builds["SEEN"], n_q)
+    block_n, stages, consumers = forward_tiles(d, builds["SEEN"], n_q if packing is None else packing.max_q,
+                                               packing is not None)
     q_tile, k_tile, v_tile, o_tile = tile_descriptors((q, k, v, out), (GLUON_ROWS, block_n, block_n, GLUON_ROWS),
                                                       padded, q.dtype)
-    n_blocks = sizing.cdiv(n_q, consumers * GLUON_ROWS)
-    n_tiles = n_blocks * b * hq
-    persistent = persistent_grid(builds["SEEN"], padded, n_q)
-    units = b * hq * (sizing.cdiv(n_blocks, 2) if builds["SEEN"] == 1 else n_blocks)  # `_units`
-    programs = min(units, backend.multiprocessor_count(q.device.index or 0)) if persistent else n_tiles
+    if packing is None:
+        n_blocks = sizing.cdiv(n_q, consumers * GLUON_ROWS)
+        n_tiles = n_blocks * b * hq
+        persistent = persistent_grid(builds["SEEN"], padded, n_q)
+        units = b * hq * (sizing.cdiv(n_blocks, 2) if builds["SEEN"] == 1 else n_blocks)  # `_units`
+        programs = min(units, backend.multiprocessor_count(q.device.index or 0)) if persistent else n_tiles
+        lengths = (n_q, n_k, int(mask.lower_right) * (n_k - n_q))
+    else:  # the kernel's n_q: the sequences, each with its own shift (`_fwd_tile`), in `_packed_slot`'s tiles
+        persistent = False
+        programs = n_tiles = hq * (n_q // (consumers * GLUON_ROWS) + packing.sequences)
+        lengths = (packing.sequences, packing.max_k, int(mask.lower_right))
     launch = Launch(attn_fwd_hopper_kernel, (programs,),
-                    (qk_scale, cap_scale, n_q, n_k, hq, hq // hk, int(mask.lower_right) * (n_k - n_q), left, right,
-                     n_tiles, *lse_strides),
+                    (qk_scale, cap_scale, lengths[0], lengths[1], hq, hq // hk, lengths[2], left, right, n_tiles,
+                     *lse_strides, n_q, n_k, out.stride(2), out.stride(1), d),
                     {**builds, "BLOCK_N": block_n, "HEAD_DIM": padded, "STAGES": stages, "CONSUMERS": consumers,
                      "PERSISTENT": persistent, "CONSUMER_REGISTERS": consumer_registers(consumers),
                      "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "HALF_LAST": half_last(builds["SEEN"], d, consumers),
-                     "LATE_PV_WAIT": late_pv_wait(builds["SEEN"], d, consumers), "num_warps": 4}, q.device)
+                     "LATE_PV_WAIT": late_pv_wait(builds["SEEN"], d, consumers), "VARLEN": packing is not None,
+                     "num_warps": 4}, q.device)
 
-    def run(q, k, v, out, lse):  # (no generator a call: 1-2 µs)
-        launch(Descriptor(q, *q_tile), Descriptor(k, *k_tile), Descriptor(v, *v_tile), Descriptor(out, *o_tile), lse)
+    def run(q, k, v, out, lse, cu_q=None, cu_k=None):  # (no generator a call: 1-2 µs)
+        launch(Descriptor(q, *q_tile), Descriptor(k, *k_tile), Descriptor(v, *v_tile), Descriptor(out, *o_tile), lse,
+               lse if cu_q is None else cu_q, lse if cu_k is None else cu_k, out)
 
     return run

@@ -424,16 +424,18 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
         if varlen else None
     # The Gluon kernel on Hopper where it serves (hopper.py); a forced config or TMA choice is the tl one's.
     gluon = None
-    if not varlen and config is None and descriptors is None and q_ok and k_ok and v_ok and alibi is None \
-            and not dropout and hopper.takes(q_, k_, v_, mask, sm_scale):
-        gluon = hopper.bind(q_, k_, v_, out, lse_strides, mask, sm_scale)
+    if config is None and descriptors is None and q_ok and k_ok and v_ok and alibi is None and not dropout \
+            and hopper.takes(q_, k_, v_, mask, sm_scale, packing):
+        gluon = hopper.bind(q_, k_, v_, out, lse_strides, mask, sm_scale, packing)
 
     convert = varlen or not (q_ok and k_ok and v_ok)  # dense inputs the kernel reads as given: none
 
     def run(q, k, v, cu_q=None, cu_k=None, alibi=None, dropout_p=0.0, seed=None):
         out, lse = new_outputs()
         if gluon is not None and bases_aligned((q, k, v, out)):
-            gluon(q, k, v, out, lse)
+            gluon(q, k, v, out, lse, cu_q, cu_k)
+            if tail is not None:
+                tail(out, lse, cu_q)
             return out, lse
         out_ = out
         if convert:
