@@ -306,7 +306,7 @@ def test_packed_rows_past_the_last_sequence_are_zero():
 
 
 # Packed sequences on the Gluon forward: an empty sequence, one row, tiles cut by a sequence's end, Nq != Nk
-# both ways, GQA; max_seqlen_q the longest or a third of it (a grid tile then stands for several).
+# both ways, GQA; max_seqlen_q the longest or a third of it (the grid's slots cover every block either way).
 GLUON_PACKED = [([700, 0, 1, 129, 1000], [700, 3, 1, 300, 1000]), ([300, 1025, 64], [1300, 77, 64])]
 
 
@@ -318,10 +318,10 @@ GLUON_PACKED = [([700, 0, 1, 129, 1000], [700, 3, 1, 300, 1000]), ([300, 1025, 6
 @pytest.mark.parametrize("d", [40, 64, 128, 200])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_packed_forward_on_hopper_matches_each_sequence_alone(monkeypatch, dtype, d, lengths, mask, cut):
-    """Packed sequences through the Gluon forward at every head dim it has (`config.GLUON_FORWARD_PACKED_HEAD_DIMS`
-    switched to all; d40 pads to 64, d200 to 256; d64 takes full and causal masks only): output and
-    log-sum-exp against each sequence's float64 reference, within the tl kernel's own error on the same inputs
-    (its forced config runs tl)."""
+    """Packed sequences through the Gluon forward at every head dim it has
+    (`config.GLUON_FORWARD_PACKED_HEAD_DIMS` switched to all; d40 pads to 64, d200 to 256; d64 takes full
+    and causal masks only): output and log-sum-exp against each sequence's float64 reference, within the
+    tl kernel's own error on the same inputs (its forced config runs tl)."""
     monkeypatch.setattr(fk_config, "GLUON_FORWARD_PACKED_HEAD_DIMS", (64, 128, 256))
     ran = []
     bind = hopper.bind
@@ -333,9 +333,10 @@ def test_packed_forward_on_hopper_matches_each_sequence_alone(monkeypatch, dtype
     scale = 1 / math.sqrt(d)
     out, lse = plan.forward_packed(q, k, v, cu_q, cu_k, packing, as_mask, scale)
     assert ran == ([packing] if d > 64 or not (window or softcap) else [])
-    tl_out, tl_lse = plan.forward_packed(q, k, v, cu_q, cu_k, packing, as_mask, scale, config=fk_config.default_config(
-        fk_config.Kind.FORWARD, d, dtype, True))
-    want, want_lse = packed_reference(*(t.double() for t in (q, k, v)), cu_q, cu_k, causal, window, softcap, scale)
+    tl_config = fk_config.default_config(fk_config.Kind.FORWARD, d, dtype, True)
+    tl_out, tl_lse = plan.forward_packed(q, k, v, cu_q, cu_k, packing, as_mask, scale, config=tl_config)
+    want, want_lse = packed_reference(*(t.double() for t in (q, k, v)), cu_q, cu_k, causal, window, softcap,
+                                      scale)
     for name, got, tl_got, ref in (("out", out, tl_out, want), ("lse", lse, tl_lse, want_lse)):
         finite = torch.isfinite(ref)
         assert torch.equal(torch.isfinite(got), finite), name
