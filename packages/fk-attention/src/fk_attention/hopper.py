@@ -63,7 +63,8 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, sm_scal
     scores, so the scale must be positive; full or causal masks, windows and softcaps too on the releases
     in `config.GLUON_FORWARD_MASKS`, but not at the head dims in `config.GLUON_FORWARD_FULL_OR_CAUSAL`.
     Packed sequences (`packing`, views as `layout.packed` makes): at the head dims of
-    `config.GLUON_FORWARD_PACKED_HEAD_DIMS`, on a grid of some rows and keys."""
+    `config.GLUON_FORWARD_PACKED_HEAD_DIMS`; a max_seqlen of 0 keeps the tl kernel (it sizes nothing here,
+    but only the tl kernel was tested with it)."""
     padded = padded_head_dim(q.shape[-1])
     if padded in config.GLUON_FORWARD_FULL_OR_CAUSAL:
         masks = mask.full_or_causal
