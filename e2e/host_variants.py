@@ -3,7 +3,8 @@ process: what `launch.DESCRIPTOR_CACHE` and the Gluon decode kernel cost the hos
 
 Calls (bf16, under `torch.no_grad()`, tiny device times): decode B1 KV8192 H32:8 d64 (the Gluon decode kernel and
 its merge on Hopper), decode B1 KV1024 H32:8 d128 (the tl kernel through TMA), attention B1 H8 N128 d64 causal
-(the Gluon forward). Each variant (`base`: the code as it is; a variant sets module constants as
+(the Gluon forward), attention_varlen 3 x 128 H8 d128 causal (the Gluon forward on packed sequences; torch's op:
+SDPA on the 384 tokens as one sequence). Each variant (`base`: the code as it is; a variant sets module constants as
 `e2e/row_variants.py`'s do, plans cleared) and torch's op: 20 warm-up calls, then `--samples` samples of 200
 calls back to back and one synchronization, variants interleaved; medians in µs a call and over torch's. The
 CUDA kernels each variant launched (torch.profiler, one call) are printed first. Samples are
@@ -41,7 +42,7 @@ def _calls():
     import torch
     import torch.nn.functional as F
 
-    from fk_attention import attention, attention_with_kvcache
+    from fk_attention import attention, attention_varlen, attention_with_kvcache
 
     def randn(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
@@ -55,6 +56,13 @@ def _calls():
     q, k, v = randn(1, 8, 128, 64), randn(1, 8, 128, 64), randn(1, 8, 128, 64)
     yield ("attention B1 H8 N128 d64 causal", lambda: attention(q, k, v, causal=True),
            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    # torch has no packed call: its peer is SDPA on the three sequences as one (1, 8, 384, 128) sequence
+    pq, pk, pv = randn(384, 8, 128), randn(384, 8, 128), randn(384, 8, 128)
+    cu = torch.tensor([0, 128, 256, 384], dtype=torch.int32, device="cuda")
+    dq, dk, dv = (t.transpose(0, 1).unsqueeze(0) for t in (pq, pk, pv))
+    yield ("attention_varlen 3x128 H8 d128 causal",
+           lambda: attention_varlen(pq, pk, pv, cu, cu, 128, 128, causal=True),
+           lambda: F.scaled_dot_product_attention(dq, dk, dv, is_causal=True))
 
 
 def main(argv: list[str] | None = None) -> int:

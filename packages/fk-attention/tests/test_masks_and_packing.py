@@ -9,7 +9,7 @@ from fk_runtime.harness import testing
 from fk_runtime.launch import PlanCache
 
 from fk_attention import attention, attention_varlen, hopper
-from fk_attention import plan
+from fk_attention import ops as fk_ops, plan
 from fk_attention.mask import op_args
 from fk_attention import config as fk_config, layout as fk_layout, mask as fk_mask
 
@@ -365,6 +365,33 @@ def test_packed_bounds_are_read_through_their_strides():
     strided = [torch.stack([cu, torch.full_like(cu, 9)], 1)[:, 0] for cu in (cu_q, cu_k)]
     assert strided[0].stride() == (2,)
     torch.testing.assert_close(attention_varlen(q, k, v, *strided, 9, 9), attention_varlen(q, k, v, cu_q, cu_k, 9, 9))
+
+
+def test_packed_repeated_calls_skip_the_checks_and_read_each_calls_bounds(monkeypatch):
+    """A call whose key was seen (layouts, the bounds' shape, max_seqlens, mask) goes straight to its bound plan
+    (no grad) or its autograd.Function (recorded): no checks run; the bounds are still read on each call, so other
+    lengths of the same count give their own outputs and gradients."""
+    q, k, v, cu_a, _ = packed_inputs([9, 20, 5], [9, 20, 5], 2, 1, 16, torch.float32)
+    cu_b = torch.tensor([0, 20, 24, 34], dtype=torch.int32, device=cu_a.device)
+    with torch.no_grad():
+        attention_varlen(q, k, v, cu_a, cu_a, 20, 20, causal=True)
+    attention_varlen(q, k, v, cu_a, cu_a, 20, 20, causal=True)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a repeated call ran the checks")
+
+    monkeypatch.setattr(fk_ops, "check_attention_inputs", refused)
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = packed_reference(*refs, cu_b, cu_b, True)[0]
+    with torch.no_grad():
+        testing.assert_close("out (no grad)", attention_varlen(q, k, v, cu_b, cu_b, 20, 20, causal=True), want,
+                             torch.float32)
+    out = attention_varlen(q, k, v, cu_b, cu_b, 20, 20, causal=True)
+    testing.assert_close("out", out, want, torch.float32)
+    g = testing.randn(out.shape)
+    for name, got, w in zip("qkv", torch.autograd.grad(out, [q, k, v], g), torch.autograd.grad(want, refs, g.double()),
+                            strict=True):
+        testing.assert_close(f"d{name}", got, w, torch.float32)
 
 
 def test_packed_bad_inputs_raise_clear_errors():

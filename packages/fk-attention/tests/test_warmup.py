@@ -200,7 +200,7 @@ def test_backward_bound_ahead_leaves_the_call_as_it_was(monkeypatch):
     from fk_runtime import ahead
     from fk_runtime.launch import PlanCache
 
-    from fk_attention import ops
+    from fk_attention import ops, plan
 
     def run(packed: bool):
         torch.manual_seed(0)
@@ -215,6 +215,7 @@ def test_backward_bound_ahead_leaves_the_call_as_it_was(monkeypatch):
 
     expected = run(True)
     monkeypatch.setattr(ops, "AHEAD", PlanCache())
+    monkeypatch.setattr(plan, "BOUND", PlanCache())  # (else the call's key goes straight to the Function bound before)
     monkeypatch.setattr(ahead, "useful", lambda *tensors: True)
     for got, ref in zip(run(True), expected, strict=True):
         torch.testing.assert_close(got, ref)

@@ -518,8 +518,8 @@ def serving_cases(full: bool) -> list[bench.Case]:
 
 
 def host_cases() -> list[bench.HostCase]:
-    """A tiny causal input, where a call's cost is its host work, against SDPA's default (on a GPU also
-    the flash_attn layer against fk's own call)."""
+    """A tiny causal input, where a call's cost is its host work, against SDPA's default (packed: on the
+    same sequences as a batch; on a GPU also the flash_attn layer against fk's own call)."""
     b, h, n, d = HOST_SHAPE if testing.on_gpu() else SMALL_HOST_SHAPE
     dtype = torch.bfloat16 if testing.on_gpu() else torch.float32
 
@@ -536,6 +536,14 @@ def host_cases() -> list[bench.HostCase]:
     def flash_layout_inputs():  # FlashAttention's (B, N, H, D)
         return [testing.randn((b, n, h, d), dtype, requires_grad=True) for _ in range(3)]
 
+    def packed_inputs():  # three sequences of n tokens, packed, and their bounds
+        tokens = [testing.randn((3 * n, h, d), dtype, requires_grad=True) for _ in range(3)]
+        return [*tokens, torch.arange(0, 3 * n + 1, n, dtype=torch.int32, device=testing.device())]
+
+    def packed_sdpa(q, k, v, cu):  # torch has no packed call: SDPA on the equal lengths as a batch
+        q, k, v = (t.view(3, n, h, d).transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(3 * n, h, d)
+
     def native(q, k, v):  # what the flash_attn layer stands for: fk's call on (B, H, N, D) views
         return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True).transpose(1, 2)
 
@@ -548,7 +556,11 @@ def host_cases() -> list[bench.HostCase]:
                            variants={"fk": lambda q, k, v, lengths: attention_with_kvcache(q, k, v, lengths,
                                                                                            causal=True),
                                      "torch": lambda q, k, v, lengths: F.scaled_dot_product_attention(
-                                         q, k, v, enable_gqa=True)})]
+                                         q, k, v, enable_gqa=True)}),
+            bench.HostCase(op="attention_varlen", shape=f"3x{n} H{h} d{d} causal", dtype=dtype,
+                           make_inputs=packed_inputs,
+                           variants={"fk": lambda q, k, v, cu: attention_varlen(q, k, v, cu, cu, n, n, causal=True),
+                                     "torch": packed_sdpa})]
     if testing.on_gpu():  # the flash_attn drop-in against fk's own call: the layer's host cost
         cases.append(bench.HostCase(op="flash_attn_func", shape=f"B{b} N{n} H{h} d{d} causal", dtype=dtype,
                                     make_inputs=flash_layout_inputs,

@@ -325,6 +325,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         return _attention_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                        sm_scale, window, softcap, return_lse, align, alibi_slopes, dropout_p,
                                        generator, block_table, k_new, v_new)
+    key = None
+    # (calls with slopes or dropout take the full path)
+    if alibi_slopes is None and type(dropout_p) in (float, int) and dropout_p == 0 and generator is None:
+        key, run = fk_ops.quiet_run(plan.BOUND, "attention_varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k),
+                                    (max_seqlen_q, max_seqlen_k, causal, sm_scale, return_lse, window, softcap, align))
+        if run:
+            return run(q, k, v, cu_seqlens_q, cu_seqlens_k)
     q, k, v = fk_ops.autocast(q, k, v)
     check_attention_inputs(q, k, v, packed=True)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
@@ -337,12 +344,41 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     mask = op_args(causal, window, softcap, align)
     return_lse = checks.check_flag("return_lse", return_lse)
     check_alibi(alibi_slopes, q, cu_seqlens_q.shape[0] - 1, q.shape[1])
-    scale, dropout = softmax_scale(sm_scale, q.shape[-1]), _dropout(dropout_p, generator, q)
+    scale = softmax_scale(sm_scale, q.shape[-1])
+    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
+                                                                   scale, mask, return_lse),
+                            lambda: _recorded_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, mask,
+                                                     return_lse))
+    if run:  # checked: this key's calls go straight to the plan, or to the autograd.Function
+        return run(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    dropout = _dropout(dropout_p, generator, q)
     cu = (_index("cu_seqlens_q", cu_seqlens_q), _index("cu_seqlens_k", cu_seqlens_k))
     _backward_ahead(q, k, v, scale, mask, alibi_slopes, dropout, cu, _packing(cu_seqlens_q, max_q, max_k))
     out, lse = ATTENTION_VARLEN.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, mask, alibi_slopes,
                                       *dropout)
     return (out, lse) if return_lse else out
+
+
+def _recorded_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, sm_scale: float, mask: list[float],
+                     return_lse: bool):
+    """run(q, k, v, cu_q, cu_k) of an `attention_varlen` call that autograd records, as `_recorded`."""
+    cu = (_index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k))
+    _backward_ahead(q, k, v, sm_scale, mask, None, (0.0, None), cu, _packing(cu_q, max_q, max_k))
+
+    def run(q, k, v, cu_q, cu_k):
+        return ATTENTION_VARLEN.recorded(q, k, v, cu_q, cu_k, max_q, max_k, sm_scale, mask, None, 0.0, None)
+
+    return run if return_lse else (lambda *args: run(*args)[0])
+
+
+def _quiet_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, sm_scale: float, mask: list[float],
+                  return_lse: bool):
+    """run(q, k, v, cu_q, cu_k) of a quiet `attention_varlen` call, as `_quiet`; False also where a
+    bound's stride is not 1 (the registered op copies those)."""
+    if widened(q.dtype) or cu_q.stride(-1) != 1 or cu_k.stride(-1) != 1:
+        return False
+    run = plan.bound_forward_packed(q, k, v, cu_q, cu_k, _packing(cu_q, max_q, max_k), from_op_args(mask), sm_scale)
+    return run if return_lse else (lambda *args: run(*args)[0])
 
 
 def _forward_paged(

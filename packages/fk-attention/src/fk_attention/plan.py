@@ -487,19 +487,28 @@ def forward_packed(q, k, v, cu_q, cu_k, packing: Packing, mask: Mask, sm_scale: 
                                   alibi, dropout_p, seed)
         return out.to(q.dtype), lse
     dropout = dropout_p > 0
-    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-        checks.check_kernel_device(name, t)
     if config is not None:
+        for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+            checks.check_kernel_device(name, t)
         return bind_forward(q, k, v, mask, sm_scale, config, None, packing, alibi, dropout)(
             q, k, v, cu_q, cu_k, alibi, dropout_p, seed)
+    run = bound_forward_packed(q, k, v, cu_q, cu_k, packing, mask, sm_scale, alibi, dropout)
+    return run(q, k, v, cu_q, cu_k, alibi, dropout_p, seed)
+
+
+def bound_forward_packed(q, k, v, cu_q, cu_k, packing: Packing, mask: Mask, sm_scale: float,
+                         alibi: torch.Tensor | None = None, dropout: bool = False):
+    """run(q, k, v, cu_q, cu_k, alibi, dropout_p, seed) -> (out, lse): the packed forward bound for
+    these inputs' layouts, the bounds' and `packing` (not widened)."""
     key = ("packed", packing, *layout_key(q, k, v, cu_q, cu_k, alibi), mask, sm_scale, dropout)
 
     def build():
+        for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+            checks.check_kernel_device(name, t)
         check_bounds(cu_q, cu_k, packing)
         return bind_forward(q, k, v, mask, sm_scale, packing=packing, alibi=alibi, dropout=dropout)
 
-    run = BOUND.get(key) or BOUND.get_or_build(key, build)
-    return run(q, k, v, cu_q, cu_k, alibi, dropout_p, seed)
+    return BOUND.get(key) or BOUND.get_or_build(key, build)
 
 
 def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: float,
