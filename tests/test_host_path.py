@@ -14,7 +14,7 @@ from fk_runtime import launch
 from fk_runtime.harness import testing
 from fk_runtime import ops as fk_ops
 
-from fk_attention import attention
+from fk_attention import attention, attention_varlen
 from fk_layernorm import layer_norm, rms_norm
 from fk_softmax import softmax
 from fk_weightedsum import weighted_sum
@@ -24,7 +24,8 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if testing.on_gpu() 
 
 def _cases():
     """name: (fk function, float64 reference, make(dtype, layout) -> inputs); attention takes
-    any layout but "contiguous" as (B, N, H, D) storage transposed."""
+    any layout but "contiguous" as (B, N, H, D) storage transposed, attention_varlen its packed
+    (total, H, D) as (H, total, D) storage."""
     def rows(dtype, layout, extra=()):
         x = testing.randn((6, 40), dtype, layout=layout, requires_grad=True)
         return [x, *(testing.randn((40,), dtype, requires_grad=True) for _ in extra)]
@@ -34,6 +35,23 @@ def _cases():
                 else testing.randn((1, 24, 2, 16), dtype).transpose(1, 2).requires_grad_()
                 for _ in range(3)]
 
+    def packed(dtype, layout):  # two sequences (7 and 17 tokens) packed as (24, H, D)
+        return [testing.randn((24, 2, 16), dtype, requires_grad=True) if layout == "contiguous"
+                else testing.randn((2, 24, 16), dtype).transpose(0, 1).requires_grad_()
+                for _ in range(3)]
+
+    bounds = {}
+
+    def varlen(q, k, v):  # the bounds made once per device, outside any CUDA graph capture
+        cu = bounds.get(q.device)
+        if cu is None:
+            cu = bounds[q.device] = torch.tensor([0, 7, 24], dtype=torch.int32, device=q.device)
+        return attention_varlen(q, k, v, cu, cu, 17, 17, causal=True)
+
+    def varlen_reference(q, k, v):
+        return torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)),
+                                                         is_causal=True).transpose(0, 1) for a, b in ((0, 7), (7, 24))])
+
     return {
         "softmax": (lambda x: softmax(x), lambda x: torch.softmax(x, -1), rows),
         "layer_norm": (layer_norm, lambda x, w, b: F.layer_norm(x, (40,), w, b),
@@ -42,6 +60,7 @@ def _cases():
         "weighted_sum": (weighted_sum, lambda x, w: x @ w, lambda dtype, layout: rows(dtype, layout, (0,))),
         "attention": (lambda q, k, v: attention(q, k, v, causal=True),
                       lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), qkv),
+        "attention_varlen": (varlen, varlen_reference, packed),
     }
 
 
@@ -57,7 +76,7 @@ def test_bound_plans_follow_strides_and_dtypes(name):
     for _ in range(2):
         for dtype in DTYPES:
             for layout in ("contiguous", "strided_cols", "padded_rows"):
-                if name == "attention" and layout == "padded_rows":
+                if name.startswith("attention") and layout == "padded_rows":
                     continue  # attention's second layout: (B, N, H, D) storage seen as (B, H, N, D)
                 inputs = make(dtype, layout)
                 testing.assert_matches_reference(fn, ref, inputs, dtype=dtype)
@@ -427,7 +446,7 @@ def test_quiet_calls_follow_strides_and_dtypes(name):
         for _ in range(2):
             for dtype in DTYPES:
                 for layout in ("contiguous", "strided_cols", "padded_rows"):
-                    if name == "attention" and layout == "padded_rows":
+                    if name.startswith("attention") and layout == "padded_rows":
                         continue
                     inputs = [t.detach().requires_grad_(requires) for t in make(dtype, layout)]
                     with torch.set_grad_enabled(grad_mode):
@@ -438,6 +457,7 @@ def test_quiet_calls_follow_strides_and_dtypes(name):
 
 # (module of the check an op's full path runs, its name, module of the op's plan cache)
 CHECKED = {"attention": ("fk_attention.ops", "check_attention_inputs", "fk_attention.plan"),
+           "attention_varlen": ("fk_attention.ops", "check_attention_inputs", "fk_attention.plan"),
            "layer_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
            "rms_norm": ("fk_layernorm.plan", "check_inputs", "fk_layernorm.plan"),
            "softmax": ("fk_softmax.plan", "check_dim", "fk_softmax.plan"),
