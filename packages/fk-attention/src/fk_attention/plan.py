@@ -434,15 +434,13 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
         out, lse = new_outputs()
         if gluon is not None and bases_aligned((q, k, v, out)):
             gluon(q, k, v, out, lse, cu_q, cu_k)
-            if tail is not None:
-                tail(out, lse, cu_q)
-            return out, lse
-        out_ = out
-        if convert:
-            q, k, v, out_ = as_kernel(q), as_kernel(k), as_kernel(v), as_kernel(out)
-            q, k, v = q if q_ok else q.contiguous(), k if k_ok else k.contiguous(), v if v_ok else v.contiguous()
-        kernel(q, k, v, out_, lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k,
-               lse if alibi is None else alibi, lse if seed is None else seed, float(dropout_p))
+        else:
+            out_ = out
+            if convert:
+                q, k, v, out_ = as_kernel(q), as_kernel(k), as_kernel(v), as_kernel(out)
+                q, k, v = q if q_ok else q.contiguous(), k if k_ok else k.contiguous(), v if v_ok else v.contiguous()
+            kernel(q, k, v, out_, lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k,
+                   lse if alibi is None else alibi, lse if seed is None else seed, float(dropout_p))
         if tail is not None:
             tail(out, lse, cu_q)
         return out, lse
