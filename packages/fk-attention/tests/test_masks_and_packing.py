@@ -359,6 +359,30 @@ def test_packed_backward_of_an_expanded_gradient():
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_packed_inputs_past_the_tile_offset_bound_reach_the_kernels_as_copies(monkeypatch):
+    """A packed input whose in-tile offsets would overflow (limit shrunk, a head-dim-major q) reaches the
+    kernels as a copy laid out as its plan bound it, the others as given (their own bases, read through
+    the bound views' strides): values and every gradient still match each sequence alone."""
+    hq, d = 2, 16
+    q, k, v, cu_q, cu_k = packed_inputs([9, 20], [9, 20], hq, hq, d, torch.float32)
+    q = q.detach().permute(2, 0, 1).contiguous().permute(1, 2, 0).requires_grad_()  # (total, H, D), D outermost
+    monkeypatch.setattr(fk_layout, "TILE_OFFSET_LIMIT", (fk_layout.MAX_TILE_EXTENT - 1) * (hq * d + 2))
+    assert not fk_layout.tile_offsets_fit(fk_layout.packed(q)) and fk_layout.tile_offsets_fit(fk_layout.packed(k))
+    seen = []
+    real = plan.Kernel.__call__
+
+    def spy(self, *args):
+        seen.append((args[0].data_ptr() == q.data_ptr(), args[1].data_ptr() == k.data_ptr()))
+        return real(self, *args)
+
+    monkeypatch.setattr(plan.Kernel, "__call__", spy)
+    testing.assert_matches_reference(
+        lambda q, k, v: attention_varlen(q, k, v, cu_q, cu_k, 20, 20, causal=True, return_lse=True),
+        lambda q, k, v: packed_reference(q, k, v, cu_q, cu_k, causal=True), [q, k, v], dtype=torch.float32,
+        names=["q", "k", "v"])
+    assert seen and all(got == (False, True) for got in seen), seen
+
+
 def test_packed_bounds_are_read_through_their_strides():
     """cu_seqlens as a strided view (every other entry of a buffer): the same result as contiguous."""
     q, k, v, cu_q, cu_k = packed_inputs([4, 9], [6, 9], 2, 1, 16, torch.float32, requires_grad=False)

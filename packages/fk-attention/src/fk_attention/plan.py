@@ -131,15 +131,18 @@ def launch_tuned(kernel, kind: Kind, head_dim: int, descriptors: bool, grid, arg
         return getattr(tuned, "best_config", None)
 
 
-def tensor_descriptor(t: torch.Tensor, rows: str, padded_head_dim: int, config: Config | None):
-    """A TMA descriptor over the (B, H, N, D) tensor t, in tiles of [1, 1, R, padded_head_dim]:
-    R is `config`'s `rows` block ("BLOCK_M" or "BLOCK_N"), or, with no config (autotuned launches),
-    set by each config before it runs (`fit_descriptors`). Rows past N and the head-dim padding
-    read as zeros; stores drop them."""
+def tensor_descriptor(t: torch.Tensor, rows: str, padded_head_dim: int, config: Config | None,
+                      layout: tuple[list, list] | None = None):
+    """A TMA descriptor over the (B, H, N, D) tensor t (or over t's base laid out as `layout`, (shape,
+    strides): a packed tensor as its bound view), in tiles of [1, 1, R, padded_head_dim]: R is
+    `config`'s `rows` block ("BLOCK_M" or "BLOCK_N"), or, with no config (autotuned launches), set by
+    each config before it runs (`fit_descriptors`). Rows past N and the head-dim padding read as
+    zeros; stores drop them."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     block_rows = config.meta()[rows] if config is not None else 1
-    desc = TensorDescriptor(t, list(t.shape), descriptor_strides(t), [1, 1, block_rows, padded_head_dim])
+    shape, strides = layout or (list(t.shape), descriptor_strides(t))
+    desc = TensorDescriptor(t, list(shape), list(strides), [1, 1, block_rows, padded_head_dim])
     desc.fk_rows = rows
     return desc
 
@@ -235,7 +238,9 @@ class Kernel:
     key), else the head dim's fixed config, or the caller's (tests). `descriptors`: True / False
     forces TMA on or off; None: TMA where the strides allow it (decided here) and every tile
     operand's base is aligned (decided per call). The first len(`tiles`) head arguments are the
-    (B, H, N, D) operands, tiled by the named block's rows ("BLOCK_M" or "BLOCK_N"). A kernel
+    (B, H, N, D) operands (a call may pass any tensor with the example's base: only its address is
+    read, the shape and strides are the example's), tiled by the named block's rows ("BLOCK_M" or
+    "BLOCK_N"). A kernel
     with a REST constexpr (the packed backward) is launched twice, REST false then true (over
     `programs` only), same config."""
 
@@ -308,8 +313,8 @@ class Kernel:
         """Through Triton's autotuner (its launch runs the kernel); its pick is kept as the winner."""
         args = list(head)
         if use:
-            for i in self.tile_index:
-                args[i] = tensor_descriptor(head[i], self.tiles[i], self.padded, None)
+            for i, layout in zip(self.tile_index, self.layouts, strict=True):
+                args[i] = tensor_descriptor(head[i], self.tiles[i], self.padded, None, layout)
         walked = self.walked
         best = launch_tuned(self.kernel, self.kind, self.head_dim, use,
                             lambda m: (sizing.cdiv(self.n_rows, m[walked]) * self.programs,),
@@ -428,18 +433,18 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
             and hopper.takes(q_, k_, v_, mask, sm_scale, packing):
         gluon = hopper.bind(q_, k_, v_, out, lse_strides, mask, sm_scale, packing)
 
-    convert = varlen or not (q_ok and k_ok and v_ok)  # dense inputs the kernel reads as given: none
+    # The kernels read a tensor's base only (its bound views' shapes and strides are the plan's), so a call
+    # passes the tensors themselves; an input whose offsets overflow passes its copy, laid out as bound.
+    as_given = q_ok and k_ok and v_ok
 
     def run(q, k, v, cu_q=None, cu_k=None, alibi=None, dropout_p=0.0, seed=None):
         out, lse = new_outputs()
         if gluon is not None and bases_aligned((q, k, v, out)):
             gluon(q, k, v, out, lse, cu_q, cu_k)
         else:
-            out_ = out
-            if convert:
-                q, k, v, out_ = as_kernel(q), as_kernel(k), as_kernel(v), as_kernel(out)
-                q, k, v = q if q_ok else q.contiguous(), k if k_ok else k.contiguous(), v if v_ok else v.contiguous()
-            kernel(q, k, v, out_, lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k,
+            if not as_given:
+                q, k, v = (t if ok else as_kernel(t).contiguous() for t, ok in ((q, q_ok), (k, k_ok), (v, v_ok)))
+            kernel(q, k, v, out, lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k,
                    lse if alibi is None else alibi, lse if seed is None else seed, float(dropout_p))
         if tail is not None:
             tail(out, lse, cu_q)
@@ -623,15 +628,14 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
                                                   lse_strides, scratch_strides, mask, sm_scale)
 
     def run(grad_out, grad_lse, q, k, v, out, lse, cu_q=None, cu_k=None, alibi=None, dropout_p=0.0, seed=None):
+        # The tensors themselves, as the forward's run passes them; copies laid out as bound where they overflow.
         if expanded:  # materialized as bound: before the packed view (whose own copy has other strides)
             grad_out = grad_out.contiguous()
-        q, k, v, out, grad_out = (as_kernel(t) for t in (q, k, v, out, grad_out))
         if not as_given:
-            q, k, v, out, grad_out = (t if ok else t.contiguous()
+            q, k, v, out, grad_out = (t if ok else as_kernel(t).contiguous()
                                       for t, ok in zip((q, k, v, out, grad_out), oks, strict=True))
-        dlse = lse_view(grad_lse if dlse_ok else grad_lse.contiguous()) if has_dlse else lse
-        grads = new_grads()
-        dq, dk, dv = (as_kernel(g) for g in grads)
+        dlse = (grad_lse if dlse_ok else grad_lse.contiguous()) if has_dlse else lse
+        grads = dq, dk, dv = new_grads()
         delta, lse2 = new_stats()
         cu_q = lse if cu_q is None else cu_q
         cu_k = lse if cu_k is None else cu_k
