@@ -283,20 +283,23 @@ def test_packed_under_torch_compile(mode):
         dtype=torch.float32, names=["q", "k", "v"])
 
 
-def test_packed_rows_past_the_last_sequence_are_zero():
+@pytest.mark.parametrize("spare_q,spare_k", [(6, 3), (100, 40)])
+def test_packed_rows_past_the_last_sequence_are_zero(spare_q, spare_k):
     """A padded buffer (rows past cu_seqlens[-1], other ends for q and k): those rows' outputs are
     0 with a log-sum-exp of -inf and their gradients 0, never the memory's old contents (fresh
     allocations filled with NaN here; before, they came back NaN and spread into the projections'
-    weight gradients); the sequences' own rows as before."""
+    weight gradients); the sequences' own rows as before. Fewer spare rows than a query block, and
+    more than the grid's blocks a head cover at once (the forward walks them in turn)."""
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)  # and torch.utils.deterministic.fill_uninitialized_memory
     try:
         q, k, v, cu_q, cu_k = packed_inputs([5, 9], [7, 4], 4, 2, 16, torch.float32, requires_grad=False)
         spare = [torch.cat([t, testing.randn((n, *t.shape[1:]), torch.float32)]).requires_grad_()
-                 for t, n in ((q, 6), (k, 3), (v, 3))]
+                 for t, n in ((q, spare_q), (k, spare_k), (v, spare_k))]
         out, lse = attention_varlen(*spare, cu_q, cu_k, 9, 7, causal=True, return_lse=True)
         want, want_lse = packed_reference(q, k, v, cu_q, cu_k, True, None)
         testing.assert_close("out", out[:14], want, torch.float32)
+        assert out.shape[0] == 14 + spare_q
         assert torch.equal(out[14:], torch.zeros_like(out[14:])) and bool((lse[:, 14:] == -math.inf).all())
         grads = torch.autograd.grad(out, spare, testing.randn(out.shape))
         for g, n in zip(grads, (14, 11, 11), strict=True):

@@ -348,7 +348,8 @@ def attn_fwd_kernel(
     log-sum-exp. With a window (causal included) the blocks that see the most keys start first
     (shorter ones fill the tail). VARLEN: b is a packed sequence, n_q / n_k the longest lengths
     the grid was sized for; a longer sequence's extra blocks are walked by its programs in turn
-    (without HALF_TAIL: its half step in that loop cost the packed d64 forward 1.25x the time).
+    (without HALF_TAIL: its half step in that loop cost the packed d64 forward 1.25x the time);
+    the grid's last sequence of programs fills the rows past the last sequence (`_spare_rows`).
     n_*_key, bh_key, dtype_key: autotuning keys only."""
     n_blocks = tl.cdiv(n_q, BLOCK_M)
     pid = tl.program_id(0)
@@ -358,6 +359,12 @@ def attn_fwd_kernel(
         block = n_blocks - 1 - block
     b = bh // n_heads
     h = bh % n_heads
+    if VARLEN:
+        sequences = tl.num_programs(0) // (n_blocks * n_heads) - 1
+        if b == sequences:
+            _spare_rows(o_ptr, lse_ptr, cu_q_ptr, sequences, h, block, n_blocks, total_q, soh, son, sod, slh,
+                        HEAD_DIM, HEAD_DIM_PADDED, BLOCK_M)
+            return
     hk = h // group
     q_first, n_q_b = _sequence(cu_q_ptr, b, n_q, total_q, VARLEN)
     k_first, n_k_b = _sequence(cu_k_ptr, b, n_k, total_k, VARLEN)
@@ -379,6 +386,22 @@ def attn_fwd_kernel(
         _fwd_block(q_src, k_src, v_src, o_dst, lse_row, b, b, h, hk, block * BLOCK_M, n_q, n_k, shift, left, right,
                    qk_scale, cap_scale, slope, seed, dropout_p, bh, sqn, sqd, skn, skd, svn, svd, son, sod, WINDOW, SOFTCAP, ALIBI, DROPOUT,
                    HEAD_DIM, HEAD_DIM_PADDED, USE_DESC, PRECISION, BLOCK_M, BLOCK_N, HALF_TAIL)
+
+
+@triton.jit
+def _spare_rows(o_ptr, lse_ptr, cu_ptr, sequences, h, block, n_blocks, total, soh, son, sod, slh,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Head h's packed rows past the last sequence, [cu[sequences], total) (a padded buffer's spare rows; the
+    bound clamped as `_sequence` clamps), block `block` of every n_blocks: output 0, log-sum-exp -inf."""
+    first = tl.minimum(tl.maximum(tl.load(cu_ptr + sequences), 0), total)
+    cols = tl.arange(0, HEAD_DIM_PADDED)
+    zeros = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32).to(o_ptr.dtype.element_ty)
+    for start in range(first + block * BLOCK_M, total, n_blocks * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        at = tl.cast(h, tl.int64) * soh + tl.cast(rows[:, None], tl.int64) * son + tl.cast(cols[None, :], tl.int64) * sod
+        tl.store(o_ptr + at, zeros, mask=(rows[:, None] < total) & (cols[None, :] < HEAD_DIM))
+        tl.store(lse_ptr + tl.cast(h, tl.int64) * slh + rows, tl.full((BLOCK_M,), float("-inf"), tl.float32),
+                 mask=rows < total)
 
 
 @triton.jit
@@ -773,7 +796,8 @@ def fill_tail_kernel(a_ptr, b_ptr, cu_ptr, n_seq, total, a_cols, a_stride_r, a_s
                      b_cols, b_stride_r, b_stride_c, b_value,
                      TWO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Token rows [cu[n_seq], total) of one or two tensors (a, and b with TWO) set to a value: the rows of a
-    padded buffer past its last sequence, which no attention kernel writes. The bound is read here (clamped to
+    padded buffer past its last sequence, which the backward and the Gluon forward leave (the tl forward fills
+    its own, `_spare_rows`). The bound is read here (clamped to
     [0, total], as the kernels clamp); a program whose rows all belong to sequences stores nothing."""
     start = tl.program_id(0) * BLOCK_R
     end = tl.minimum(tl.maximum(tl.load(cu_ptr + n_seq), 0), total)

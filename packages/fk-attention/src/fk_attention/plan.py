@@ -420,18 +420,19 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
             *kernel_strides(q_, varlen), *kernel_strides(k_, varlen), *kernel_strides(v_, varlen), *kernel_strides(out, varlen),
             *lse_strides, *alibi_strides(alibi), *tuning_keys(n_q, n_k, b * hq, dtype, mask))
     tiles = _inputs_only(FORWARD_TILES, (3,) if varlen else ())
-    kernel = Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, b * hq, tiles, (q_, k_, v_, out), tail,
+    # Packed: a sequence of programs more, which fills the rows past the last sequence (`kernels._spare_rows`).
+    kernel = Kernel(kernels.attn_fwd_kernel, Kind.FORWARD, n_q, (b + varlen) * hq, tiles, (q_, k_, v_, out), tail,
                      {**_meta(mask, varlen, d, dtype, alibi is not None, dropout), **forward_meta()}, dtype,
                      should_autotune(dtype, b * hq, n_q, n_k), descriptors,
                      config, device, mask.span)
-    # Packed rows past the last sequence: output 0, log-sum-exp -inf (as a row that sees no key).
-    tail = _tail_fill(device, b, total_q, ((total_q, hq, d), 0.0), ((hq, total_q), -math.inf)) \
-        if varlen else None
     # The Gluon kernel on Hopper where it serves (hopper.py); a forced config or TMA choice is the tl one's.
-    gluon = None
+    gluon = spare = None
     if config is None and descriptors is None and q_ok and k_ok and v_ok and alibi is None and not dropout \
             and hopper.takes(q_, k_, v_, mask, sm_scale, packing):
         gluon = hopper.bind(q_, k_, v_, out, lse_strides, mask, sm_scale, packing)
+        # Packed rows past the last sequence, which the Gluon kernel leaves: output 0, log-sum-exp -inf.
+        spare = _tail_fill(device, b, total_q, ((total_q, hq, d), 0.0), ((hq, total_q), -math.inf)) \
+            if varlen else None
 
     # The kernels read a tensor's base only (its bound views' shapes and strides are the plan's), so a call
     # passes the tensors themselves; an input whose offsets overflow passes its copy, laid out as bound.
@@ -441,13 +442,13 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
         out, lse = new_outputs()
         if gluon is not None and bases_aligned((q, k, v, out)):
             gluon(q, k, v, out, lse, cu_q, cu_k)
+            if spare is not None:
+                spare(out, lse, cu_q)
         else:
             if not as_given:
                 q, k, v = (t if ok else as_kernel(t).contiguous() for t, ok in ((q, q_ok), (k, k_ok), (v, v_ok)))
             kernel(q, k, v, out, lse, lse if cu_q is None else cu_q, lse if cu_k is None else cu_k,
                    lse if alibi is None else alibi, lse if seed is None else seed, float(dropout_p))
-        if tail is not None:
-            tail(out, lse, cu_q)
         return out, lse
 
     return run
