@@ -308,6 +308,22 @@ def test_packed_rows_past_the_last_sequence_are_zero(spare_q, spare_k):
         torch.use_deterministic_algorithms(was)
 
 
+def test_packed_buffer_without_sequences_is_all_spare_rows():
+    """cu_seqlens = [0] over a buffer of rows: every row is past the last sequence, so zeros, -inf and zero
+    gradients (the forward returned uninitialized memory)."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # fresh allocations filled with NaN
+    try:
+        q, k, v = (testing.randn((5, 2, 16), torch.float32, requires_grad=True) for _ in range(3))
+        cu = torch.zeros(1, dtype=torch.int32, device=testing.device())
+        out, lse = attention_varlen(q, k, v, cu, cu, 4, 4, causal=True, return_lse=True)
+        assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
+        for g in torch.autograd.grad(out, [q, k, v], testing.randn(out.shape)):
+            assert torch.equal(g, torch.zeros_like(g))
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 # Packed sequences on the Gluon forward: an empty sequence, one row, tiles cut by a sequence's end, Nq != Nk
 # both ways, GQA; max_seqlen_q the longest or a third of it (the grid's slots cover every block either way).
 GLUON_PACKED = [([700, 0, 1, 129, 1000], [700, 3, 1, 300, 1000]), ([300, 1025, 64], [1300, 77, 64])]

@@ -407,9 +407,9 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
         def as_kernel(t):
             return t
 
-    if q.numel() == 0 or b == 0:
+    if q.numel() == 0:
         return lambda *args, **kwargs: new_outputs()
-    if k.numel() == 0:  # no keys: SDPA gives zeros; the log-sum-exp of nothing is -inf
+    if k.numel() == 0 or b == 0:  # no keys (packed: or no sequence, every row spare): zeros; the lse of nothing is -inf
         def no_keys(*args, **kwargs):
             out, lse = new_outputs()
             return out.zero_(), lse.fill_(-math.inf)
