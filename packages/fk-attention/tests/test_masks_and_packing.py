@@ -283,45 +283,45 @@ def test_packed_under_torch_compile(mode):
         dtype=torch.float32, names=["q", "k", "v"])
 
 
+@pytest.fixture
+def nan_filled():
+    """Deterministic mode for the test, so that fresh allocations come filled with NaN
+    (torch.utils.deterministic.fill_uninitialized_memory); the mode as it was after."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
 @pytest.mark.parametrize("spare_q,spare_k", [(6, 3), (100, 40)])
-def test_packed_rows_past_the_last_sequence_are_zero(spare_q, spare_k):
+def test_packed_rows_past_the_last_sequence_are_zero(nan_filled, spare_q, spare_k):
     """A padded buffer (rows past cu_seqlens[-1], other ends for q and k): those rows' outputs are
     0 with a log-sum-exp of -inf and their gradients 0, never the memory's old contents (fresh
     allocations filled with NaN here; before, they came back NaN and spread into the projections'
     weight gradients); the sequences' own rows as before. Fewer spare rows than a query block, and
     more than the grid's blocks a head cover at once (the forward walks them in turn)."""
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)  # and torch.utils.deterministic.fill_uninitialized_memory
-    try:
-        q, k, v, cu_q, cu_k = packed_inputs([5, 9], [7, 4], 4, 2, 16, torch.float32, requires_grad=False)
-        spare = [torch.cat([t, testing.randn((n, *t.shape[1:]), torch.float32)]).requires_grad_()
-                 for t, n in ((q, spare_q), (k, spare_k), (v, spare_k))]
-        out, lse = attention_varlen(*spare, cu_q, cu_k, 9, 7, causal=True, return_lse=True)
-        want, want_lse = packed_reference(q, k, v, cu_q, cu_k, True, None)
-        testing.assert_close("out", out[:14], want, torch.float32)
-        assert out.shape[0] == 14 + spare_q
-        assert torch.equal(out[14:], torch.zeros_like(out[14:])) and bool((lse[:, 14:] == -math.inf).all())
-        grads = torch.autograd.grad(out, spare, testing.randn(out.shape))
-        for g, n in zip(grads, (14, 11, 11), strict=True):
-            assert torch.isfinite(g[:n]).all() and torch.equal(g[n:], torch.zeros_like(g[n:]))
-    finally:
-        torch.use_deterministic_algorithms(was)
+    q, k, v, cu_q, cu_k = packed_inputs([5, 9], [7, 4], 4, 2, 16, torch.float32, requires_grad=False)
+    spare = [torch.cat([t, testing.randn((n, *t.shape[1:]), torch.float32)]).requires_grad_()
+             for t, n in ((q, spare_q), (k, spare_k), (v, spare_k))]
+    out, lse = attention_varlen(*spare, cu_q, cu_k, 9, 7, causal=True, return_lse=True)
+    want, want_lse = packed_reference(q, k, v, cu_q, cu_k, True, None)
+    testing.assert_close("out", out[:14], want, torch.float32)
+    assert out.shape[0] == 14 + spare_q
+    assert torch.equal(out[14:], torch.zeros_like(out[14:])) and bool((lse[:, 14:] == -math.inf).all())
+    grads = torch.autograd.grad(out, spare, testing.randn(out.shape))
+    for g, n in zip(grads, (14, 11, 11), strict=True):
+        assert torch.isfinite(g[:n]).all() and torch.equal(g[n:], torch.zeros_like(g[n:]))
 
 
-def test_packed_buffer_without_sequences_is_all_spare_rows():
+def test_packed_buffer_without_sequences_is_all_spare_rows(nan_filled):
     """cu_seqlens = [0] over a buffer of rows: every row is past the last sequence, so zeros, -inf and zero
     gradients (the forward returned uninitialized memory)."""
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)  # fresh allocations filled with NaN
-    try:
-        q, k, v = (testing.randn((5, 2, 16), torch.float32, requires_grad=True) for _ in range(3))
-        cu = torch.zeros(1, dtype=torch.int32, device=testing.device())
-        out, lse = attention_varlen(q, k, v, cu, cu, 4, 4, causal=True, return_lse=True)
-        assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
-        for g in torch.autograd.grad(out, [q, k, v], testing.randn(out.shape)):
-            assert torch.equal(g, torch.zeros_like(g))
-    finally:
-        torch.use_deterministic_algorithms(was)
+    q, k, v = (testing.randn((5, 2, 16), torch.float32, requires_grad=True) for _ in range(3))
+    cu = torch.zeros(1, dtype=torch.int32, device=testing.device())
+    out, lse = attention_varlen(q, k, v, cu, cu, 4, 4, causal=True, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == -math.inf).all())
+    for g in torch.autograd.grad(out, [q, k, v], testing.randn(out.shape)):
+        assert torch.equal(g, torch.zeros_like(g))
 
 
 # Packed sequences on the Gluon forward: an empty sequence, one row, tiles cut by a sequence's end, Nq != Nk

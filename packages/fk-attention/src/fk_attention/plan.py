@@ -492,8 +492,7 @@ def forward_packed(q, k, v, cu_q, cu_k, packing: Packing, mask: Mask, sm_scale: 
         return out.to(q.dtype), lse
     dropout = dropout_p > 0
     if config is not None:
-        for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-            checks.check_kernel_device(name, t)
+        _check_bounds_device(cu_q, cu_k)
         return bind_forward(q, k, v, mask, sm_scale, config, None, packing, alibi, dropout)(
             q, k, v, cu_q, cu_k, alibi, dropout_p, seed)
     run = bound_forward_packed(q, k, v, cu_q, cu_k, packing, mask, sm_scale, alibi, dropout)
@@ -507,12 +506,16 @@ def bound_forward_packed(q, k, v, cu_q, cu_k, packing: Packing, mask: Mask, sm_s
     key = ("packed", packing, *layout_key(q, k, v, cu_q, cu_k, alibi), mask, sm_scale, dropout)
 
     def build():
-        for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-            checks.check_kernel_device(name, t)
+        _check_bounds_device(cu_q, cu_k)
         check_bounds(cu_q, cu_k, packing)
         return bind_forward(q, k, v, mask, sm_scale, packing=packing, alibi=alibi, dropout=dropout)
 
     return BOUND.get(key) or BOUND.get_or_build(key, build)
+
+
+def _check_bounds_device(cu_q, cu_k) -> None:
+    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        checks.check_kernel_device(name, t)
 
 
 def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: float,
