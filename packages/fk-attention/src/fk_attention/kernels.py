@@ -362,8 +362,11 @@ def attn_fwd_kernel(
     if VARLEN:
         sequences = tl.num_programs(0) // (n_blocks * n_heads) - 1
         if b == sequences:
-            _spare_rows(o_ptr, lse_ptr, cu_q_ptr, sequences, h, block, n_blocks, total_q, soh, son, sod, slh,
-                        HEAD_DIM, HEAD_DIM_PADDED, BLOCK_M)
+            head = tl.cast(h, tl.int64)
+            _spare_rows(o_ptr + head * soh, cu_q_ptr, sequences, total_q, son, sod, HEAD_DIM, 0.0, block * BLOCK_M,
+                        n_blocks * BLOCK_M, BLOCK_M, HEAD_DIM_PADDED)
+            _spare_rows(lse_ptr + head * slh, cu_q_ptr, sequences, total_q, 1, 0, 1, float("-inf"), block * BLOCK_M,
+                        n_blocks * BLOCK_M, BLOCK_M, 2)
             return
     hk = h // group
     q_first, n_q_b = _sequence(cu_q_ptr, b, n_q, total_q, VARLEN)
@@ -389,19 +392,15 @@ def attn_fwd_kernel(
 
 
 @triton.jit
-def _spare_rows(o_ptr, lse_ptr, cu_ptr, sequences, h, block, n_blocks, total, soh, son, sod, slh,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Head h's packed rows past the last sequence, [cu[sequences], total) (a padded buffer's spare rows; the
-    bound clamped as `_sequence` clamps), block `block` of every n_blocks: output 0, log-sum-exp -inf."""
+def _spare_rows(t_ptr, cu_ptr, sequences, total, stride_r, stride_c, n_cols, value, start, step,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows [cu[sequences], total) of one head's (rows, n_cols) slice of a packed tensor set to value: a padded
+    buffer's rows past its last sequence (the bound clamped as `_sequence` clamps), BLOCK_R rows from `start`
+    on, every `step` rows (a head's programs share them)."""
     first = tl.minimum(tl.maximum(tl.load(cu_ptr + sequences), 0), total)
-    cols = tl.arange(0, HEAD_DIM_PADDED)
-    zeros = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), tl.float32).to(o_ptr.dtype.element_ty)
-    for start in range(first + block * BLOCK_M, total, n_blocks * BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
-        at = tl.cast(h, tl.int64) * soh + tl.cast(rows[:, None], tl.int64) * son + tl.cast(cols[None, :], tl.int64) * sod
-        tl.store(o_ptr + at, zeros, mask=(rows[:, None] < total) & (cols[None, :] < HEAD_DIM))
-        tl.store(lse_ptr + tl.cast(h, tl.int64) * slh + rows, tl.full((BLOCK_M,), float("-inf"), tl.float32),
-                 mask=rows < total)
+    for r in range(first + start, total, step):
+        rows = r + tl.arange(0, BLOCK_R)
+        _fill_rows(t_ptr, rows, rows < total, n_cols, stride_r, stride_c, value, BLOCK_C)
 
 
 @triton.jit
@@ -506,7 +505,8 @@ def attn_bwd_dq_kernel(
     dS = P (dP - delta) exactly like delta) and stores it, with the row's base-2 log-sum-exp, in
     aligned scratch rows for the dK/dV kernel, which runs next: no separate pass over O and dO.
     Blocks and sequences as in the forward, except that a packed sequence's blocks past the grid go
-    to a second launch (REST: one program per sequence and head), as in `attn_bwd_dkdv_kernel`."""
+    to a second launch (REST: one program per sequence and head), as in `attn_bwd_dkdv_kernel`, whose last
+    sequence of programs sets dQ's rows past the last sequence to 0."""
     n_blocks = tl.cdiv(n_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid if REST else pid // n_blocks
@@ -515,6 +515,11 @@ def attn_bwd_dq_kernel(
         block = n_blocks - 1 - block
     b = bh // n_heads
     h = bh % n_heads
+    if REST:
+        if b == tl.num_programs(0) // n_heads - 1:
+            _spare_rows(dq_ptr + tl.cast(h, tl.int64) * sdqh, cu_q_ptr, b, total_q, sdqn, sdqd, HEAD_DIM, 0.0, 0,
+                        BLOCK_M, BLOCK_M, HEAD_DIM_PADDED)
+            return
     hk = h // group
     q_first, n_q_b = _sequence(cu_q_ptr, b, n_q, total_q, VARLEN)
     k_first, n_k_b = _sequence(cu_k_ptr, b, n_k, total_k, VARLEN)
@@ -673,7 +678,8 @@ def attn_bwd_dkdv_kernel(
     Sequences as in the forward, except that a packed sequence longer than the grid's n_k has its
     further blocks walked by a second launch (REST), one program per sequence and KV head looping over
     them: a loop around the block here would cost every call, and a REST grid as large as the first one
-    costs 8-15 us of programs that exit at once (TUNING.md)."""
+    costs 8-15 us of programs that exit at once (TUNING.md); its last sequence of programs sets the rows
+    past the last sequence of dK and dV (of the one it computes) to 0."""
     if VARLEN:
         tl.static_assert(BLOCK_M <= STATS_ALIGN, "packed dK/dV reads BLOCK_M scratch rows past a sequence")
     n_blocks = tl.cdiv(n_k, BLOCK_N)
@@ -682,6 +688,16 @@ def attn_bwd_dkdv_kernel(
     block = 0 if REST else pid % n_blocks
     b = bhk // n_heads_k
     hk = bhk % n_heads_k
+    if REST:
+        if b == tl.num_programs(0) // n_heads_k - 1:
+            head = tl.cast(hk, tl.int64)
+            if PART != 2:
+                _spare_rows(dv_ptr + head * sdvh, cu_k_ptr, b, total_k, sdvn, sdvd, HEAD_DIM, 0.0, 0, BLOCK_N,
+                            BLOCK_N, HEAD_DIM_PADDED)
+            if PART != 1:
+                _spare_rows(dk_ptr + head * sdkh, cu_k_ptr, b, total_k, sdkn, sdkd, HEAD_DIM, 0.0, 0, BLOCK_N,
+                            BLOCK_N, HEAD_DIM_PADDED)
+            return
     q_first, n_q_b = _sequence(cu_q_ptr, b, n_q, total_q, VARLEN)
     k_first, n_k_b = _sequence(cu_k_ptr, b, n_k, total_k, VARLEN)
     shift = lower_right * (n_k_b - n_q_b)
@@ -793,17 +809,15 @@ def _fill_rows(t_ptr, rows, keep, n_cols, stride_r, stride_c, value, BLOCK_C: tl
 @triton.jit(do_not_specialize=["n_seq", "total", "a_cols", "a_stride_r", "a_stride_c", "b_cols", "b_stride_r",
                              "b_stride_c"])
 def fill_tail_kernel(a_ptr, b_ptr, cu_ptr, n_seq, total, a_cols, a_stride_r, a_stride_c, a_value,
-                     b_cols, b_stride_r, b_stride_c, b_value,
-                     TWO: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Token rows [cu[n_seq], total) of one or two tensors (a, and b with TWO) set to a value: the rows of a
-    padded buffer past its last sequence, which the backward and the Gluon forward leave (the tl forward fills
-    its own, `_spare_rows`). The bound is read here (clamped to
-    [0, total], as the kernels clamp); a program whose rows all belong to sequences stores nothing."""
+                     b_cols, b_stride_r, b_stride_c, b_value, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Token rows [cu[n_seq], total) of two tensors (a, b) set to a value each: the rows of a padded buffer past
+    its last sequence, which the Gluon forward leaves in its output and log-sum-exp (the tl forward and the
+    backward fill their own, `_spare_rows`). The bound is read here (clamped to [0, total], as the kernels
+    clamp); a program whose rows all belong to sequences stores nothing."""
     start = tl.program_id(0) * BLOCK_R
     end = tl.minimum(tl.maximum(tl.load(cu_ptr + n_seq), 0), total)
     if start + BLOCK_R > end:
         rows = start + tl.arange(0, BLOCK_R)
         keep = (rows >= end) & (rows < total)
         _fill_rows(a_ptr, rows, keep, a_cols, a_stride_r, a_stride_c, a_value, BLOCK_C)
-        if TWO:
-            _fill_rows(b_ptr, rows, keep, b_cols, b_stride_r, b_stride_c, b_value, BLOCK_C)
+        _fill_rows(b_ptr, rows, keep, b_cols, b_stride_r, b_stride_c, b_value, BLOCK_C)

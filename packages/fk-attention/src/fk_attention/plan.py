@@ -242,12 +242,12 @@ class Kernel:
     read, the shape and strides are the example's), tiled by the named block's rows ("BLOCK_M" or
     "BLOCK_N"). A kernel
     with a REST constexpr (the packed backward) is launched twice, REST false then true (over
-    `programs` only), same config."""
+    `programs` only, and `spare` programs more: they fill the rows past the last sequence), same config."""
 
     def __init__(self, kernel, kind: Kind, n_rows: int, programs: int, tiles: tuple, examples: tuple,
                  tail: tuple, meta: dict, dtype: torch.dtype, tune: bool, descriptors: bool | None,
-                 config: Config | None, device: torch.device, span: int | None = None):
-        self.kernel, self.kind, self.n_rows, self.programs = kernel, kind, n_rows, programs
+                 config: Config | None, device: torch.device, span: int | None = None, spare: int = 0):
+        self.kernel, self.kind, self.n_rows, self.programs, self.spare = kernel, kind, n_rows, programs, spare
         self.tiles, self.tail, self.meta, self.dtype, self.device = tiles, tail, meta, dtype, device
         self.head_dim, self.padded = meta["HEAD_DIM"], meta["HEAD_DIM_PADDED"]
         self.walked = "BLOCK_N" if kind is Kind.DKDV else "BLOCK_M"
@@ -293,7 +293,7 @@ class Kernel:
             grid = (sizing.cdiv(self.n_rows, block) * self.programs,)
             launches = [Launch(self.kernel, grid, self.tail, meta, self.device)]
             if self.rest:  # one program per (sequence, head) for the blocks past max_seqlen
-                launches.append(Launch(self.kernel, (self.programs,), self.tail, {**meta, "REST": True},
+                launches.append(Launch(self.kernel, (self.programs + self.spare,), self.tail, {**meta, "REST": True},
                                        self.device))
             entry = self.launches[use] = (launches, config)
         launches, config = entry
@@ -340,26 +340,14 @@ def _meta(mask: Mask, varlen: bool, head_dim: int, dtype: torch.dtype, alibi: bo
             "HEAD_DIM_PADDED": padded_head_dim(head_dim, dtype)}
 
 
-def _tail_fill(device: torch.device, sequences: int, total: int, *tensors: tuple[tuple, float]):
-    """run(*tensors, cu) setting the token rows [cu[sequences], total) of one or two fresh packed
-    tensors (the rows of a padded buffer past its last sequence, which no kernel writes) to a value
-    each (`kernels.fill_tail_kernel`); each given as (shape, value): a contiguous (total, H, D)
-    output or gradient, or an (H, total) log-sum-exp."""
-    geometry = []
-    for shape, value in tensors:
-        rows_last = len(shape) == 2  # (H, total)
-        cols = shape[0] if rows_last else shape[1] * shape[2]
-        geometry += [cols, 1 if rows_last else cols, total if rows_last else 1, value]
-    two = len(tensors) == 2
-    launch = Launch(kernels.fill_tail_kernel, (sizing.cdiv(total, TAIL_ROWS),),
-                    (sequences, total, *geometry, *(() if two else (0, 0, 0, 0.0))),
-                    {"TWO": two, "BLOCK_R": TAIL_ROWS, "BLOCK_C": TAIL_COLS}, device)
-
-    def run(*args):
-        *tensors, cu = args
-        launch(tensors[0], tensors[-1], cu)
-
-    return run
+def _tail_fill(device: torch.device, sequences: int, total: int, heads: int, head_dim: int):
+    """launch(out, lse, cu) setting the token rows [cu[sequences], total) of a fresh packed output (total, heads,
+    head_dim) to 0 and of its log-sum-exp (heads, total) to -inf: the rows of a padded buffer past its last
+    sequence, which the Gluon forward leaves (`kernels.fill_tail_kernel`)."""
+    cols = heads * head_dim
+    return Launch(kernels.fill_tail_kernel, (sizing.cdiv(total, TAIL_ROWS),),
+                  (sequences, total, cols, cols, 1, 0.0, heads, 1, total, -math.inf),
+                  {"BLOCK_R": TAIL_ROWS, "BLOCK_C": TAIL_COLS}, device)
 
 
 def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=None,
@@ -431,8 +419,7 @@ def bind_forward(q, k, v, mask: Mask, sm_scale: float, config=None, descriptors=
             and hopper.takes(q_, k_, v_, mask, sm_scale, packing):
         gluon = hopper.bind(q_, k_, v_, out, lse_strides, mask, sm_scale, packing)
         # Packed rows past the last sequence, which the Gluon kernel leaves: output 0, log-sum-exp -inf.
-        spare = _tail_fill(device, b, total_q, ((total_q, hq, d), 0.0), ((hq, total_q), -math.inf)) \
-            if varlen else None
+        spare = _tail_fill(device, b, total_q, hq, d) if varlen else None
 
     # The kernels read a tensor's base only (its bound views' shapes and strides are the plan's), so a call
     # passes the tensors themselves; an input whose offsets overflow passes its copy, laid out as bound.
@@ -607,20 +594,19 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
         (sm_scale, softcap, n_q, n_k, hq, hq // hk, lower_right, left, right, *totals,
          *(s for t in (q_, k_, v_, out_, go_) for s in kernel_strides(t, varlen)), *dlse_strides,
          *kernel_strides(dq, varlen), *lse_strides, *scratch_strides, *alibi_strides(alibi), *keys),
-        {**meta, "HAS_DLSE": has_dlse, "REST": False}, dtype, tune, descriptors, dq_config, device, mask.span)
+        {**meta, "HAS_DLSE": has_dlse, "REST": False}, dtype, tune, descriptors, dq_config, device, mask.span,
+        hq if varlen else 0)
     dkdv_kernels = [Kernel(
         kernels.attn_bwd_dkdv_kernel, Kind.DKDV, n_k, b * hk, _inputs_only(DKDV_TILES, (6, 7) if varlen else ()),
         (q_, k_, v_, go_, lse2, delta, dk, dv),
         (sm_scale, softcap, n_q, n_k, hk, hq // hk, lower_right, left, right, *totals,
          *(s for t in (q_, k_, v_, go_, dk, dv) for s in kernel_strides(t, varlen)), *scratch_strides,
          *alibi_strides(alibi), *keys),
-        {**meta, "REST": False, "PART": part}, dtype, tune, descriptors, dkdv_config, device, mask.span)
+        {**meta, "REST": False, "PART": part}, dtype, tune, descriptors, dkdv_config, device, mask.span,
+        hk if varlen else 0)
         for part in dkdv_parts(d)]
 
     as_given = all(oks) and not expanded
-    # Packed rows past the last sequence: gradient 0 (their outputs are 0 whatever their inputs).
-    tails = (_tail_fill(device, b, totals[0], (shapes[0], 0.0)),
-             _tail_fill(device, b, totals[1], (shapes[1], 0.0), (shapes[2], 0.0))) if varlen else None
     # dK/dV in Gluon on Hopper where it serves (hopper_backward.py), the 5-matmul backward where that serves;
     # forced configs or TMA choices run tl.
     gluon = fused = None
@@ -656,9 +642,6 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
         else:
             for dkdv_kernel in dkdv_kernels:
                 dkdv_kernel(q, k, v, grad_out, lse2, delta, dk, dv, cu_q, cu_k, alibi, *drop)
-        if tails is not None:
-            tails[0](grads[0], cu_q)
-            tails[1](grads[1], grads[2], cu_k)
         return grads
 
     return run
