@@ -588,6 +588,8 @@ def bind_backward(grad_out, grad_lse, q, k, v, out, lse, mask: Mask, sm_scale: f
             else False
     softcap, lower_right, left, right = mask.kernel_args()
     dlse_strides = (0, *dlse_.stride()[1:]) if varlen else dlse_.stride()
+    # Packed: the REST launches' programs of one sequence more set the gradients' rows past the last sequence to 0
+    # (their outputs are 0 whatever their inputs).
     dq_kernel = Kernel(
         kernels.attn_bwd_dq_kernel, Kind.DQ, n_q, b * hq, _inputs_only(DQ_TILES, (9,) if varlen else ()),
         (q_, k_, v_, out_, go_, lse, dlse_, delta, lse2, dq),
