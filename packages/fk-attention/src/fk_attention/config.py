@@ -243,8 +243,8 @@ def hip_waves_per_eu(head_dim: int) -> int:
     return next(w for limit, w in HIP_WAVES_PER_EU if limit is None or padded <= limit)
 
 
-# Packed rows past the last sequence: rows and columns one program fills per step
-# (`kernels.fill_tail_kernel`).
+# Packed rows past the last sequence that the Gluon forward leaves: rows and columns one program fills per
+# step (`kernels.fill_tail_kernel`; the tl kernels fill their own).
 TAIL_ROWS = 64
 TAIL_COLS = 128
 

@@ -240,9 +240,9 @@ class Kernel:
     operand's base is aligned (decided per call). The first len(`tiles`) head arguments are the
     (B, H, N, D) operands (a call may pass any tensor with the example's base: only its address is
     read, the shape and strides are the example's), tiled by the named block's rows ("BLOCK_M" or
-    "BLOCK_N"). A kernel
-    with a REST constexpr (the packed backward) is launched twice, REST false then true (over
-    `programs` only, and `spare` programs more: they fill the rows past the last sequence), same config."""
+    "BLOCK_N"). A kernel with a REST constexpr (the packed backward) is launched twice, REST false then
+    true (over `programs` only, and `spare` programs more: they fill the rows past the last sequence),
+    same config."""
 
     def __init__(self, kernel, kind: Kind, n_rows: int, programs: int, tiles: tuple, examples: tuple,
                  tail: tuple, meta: dict, dtype: torch.dtype, tune: bool, descriptors: bool | None,
