@@ -408,7 +408,31 @@ FUSED_CASES = HOPPER_CASES + [
     ((2, 4, 2, 1000, 1000, 64), fk_mask.FULL), ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL),
     ((1, 4, 1, 333, 1025, 40), fk_mask.Mask(right=0, lower_right=True)), ((1, 2, 2, 77, 77, 64), fk_mask.CAUSAL),
     ((1, 2, 2, 50, 50, 64), fk_mask.FULL), ((1, 2, 1, 100, 300, 64), fk_mask.CAUSAL),
+    # softcaps (`hopper_backward.fused_mask`): scores near the cap (5), either alignment, both step orders
+    ((2, 4, 2, 1000, 1000, 128), fk_mask.Mask(right=0, softcap=30.0)), ((1, 2, 2, 300, 700, 128), fk_mask.Mask(softcap=5.0)),
+    ((2, 4, 2, 1000, 1000, 64), fk_mask.Mask(right=0, lower_right=True, softcap=20.0)),
+    ((1, 2, 1, 77, 300, 64), fk_mask.Mask(softcap=5.0)), ((1, 4, 1, 1025, 333, 96), fk_mask.Mask(right=0, softcap=5.0)),
 ]
+
+
+def test_5_matmul_backward_takes_softcaps_where_tanh_is_the_gpus(monkeypatch):
+    """`hopper_backward.fused_mask`: every key or causal (either alignment), softcapped too where the scores take
+    `tanh.approx.f32` (16-bit inputs on a GPU, `Mask.softcap_build`) and `config.GLUON_BWD_SOFTCAP` is on; never
+    windows, fp32's or the interpreter's capped scores."""
+    capped = (fk_mask.Mask(softcap=30.0), fk_mask.Mask(right=0, softcap=5.0), fk_mask.Mask(right=0, lower_right=True,
+                                                                                         softcap=20.0))
+    plain = (fk_mask.FULL, fk_mask.CAUSAL, fk_mask.Mask(right=0, lower_right=True))
+    windows = (fk_mask.Mask(left=8, right=0), fk_mask.Mask(left=8, right=0, softcap=5.0), fk_mask.Mask(right=5))
+    for gpu in (False, True):
+        monkeypatch.setattr(fk_mask.backend, "is_interpreter", lambda gpu=gpu: not gpu)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            approx = gpu and dtype != torch.float32
+            assert all(hopper_backward.fused_mask(m, dtype) for m in plain)
+            assert [hopper_backward.fused_mask(m, dtype) for m in capped] == [approx] * 3, (gpu, dtype)
+            assert not any(hopper_backward.fused_mask(m, dtype) for m in windows)
+    monkeypatch.setattr(fk_config, "GLUON_BWD_SOFTCAP", False)
+    assert not hopper_backward.fused_mask(capped[0], torch.bfloat16) and hopper_backward.fused_mask(fk_mask.CAUSAL,
+                                                                                                   torch.bfloat16)
 
 
 def test_5_matmul_backward_issues_steps_ahead_where_configured(monkeypatch):
@@ -563,20 +587,26 @@ def test_hopper_forward_d64_masks_where_switched_on(monkeypatch, switch, shape, 
     _check_gluon_forward(monkeypatch, shape, mask, dtype)
 
 
-def test_forward_mask_args_match_the_tl_kernels_scales():
+def test_forward_mask_args_match_the_tl_kernels_scales(monkeypatch):
     """The Gluon forward's mask builds and scales (`hopper.forward_mask_args`): every key, causal, a
-    window (an open side as `mask.UNBOUNDED`), a softcap with the tl kernels' `score_scales` (tanh
-    from exp2: its factor times 2 log2(e))."""
+    window (an open side as `mask.UNBOUNDED`), a softcap with the tl kernels' `score_scales`: tanh from
+    exp2 (its factor times 2 log2(e)) for fp32 and on the interpreter, the GPU's tanh.approx.f32 (the
+    factor as it is) for 16-bit inputs on a GPU (`Mask.softcap_build`)."""
     log2e = 1 / math.log(2)
     for mask, seen in ((fk_mask.FULL, 0), (fk_mask.CAUSAL, 1), (fk_mask.Mask(right=0, lower_right=True), 1),
                        (fk_mask.Mask(left=8, right=0), 2), (fk_mask.Mask(right=5), 2), (fk_mask.Mask(left=3), 2)):
-        builds, (qk, cap_scale, left, right) = hopper.forward_mask_args(mask, 0.125)
-        assert builds == {"SEEN": seen, "SOFTCAP": False} and cap_scale == 1.0, mask
+        builds, (qk, cap_scale, left, right) = hopper.forward_mask_args(mask, 0.125, torch.bfloat16)
+        assert builds == {"SEEN": seen, "SOFTCAP": 0} and cap_scale == 1.0, mask
         assert qk == pytest.approx(0.125 * log2e)
         assert (left, right) == mask.kernel_args()[2:]
-    builds, (qk, cap_scale, left, right) = hopper.forward_mask_args(fk_mask.Mask(left=8, right=0, softcap=30.0), 0.125)
-    assert builds == {"SEEN": 2, "SOFTCAP": True} and (left, right) == (8, 0)
-    assert qk == pytest.approx(30.0 * log2e) and cap_scale == pytest.approx(2 * log2e * 0.125 / 30.0)
+    capped = fk_mask.Mask(left=8, right=0, softcap=30.0)
+    for dtype, gpu, build, inside in ((torch.float32, True, 1, 2 * log2e), (torch.bfloat16, False, 1, 2 * log2e),
+                                      (torch.bfloat16, True, 2, 1.0), (torch.float16, True, 2, 1.0)):
+        monkeypatch.setattr(fk_mask.backend, "is_interpreter", lambda gpu=gpu: not gpu)
+        assert capped.softcap_build(dtype) == build and fk_mask.CAUSAL.softcap_build(dtype) == 0
+        builds, (qk, cap_scale, left, right) = hopper.forward_mask_args(capped, 0.125, dtype)
+        assert builds == {"SEEN": 2, "SOFTCAP": build} and (left, right) == (8, 0), (dtype, gpu)
+        assert qk == pytest.approx(30.0 * log2e) and cap_scale == pytest.approx(inside * 0.125 / 30.0)
 
 
 def test_forward_takes_the_diagonal_at_half_width_where_configured(monkeypatch):

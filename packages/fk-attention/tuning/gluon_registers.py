@@ -46,7 +46,10 @@ class OfflineHopper:
 
 driver.set_active(OfflineHopper())
 
+from fk_runtime import backend  # noqa: E402
 from fk_runtime.launch import Descriptor  # noqa: E402
+
+backend.is_interpreter = lambda: False  # the builds a GPU takes (`Mask.softcap_build`)
 
 from fk_attention import decode_hopper, hopper, hopper_backward  # noqa: E402
 from fk_attention import config as fk_config  # noqa: E402
@@ -75,11 +78,11 @@ def fused_backward(d: int, causal: bool, **builds):
     tiles = [descriptor(q, r, layout) for r, layout in (
         (fk_config.GLUON_Q_ROWS, None), (fk_config.GLUON_KEYS, kv), (fk_config.GLUON_KEYS, kv),
         (fk_config.GLUON_Q_ROWS, None), (fk_config.GLUON_KEYS, kv), (fk_config.GLUON_KEYS, kv))]
-    builds = {**hopper_backward.fused_builds(d, causal), **builds}
+    builds = {**hopper_backward.fused_builds(d, causal), "SOFTCAP": 0, **builds}
     dq_sum = torch.empty(B, H, hopper_backward.dq_sum_rows(N), d)
     dq = Descriptor(dq_sum, *hopper_backward.dq_sum_fields(list(dq_sum.shape), builds)).real()
     return hopper_backward.attn_bwd_hopper_kernel.warmup(
-        *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, 0, 2, CAUSAL=causal, HEAD_DIM=d,
+        *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, 0, 2, 0.01, CAUSAL=causal, HEAD_DIM=d,
         CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS, PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
         num_warps=4, grid=(1,), **builds)
 
@@ -140,7 +143,7 @@ def forward(d: int, mask, n: int = N, varlen: bool = False):
     """The forward at padded head dim d as `hopper.bind` launches it on a length-n query (varlen: B packed
     sequences of up to n rows)."""
     q = torch.empty(B, H, n, d, dtype=torch.bfloat16)
-    builds, args = hopper.forward_mask_args(mask, 0.1)
+    builds, args = hopper.forward_mask_args(mask, 0.1, q.dtype)
     block_n, stages, consumers = hopper.forward_tiles(d, builds["SEEN"], n, varlen)
     tiles = [descriptor(q, r) for r in (fk_config.GLUON_ROWS, block_n, block_n, fk_config.GLUON_ROWS)]
     n_tiles = B * H * n // (consumers * fk_config.GLUON_ROWS)
@@ -178,7 +181,7 @@ def main() -> None:
                            ("softcap", Mask(softcap=30.0)), ("window + softcap", Mask(left=255, right=0, softcap=5.0))):
             if d in fk_config.GLUON_FORWARD_FULL_OR_CAUSAL and name not in ("full", "causal"):
                 continue
-            two = hopper.two_consumer_rows(d, hopper.forward_mask_args(mask, 0.1)[0]["SEEN"])
+            two = hopper.two_consumer_rows(d, hopper.forward_mask_args(mask, 0.1, torch.bfloat16)[0]["SEEN"])
             for n in (two, two + 1) if two else (N,):  # two consumers up to `two` rows, then its count
                 length = f" (N {n})" if two else ""
                 print(f"forward d{d} {name}{length}: {usage(forward(d, mask, n), pv_waits=True)}")
@@ -191,7 +194,8 @@ def main() -> None:
         kernels = [(f"dK/dV d{D}", dkdv)] + [(f"dK/dV roles d{d}", role_dkdv(d, causal))
                                               for d in fk_config.GLUON_ROLE_HEAD_DIMS]
         if hopper_backward.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8), its head dims
-            kernels += [(f"5-matmul backward d{d}", fused_backward(d, causal)) for d in fk_config.GLUON_FUSED_HEAD_DIMS]
+            kernels += [(f"5-matmul backward d{d}{' softcap' if cap else ''}", fused_backward(d, causal, SOFTCAP=cap))
+                        for d in fk_config.GLUON_FUSED_HEAD_DIMS for cap in (0, 2)]
         for name, compiled in kernels:
             print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")
     for d, _ in fk_config.GLUON_DECODE_TILES:

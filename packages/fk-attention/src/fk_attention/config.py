@@ -50,6 +50,11 @@ KEY_ARGS = ["n_q_key", "n_k_key", "bh_key", "dtype_key", "WINDOW", "SOFTCAP", "V
 # which keeps the two-sided build (TUNING.md: Triton versions; sm_90 compiles, not yet timed).
 LEFT_UNBOUNDED_BUILD_FROM = (3, 7)
 
+# Softcapped scores of these input dtypes take tanh from the GPU's tanh.approx.f32 (one MUFU op a score, as
+# FlashAttention does; at most 7.8e-6 off tanh) where tanh from exp2 took two MUFU ops and about eight ALU
+# ones (TUNING.md: Softcaps); fp32 keeps exp2's (2.3e-7), as does the interpreter (no inline asm).
+SOFTCAP_APPROX_DTYPES = (torch.float16, torch.bfloat16)
+
 
 # The dense forward walks a window's last key block (causal's diagonal) in a half-width step where
 # its query block sees at most half of it: with BLOCK_N = 2 BLOCK_M (d64's 64 x 128) every other
@@ -400,8 +405,8 @@ GLUON_FORWARD_MASKS = ((3, 6), (3, 7), (3, 8), (3, 9))
 # still reads step j - 1's V while it waits for step j's K.
 GLUON_FORWARD_TILES = ((64, 128, 3, 3), (128, 128, 3, 2), (256, 64, 3, 2))
 # Padded head dims whose Gluon forward takes full and causal masks only: d64's windows and softcaps run tl
-# (H200, B1 N16384, Gluon ÷ tl time on three consumers 1.29-1.43 window 1024, 1.14-1.15 softcap; on two
-# 0.96-0.98 and 1.01-1.04; TUNING.md: Measured and not kept).
+# (H200, B1 N16384, Gluon ÷ tl time on three consumers 1.29-1.43 window 1024, 1.03-1.06 softcap (tanh.approx);
+# on two 0.96-0.98 and 1.00-1.03; TUNING.md: Measured and not kept).
 GLUON_FORWARD_FULL_OR_CAUSAL = (64,)
 # Padded head dims whose Gluon forward takes packed sequences too (else the tl kernel), one tile a program
 # on at most GLUON_FORWARD_PACKED_CONSUMERS consumers (d64 on three spilled 168 bytes, offline, 3.8). H200,
@@ -460,6 +465,9 @@ GLUON_FUSED_DQ = True
 # Padded head dims the 5-matmul backward takes (its own gate beside GLUON_HEAD_DIMS): at d64 it ran
 # in 0.92-0.99x the time of the tl pair that d64 had before (TUNING.md: Its head dims).
 GLUON_FUSED_HEAD_DIMS = (64, 128)
+# Softcapped scores (tanh.approx builds, `Mask.softcap_build`) in the 5-matmul backward, where the tl dQ and dK/dV
+# kernels took them: 0.71x / 0.79x their time at d128 / d64 (H200, 3.8; TUNING.md: The softcapped backward).
+GLUON_BWD_SOFTCAP = True
 # Padded head dims whose 5-matmul backward issues the next Q block's S^T and dP^T before this block's dV, dK and
 # dQ (`hopper_backward._steps_ahead`: the softmax under those matmuls), on a ring of GLUON_BWD_AHEAD_STAGES (two
 # blocks held while the next loads): d64 took 0.91-0.96x the in-order time, 4 stages 2-6% less than 3, 5 or 6;

@@ -290,7 +290,7 @@ def bind(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, slices: int 
     if split.gluon:  # the tl kernel's own tile where K/V's bases are off the TMA grid
         tile = tiles(group * n_q, d, dtype, programs * slices, index)
     padded = padded_head_dim(d)
-    meta = {"SOFTCAP": mask.softcap is not None, "ALIBI": alibi is not None, "LEFTPAD": leftpad,
+    meta = {"SOFTCAP": mask.softcap_build(dtype), "ALIBI": alibi is not None, "LEFTPAD": leftpad,
             "SEQLENS": cache is not None,
             "PAGED": paged, "PAGE_SIZE": max(cache.page_size if paged else 1, 1), "SLICE_PAGES": slice_pages,
             "ROW_PAGES": per_row,
@@ -365,7 +365,7 @@ def _bind_gluon(q, k, v, mask: Mask, sm_scale: float, cache: Cache | None, group
     grid and tile (the caller checks K/V's bases per call): the `tl` kernel's slices and outputs (`bind`)."""
     b, hq, n_q, d = q.shape
     block_n = split.tile.block_n
-    builds, (qk_scale, cap_scale, left, right) = hopper.forward_mask_args(mask, sm_scale)
+    builds, (qk_scale, cap_scale, left, right) = hopper.forward_mask_args(mask, sm_scale, q.dtype)
     k_tile, v_tile = hopper.tile_descriptors((k, v), (block_n, block_n), padded_head_dim(d), k.dtype)
     launch = Launch(decode_hopper.attn_decode_tma_kernel, (split.programs * split.slices,),
                     (qk_scale, cap_scale, n_q, k.shape[2], cache.n_new if cache else 0, k.shape[1], group,

@@ -16,6 +16,9 @@ import triton
 
 from fk_runtime.gluon import gl, gluon, mbarrier, mma_v2, reinterpret, tma_load
 
+from . import hopper
+from .kernels import TANH_APPROX
+
 if gluon is not None and mma_v2 is not None:
 
     @triton.constexpr_function
@@ -60,8 +63,8 @@ if gluon is not None and mma_v2 is not None:
         [1, 1, BLOCK_N, D] blocks, 16 query rows a program, no ALiBi or left pads: one slice of the
         keys of a block of a GQA group's rows; with one slice the output and (STORE_LSE) lse, with
         several (SLICED) the fp32 partial output and log-sum-exp to part (the `tl` kernel's layout).
-        Scores are scaled in base 2 by qk_scale > 0; SOFTCAP: tanh from exp2 (cap_scale, as
-        `hopper._capped`)."""
+        Scores are scaled in base 2 by qk_scale > 0; SOFTCAP: tanh as `hopper._capped` takes it (cap_scale
+        from `hopper.forward_mask_args`)."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         D: gl.constexpr = k_desc.block_type.shape[3]
         dtype: gl.constexpr = k_desc.dtype
@@ -134,7 +137,9 @@ if gluon is not None and mma_v2 is not None:
             mbarrier.wait(k_ready.index(stage), phase)
             k_t = reinterpret(k_smem.index(stage), dtype, [BLOCK_N, D], kv_2d).permute((1, 0)).load(b_op)
             s = mma_v2(q, k_t, s_zero)
-            if SOFTCAP:
+            if SOFTCAP == TANH_APPROX:
+                s = hopper.tanh_approx(s * cap_scale)
+            elif SOFTCAP:
                 s = 1.0 - 2.0 / (gl.exp2(s * cap_scale) + 1.0)
             s = _edge_masked(s, pos, start, n_k_b, shift, left, right, full_lo, full_hi, BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(s, axis=1))

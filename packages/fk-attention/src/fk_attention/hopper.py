@@ -35,6 +35,7 @@ from fk_runtime.gluon import (fence_async_shared, gl, gluon, mbarrier, reinterpr
 from fk_runtime.launch import Descriptor, Launch
 
 from . import config
+from .kernels import TANH_APPROX, TANH_APPROX_ASM
 from .config import GLUON_CONSUMER_REGISTERS, GLUON_PRODUCER_REGISTERS, GLUON_ROWS
 from .layout import Packing, descriptor_strides, descriptors_may_serve, padded_head_dim
 from .mask import Mask
@@ -104,15 +105,18 @@ def consumer_registers(consumers: int) -> int:
     return config.GLUON_THREE_CONSUMER_REGISTERS if consumers == 3 else GLUON_CONSUMER_REGISTERS
 
 
-def forward_mask_args(mask: Mask, sm_scale: float) -> tuple[dict, tuple]:
-    """The forward kernel's mask constexprs (SEEN: 0 every key, 1 causal, 2 another window; SOFTCAP)
-    and (qk_scale, cap_scale, left, right): the base-2 factor on the (capped) scores, what tanh's
-    exp2 multiplies the raw scores by, the window's sides (`Mask.kernel_args`)."""
+def forward_mask_args(mask: Mask, sm_scale: float, dtype: torch.dtype) -> tuple[dict, tuple]:
+    """The forward kernel's mask constexprs (SEEN: 0 every key, 1 causal, 2 another window; SOFTCAP,
+    `Mask.softcap_build`) and (qk_scale, cap_scale, left, right): the base-2 factor on the (capped) scores,
+    what the raw scores are multiplied by inside tanh (for tanh from exp2, by exp2), the window's sides
+    (`Mask.kernel_args`)."""
     cap, _, left, right = mask.kernel_args()
     seen = 0 if not mask.windowed else 1 if mask.left is None and mask.right == 0 else 2
-    if mask.softcap:
-        return {"SEEN": seen, "SOFTCAP": True}, (cap * LOG2E, 2 * LOG2E * sm_scale / cap, left, right)
-    return {"SEEN": seen, "SOFTCAP": False}, (sm_scale * LOG2E, 1.0, left, right)
+    softcap = mask.softcap_build(dtype)
+    if softcap:
+        inside = sm_scale / cap if softcap == TANH_APPROX else 2 * LOG2E * sm_scale / cap
+        return {"SEEN": seen, "SOFTCAP": softcap}, (cap * LOG2E, inside, left, right)
+    return {"SEEN": seen, "SOFTCAP": 0}, (sm_scale * LOG2E, 1.0, left, right)
 
 
 def half_last(seen: int, head_dim: int, consumers: int) -> bool:
@@ -143,7 +147,7 @@ def length_buckets(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask
     (`config.GLUON_PERSISTENT_CAUSAL_N`, `GLUON_FORWARD_TWO`), for `warm.warmup` to call past each."""
     if not takes(q, k, v, mask, sm_scale):
         return ()
-    seen, d = forward_mask_args(mask, sm_scale)[0]["SEEN"], q.shape[-1]
+    seen, d = forward_mask_args(mask, sm_scale, q.dtype)[0]["SEEN"], q.shape[-1]
 
     def variant(n_q: int) -> tuple[bool, int]:
         return persistent_grid(seen, d, n_q), forward_tiles(d, seen, n_q)[2]
@@ -341,10 +345,18 @@ if gluon is not None:
                           cu_q, cu_k, total_q, total_k, SEEN, ROWS, BLOCK_N, STAGES, VARLEN)
 
     @gluon.jit
+    def tanh_approx(x):
+        """`kernels.tanh_approx` in Gluon: the GPU's tanh.approx.f32."""
+        return gl.inline_asm_elementwise(TANH_APPROX_ASM, "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
     def _capped(s, cap_scale, SOFTCAP: gl.constexpr):
-        """Raw scores with a softcap: tanh(s * sm_scale / cap) from exp2 (cap_scale: 2 log2(e) sm_scale
-        / cap; qk_scale then holds cap * log2(e)), as `kernels.capped`; else s."""
-        if SOFTCAP:
+        """Raw scores with a softcap: tanh(s * sm_scale / cap), as `kernels.capped` (`forward_mask_args`:
+        cap_scale is sm_scale / cap for TANH_APPROX, 2 log2(e) sm_scale / cap for tanh from exp2; qk_scale then
+        holds cap * log2(e)); else s."""
+        if SOFTCAP == TANH_APPROX:
+            s = tanh_approx(s * cap_scale)
+        elif SOFTCAP:
             s = 1.0 - 2.0 / (gl.exp2(s * cap_scale) + 1.0)
         return s
 
@@ -679,7 +691,7 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
     b, hq, n_q, d = q.shape
     hk, n_k = k.shape[1], k.shape[2]
     padded = padded_head_dim(d)
-    builds, (qk_scale, cap_scale, left, right) = forward_mask_args(mask, sm_scale)
+    builds, (qk_scale, cap_scale, left, right) = forward_mask_args(mask, sm_scale, q.dtype)
     block_n, stages, consumers = forward_tiles(d, builds["SEEN"], n_q if packing is None else packing.max_q,
                                                packing is not None)
     q_tile, k_tile, v_tile, o_tile = tile_descriptors((q, k, v, out), (GLUON_ROWS, block_n, block_n, GLUON_ROWS),

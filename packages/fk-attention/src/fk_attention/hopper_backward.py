@@ -18,7 +18,7 @@ this block's gradients (`_steps_ahead`).
 Taken for what they were built and measured on (TUNING.md: Hopper backward): `hopper.on_hopper`'s
 GPUs, Tritons, dtypes and tensors, head dims padded to `config.GLUON_HEAD_DIMS` (dK/dV; the role-split
 kernel at `GLUON_ROLE_HEAD_DIMS`) and `GLUON_FUSED_HEAD_DIMS` (the 5-matmul backward), full or causal
-masks (either alignment).
+masks (either alignment); the 5-matmul backward softcapped ones too (`fused_mask`).
 """
 
 from __future__ import annotations
@@ -45,11 +45,19 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> boo
 
 def fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
     """Whether the backward binds the 5-matmul kernel (bases are checked per call): full or causal
-    masks, its own head dims, switched on in config (both read at bind time, so that a variant may
-    set them), a Triton with TMA reduce-adds, no determinism asked for by the call. A call takes it
-    only while torch's deterministic algorithms are off."""
-    return (mask.full_or_causal and config.GLUON_FUSED_DQ and tma_reduce_add is not None and not mask.deterministic
-            and hopper.on_hopper(q, k, v, config.GLUON_FUSED_HEAD_DIMS))
+    masks (`fused_mask`: softcapped too), its own head dims, switched on in config (both read at bind
+    time, so that a variant may set them), a Triton with TMA reduce-adds, no determinism asked for by the
+    call. A call takes it only while torch's deterministic algorithms are off."""
+    return (fused_mask(mask, q.dtype) and config.GLUON_FUSED_DQ and tma_reduce_add is not None
+            and not mask.deterministic and hopper.on_hopper(q, k, v, config.GLUON_FUSED_HEAD_DIMS))
+
+
+def fused_mask(mask: Mask, dtype: torch.dtype) -> bool:
+    """Masks the 5-matmul backward takes: every key or causal (either alignment), softcapped too where the
+    scores take `kernels.TANH_APPROX` (`Mask.softcap_build`) and `config.GLUON_BWD_SOFTCAP` is on."""
+    capped = mask.softcap_build(dtype)
+    return (mask.left is None and mask.right in (None, 0)
+            and (not capped or (capped == kernels.TANH_APPROX and config.GLUON_BWD_SOFTCAP)))
 
 
 def fused_builds(head_dim: int, causal: bool) -> dict:
@@ -167,27 +175,43 @@ if gluon is not None:
         return gl.exp2(zt)
 
     @gluon.jit
+    def _capped_probs(st, lse2, keys, m0, full_from, shift, qk_scale, cap_scale, CAUSAL: gl.constexpr,
+                      SOFTCAP: gl.constexpr):
+        """`_probs` of softcapped scores (SOFTCAP, `kernels.TANH_APPROX` only): t = tanh(S^T * cap_scale),
+        P^T from t, and the cap's derivative 1 - t^2 that dS^T carries (as the tl kernels'); (P^T, 1 - t^2)."""
+        t = hopper.tanh_approx(st * cap_scale)
+        return _probs(t, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL), 1.0 - t * t
+
+    @gluon.jit
     def _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0, full_from, shift, qk_scale,
-                  stage, step, s_zero, dv, op_layout: gl.constexpr, tile_2d: gl.constexpr, CAUSAL: gl.constexpr,
-                  Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                  cap_scale, stage, step, s_zero, dv, op_layout: gl.constexpr, tile_2d: gl.constexpr,
+                  CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  STAGES: gl.constexpr):
         """One (Q, dO) block of a backward consumer over keys (transposed, keys as rows): S^T = K Q^T
         and dP^T = V dO^T issued together, P^T from the saved base-2 log-sum-exp, dV += P^T dO issued;
-        (Q, dV, P^T as the operand that matmul reads, dS^T = P^T (dP^T - delta) in fp32)."""
+        (Q, dV, P^T as the operand that matmul reads, dS^T = P^T (dP^T - delta) in fp32; SOFTCAP: capped
+        scores, dS^T times 1 - t^2, applied to P^T once its operand is made: no register more held)."""
         dtype: gl.constexpr = q_smem.dtype
         q, do, st, dpt = _issue_scores(k, v, q_smem, do_smem, ready, stage, step, s_zero, tile_2d, Q_ROWS, HEAD_DIM,
                                        STAGES)
-        # the row terms read under the matmuls where causal, after each one's wait where full (TUNING.md: When the
-        # backward reads its row terms)
-        if CAUSAL:
+        # the row terms read under the matmuls where causal, after each one's wait where full or capped (TUNING.md:
+        # When the backward reads its row terms)
+        EARLY: gl.constexpr = CAUSAL and not SOFTCAP
+        if EARLY:
             lse2, delta = _row_terms(lse2_smem, delta_smem, stage, s_zero, Q_ROWS)
         st = warpgroup_mma_wait(1, deps=[st])
-        if not CAUSAL:
+        if not EARLY:
             lse2 = _row_term(lse2_smem, stage, s_zero, Q_ROWS)
-        pt = _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL)
+        if SOFTCAP:
+            pt, slope = _capped_probs(st, lse2, keys, m0, full_from, shift, qk_scale, cap_scale, CAUSAL, SOFTCAP)
+        else:
+            pt = _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL)
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+        if SOFTCAP:
+            pt = pt * slope
         dv = warpgroup_mma(pt_op, do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt])
-        if not CAUSAL:
+        if not EARLY:
             delta = _row_term(delta_smem, stage, s_zero, Q_ROWS)
         return q, dv, pt_op, pt * (dpt - gl.expand_dims(delta, 0))
 
@@ -231,8 +255,8 @@ if gluon is not None:
             stage = step % STAGES
             m0 = (first_block + step % per_head) * Q_ROWS
             q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0,
-                                          full_from, shift, qk_scale, stage, step, s_zero, dv, op_layout, tile_2d,
-                                          CAUSAL, Q_ROWS, HEAD_DIM, STAGES)
+                                          full_from, shift, qk_scale, 1.0, stage, step, s_zero, dv, op_layout,
+                                          tile_2d, CAUSAL, 0, Q_ROWS, HEAD_DIM, STAGES)
             ds_op = gl.convert_layout(dst.to(dtype), op_layout)
             dk = warpgroup_mma(ds_op, q, dk, is_async=True)
             dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, ds_op])
@@ -484,15 +508,15 @@ if gluon is not None:
 
     @gluon.jit
     def _steps_ahead(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile, dq_desc,
-                     ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale, sm_scale, shift,
-                     full_from, b, hk, group, first_block, per_head, op_layout: gl.constexpr, tile_2d: gl.constexpr,
-                     HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     FRAGMENTS: gl.constexpr, STAGES: gl.constexpr):
+                     ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale, sm_scale, cap_scale,
+                     shift, full_from, b, hk, group, first_block, per_head, op_layout: gl.constexpr,
+                     tile_2d: gl.constexpr, HALF: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr,
+                     Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, FRAGMENTS: gl.constexpr, STAGES: gl.constexpr):
         """A consumer's steps with the next block's S^T and dP^T issued ahead of this block's dV, dK and dQ,
         so that the next softmax runs while those are on the tensor cores (the other order leaves them idle
         while both warpgroups, which meet on dS every step, take their softmax together). Needs registers
-        for both blocks' scores (d64) and a ring of 3 stages (two blocks held while the next loads).
-        Returns (dK, dV)."""
+        for both blocks' scores (d64) and a ring of 3 stages (two blocks held while the next loads). SOFTCAP:
+        capped scores (`_capped_probs`), the cap's derivative held until dS^T. Returns (dK, dV)."""
         dtype: gl.constexpr = q_smem.dtype
         n = group * per_head
         if n > 0:
@@ -501,9 +525,15 @@ if gluon is not None:
                                           STAGES)
             lse2, delta = _row_terms(lse2_smem, delta_smem, 0, s_zero, Q_ROWS)
             st = warpgroup_mma_wait(1, deps=[st])
-            pt = _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL)
-            dpt = warpgroup_mma_wait(0, deps=[dpt])
-            _store_ds((pt * (dpt - gl.expand_dims(delta, 0))).to(dtype), ds_smem, ds_full, ds_free, 0, HALF)
+            if SOFTCAP:
+                pt, slope = _capped_probs(st, lse2, keys, m0, full_from, shift, qk_scale, cap_scale, CAUSAL, SOFTCAP)
+                dpt = warpgroup_mma_wait(0, deps=[dpt])
+                dst = pt * (dpt - gl.expand_dims(delta, 0)) * slope
+            else:
+                pt = _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL)
+                dpt = warpgroup_mma_wait(0, deps=[dpt])
+                dst = pt * (dpt - gl.expand_dims(delta, 0))
+            _store_ds(dst.to(dtype), ds_smem, ds_full, ds_free, 0, HALF)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             for step in range(n - 1):
                 stage = step % STAGES
@@ -517,11 +547,20 @@ if gluon is not None:
                 dv = warpgroup_mma(pt_op, do, dv, is_async=True)
                 dk = warpgroup_mma(ds_smem.index(2 * (step % 2) + HALF), q, dk, is_async=True)
                 dq = _issue_dq(ds_smem, ds_full, k_lo, k_hi, dq_zero, step)
-                lse2, delta = _row_terms(lse2_smem, delta_smem, ahead % STAGES, s_zero, Q_ROWS)
-                st = warpgroup_mma_wait(5, deps=[st])  # S^T ahead done; dP^T ahead, dV, dK, dQ still run
-                pt = _probs(st, lse2, keys, m_ahead, full_from, shift, qk_scale, CAUSAL)
-                dpt = warpgroup_mma_wait(4, deps=[dpt])
-                ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+                if SOFTCAP:  # (delta read once dP^T is done: the cap's derivative is held instead)
+                    lse2 = _row_term(lse2_smem, ahead % STAGES, s_zero, Q_ROWS)
+                    st = warpgroup_mma_wait(5, deps=[st])  # S^T ahead done; dP^T ahead, dV, dK, dQ still run
+                    pt, slope = _capped_probs(st, lse2, keys, m_ahead, full_from, shift, qk_scale, cap_scale, CAUSAL,
+                                              SOFTCAP)
+                    dpt = warpgroup_mma_wait(4, deps=[dpt])
+                    delta = _row_term(delta_smem, ahead % STAGES, s_zero, Q_ROWS)
+                    ds16 = (pt * (dpt - gl.expand_dims(delta, 0)) * slope).to(dtype)
+                else:
+                    lse2, delta = _row_terms(lse2_smem, delta_smem, ahead % STAGES, s_zero, Q_ROWS)
+                    st = warpgroup_mma_wait(5, deps=[st])  # S^T ahead done; dP^T ahead, dV, dK, dQ still run
+                    pt = _probs(st, lse2, keys, m_ahead, full_from, shift, qk_scale, CAUSAL)
+                    dpt = warpgroup_mma_wait(4, deps=[dpt])
+                    ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
                 dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op])
                 _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, hk * group + step // per_head, m0, step,
                         sm_scale, HALF, HEAD_DIM, FRAGMENTS, STAGES)
@@ -541,10 +580,10 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem,
-                      dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b, hk, start_n,
-                      group, first_block, n_blocks, HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
-                      KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-                      DQ_TURNS: gl.constexpr, DQ_FRAGMENTS: gl.constexpr):
+                      dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, cap_scale, shift, b, hk,
+                      start_n, group, first_block, n_blocks, HALF: gl.constexpr, CAUSAL: gl.constexpr,
+                      SOFTCAP: gl.constexpr, Q_ROWS: gl.constexpr, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      STAGES: gl.constexpr, AHEAD: gl.constexpr, DQ_TURNS: gl.constexpr, DQ_FRAGMENTS: gl.constexpr):
         """`_dkdv_consumer`, plus dQ = dS K (FlashAttention-3's split): both warpgroups' dS^T meet in
         shared memory (two buffers by step parity, `ds_full` / `ds_free`), and each forms its half of
         the head dim over all 2 x KEYS keys, which one TMA reduce-add puts into the fp32 dQ sum; with
@@ -579,16 +618,16 @@ if gluon is not None:
         if AHEAD:
             dk, dv = _steps_ahead(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile,
                                   dq_desc, ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale,
-                                  sm_scale, shift, full_from, b, hk, group, first_block, per_head, op_layout, tile_2d,
-                                  HALF, CAUSAL, Q_ROWS, HEAD_DIM, DQ_FRAGMENTS, STAGES)
+                                  sm_scale, cap_scale, shift, full_from, b, hk, group, first_block, per_head, op_layout,
+                                  tile_2d, HALF, CAUSAL, SOFTCAP, Q_ROWS, HEAD_DIM, DQ_FRAGMENTS, STAGES)
         else:
             for step in range(group * per_head):
                 stage = step % STAGES
                 h = hk * group + step // per_head
                 m0 = (first_block + step % per_head) * Q_ROWS
                 q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys,
-                                              m0, full_from, shift, qk_scale, stage, step, s_zero, dv, op_layout,
-                                              tile_2d, CAUSAL, Q_ROWS, HEAD_DIM, STAGES)
+                                              m0, full_from, shift, qk_scale, cap_scale, stage, step, s_zero, dv,
+                                              op_layout, tile_2d, CAUSAL, SOFTCAP, Q_ROWS, HEAD_DIM, STAGES)
                 ds_t = _store_ds(dst.to(dtype), ds_smem, ds_full, ds_free, step, HALF)
                 dk = warpgroup_mma(ds_t, q, dk, is_async=True)  # dS^T read from shared memory: no registers held
                 if DQ_TURNS:
@@ -607,15 +646,17 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "section"])
     def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc, dq_desc,
-                               qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, section,
+                               qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, section, cap_scale,
                                CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                AHEAD: gl.constexpr, DQ_TURNS: gl.constexpr, DQ_FRAGMENTS: gl.constexpr,
-                               CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
+                               SOFTCAP: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+                               PRODUCER_REGISTERS: gl.constexpr):
         """The 5-matmul backward (Triton >= 3.8): `attn_bwd_dkdv_hopper_kernel` that also adds dQ
         (times the scale) into the fp32 dQ sum through `dq_desc` (TMA reduce-adds: not
         deterministic); AHEAD: each consumer issues the next block's scores first (`_steps_ahead`); DQ_TURNS:
         the consumers take turns at dQ by step (`_dq_by_turns`; `dq_desc`'s box then spans the head dim);
-        DQ_FRAGMENTS: the sum in fragment rows (`dq_sum_fields`).
+        DQ_FRAGMENTS: the sum in fragment rows (`dq_sum_fields`); SOFTCAP (`kernels.TANH_APPROX`): scores capped,
+        tanh(S * cap_scale) scaled by qk_scale (`hopper.forward_mask_args`), as the forward took them.
         Reads the row terms `kernels.attn_bwd_prep_kernel` wrote."""
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -635,13 +676,13 @@ if gluon is not None:
             mbarrier.init(ds_free.index(i), count=1 if DQ_TURNS else 2)  # the warpgroups that read dS
         gl.warp_specialize([
             (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem,
-                             ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b,
-                             hk, start_n, group, first_block, n_blocks, 0, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES,
-                             AHEAD, DQ_TURNS, DQ_FRAGMENTS)),
+                             ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, cap_scale,
+                             shift, b, hk, start_n, group, first_block, n_blocks, 0, CAUSAL, SOFTCAP, Q_ROWS, KEYS,
+                             HEAD_DIM, STAGES, AHEAD, DQ_TURNS, DQ_FRAGMENTS)),
             (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem,
-                             ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, shift, b,
-                             hk, start_n, group, first_block, n_blocks, 1, CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES,
-                             AHEAD, DQ_TURNS, DQ_FRAGMENTS)),
+                             ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, cap_scale,
+                             shift, b, hk, start_n, group, first_block, n_blocks, 1, CAUSAL, SOFTCAP, Q_ROWS, KEYS,
+                             HEAD_DIM, STAGES, AHEAD, DQ_TURNS, DQ_FRAGMENTS)),
             (_dkdv_producer, (q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
                               delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
                               n_blocks, Q_ROWS, KEYS, STAGES, 2)),
@@ -699,10 +740,14 @@ def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, s
     if roles:
         layouts[4:] = hopper.tile_descriptors(tensors[4:], rows[4:], padded // 2, q.dtype)
     program_keys = GLUON_KEYS if roles else 2 * GLUON_KEYS
+    # the 5-matmul kernel takes softcaps (`fused_mask`): the forward's scales and SOFTCAP build
+    capped, (qk_scale, cap_scale, _, _) = hopper.forward_mask_args(mask, sm_scale, q.dtype)
     launch = Launch(kernel, (sizing.cdiv(n_k, program_keys) * b * hk,),
-                    (sm_scale * hopper.LOG2E, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q),
-                     causal_section(b * hk, hq // hk, n_q, padded, q.dtype.itemsize, dq_sum)),
+                    (qk_scale, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q),
+                     causal_section(b * hk, hq // hk, n_q, padded, q.dtype.itemsize, dq_sum),
+                     *((cap_scale,) if dq_sum else ())),
                     {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": GLUON_BWD_STAGES,
+                     **({"SOFTCAP": capped["SOFTCAP"]} if dq_sum else {}),
                      "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "num_warps": 4, **(builds or {})}, q.device)
     layouts += [([b, hq, scratch_strides[1]], [*scratch_strides, 1], [1, 1, GLUON_Q_ROWS], "zero", STATS_LAYOUT)] * 2

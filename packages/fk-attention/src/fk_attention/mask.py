@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from fk_runtime import checks
+from fk_runtime import backend, checks
 
-from . import layout
+from . import config, layout
+from .kernels import TANH_APPROX, TANH_EXP2
 
 
 # An unbounded window side as the kernels take it: past any sequence length, and small enough that
@@ -49,6 +50,15 @@ class Mask:
         """The kernels' WINDOW: 0 no window, 1 one whose left side is unbounded (causal's: no
         compares on that side), 2 one bounded on the left."""
         return 0 if not self.windowed else 1 if self.left is None else 2
+
+    def softcap_build(self, dtype) -> int:
+        """The kernels' SOFTCAP (`kernels.capped`): 0 no cap; on a GPU, TANH_APPROX (the GPU's tanh.approx.f32,
+        FlashAttention's) for inputs of `config.SOFTCAP_APPROX_DTYPES`; else TANH_EXP2 (fp32 rounding)."""
+        if self.softcap is None:
+            return 0
+        if dtype in config.SOFTCAP_APPROX_DTYPES and not backend.is_interpreter():
+            return TANH_APPROX.value
+        return TANH_EXP2.value
 
     @property
     def span(self) -> int | None:

@@ -214,7 +214,9 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
     the window are skipped. `align="lower_right"` (or "upper_left") sets that alignment for a
     window without causal too (FlashAttention aligns every mask lower-right); None takes causal's.
     `softcap=c`: scores become c * tanh(scores / c) before the softmax
-    (Gemma 2). `alibi_slopes`: fp32 (Hq,) or (B, Hq), FlashAttention's ALiBi: -slope * |j - (i +
+    (Gemma 2); fp16 and bf16 inputs take tanh from the GPU's tanh.approx.f32, as FlashAttention does
+    (at most 7.8e-6 off tanh, so c * 7.8e-6 on a score), fp32 inputs to fp32 rounding.
+    `alibi_slopes`: fp32 (Hq,) or (B, Hq), FlashAttention's ALiBi: -slope * |j - (i +
     shift)| is added to the (scaled, capped) score of query i and key j, shift as for windows;
     no gradient reaches the slopes. A query that sees no key gets a zero output and a log-sum-exp
     of -inf. `dropout_p` in [0, 1): FlashAttention's attention dropout, applied whenever > 0 (pass it

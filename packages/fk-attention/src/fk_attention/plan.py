@@ -287,7 +287,8 @@ class Kernel:
                     config = WINNERS.get((self.tuning_key, use))
                     tuned_now = config is not None  # else the default config runs both launches
             config = config or default_config(self.kind, self.head_dim, self.dtype, use, self.span,
-                                              self.meta["VARLEN"], self.meta["SOFTCAP"], self.meta["WINDOW"] != 0)
+                                              self.meta["VARLEN"], bool(self.meta["SOFTCAP"]),
+                                              self.meta["WINDOW"] != 0)
             block = config.meta()[self.walked]
             meta = {**self.meta, **config.meta(self.meta["VARLEN"]), **launch_options(config, self.head_dim)}
             grid = (sizing.cdiv(self.n_rows, block) * self.programs,)
@@ -334,7 +335,7 @@ def tuning_keys(n_q: int, n_k: int, batch_heads: int, dtype: torch.dtype, mask: 
 
 def _meta(mask: Mask, varlen: bool, head_dim: int, dtype: torch.dtype, alibi: bool = False,
           dropout: bool = False) -> dict:
-    return {"WINDOW": window_build(mask), "SOFTCAP": mask.softcap is not None, "ALIBI": alibi, "DROPOUT": dropout,
+    return {"WINDOW": window_build(mask), "SOFTCAP": mask.softcap_build(dtype), "ALIBI": alibi, "DROPOUT": dropout,
             "VARLEN": varlen,
             "HEAD_DIM": head_dim, "PRECISION": precision(dtype),
             "HEAD_DIM_PADDED": padded_head_dim(head_dim, dtype)}

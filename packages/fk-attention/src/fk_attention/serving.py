@@ -156,7 +156,7 @@ def bind(q, k, v, cu_q, cu_k, block_table, max_k: int, mask: Mask, sm_scale: flo
                     (sm_scale, softcap, total_q, n_seqs, hk, group, left, right, capacity, k.shape[0] - 1, chunk,
                      max_splits, part_numel, *q.stride(), *k.stride(), *v.stride(), *out_strides, total_q, 1,
                      block_table.stride(0)),
-                    {"SOFTCAP": mask.softcap is not None, "PAGE_SIZE": page_size, "HEAD_DIM": d,
+                    {"SOFTCAP": mask.softcap_build(q.dtype), "PAGE_SIZE": page_size, "HEAD_DIM": d,
                      "HEAD_DIM_PADDED": padded, "PRECISION": precision(q.dtype), "BLOCK_M": block_m,
                      "BLOCK_N": block_n, "SHORT_M": short_m, "SHORT_N": short_n, "BLOCK_S": block_s,
                      "num_warps": warps, "num_stages": stages}, device)
