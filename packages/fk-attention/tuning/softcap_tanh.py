@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fk_runtime.harness.testing import rel_error
+
 from fk_attention import attention, config, kernels, plan
 
 
@@ -56,10 +58,6 @@ def reference(q, k, v, cap, dtype=None):
     return p @ v if dtype is None else p.to(v.dtype) @ v
 
 
-def rel(got, want) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
-
-
 def attention_errors() -> list[dict]:
     """(out, dq, dk, dv) errors of fk with each tanh and of torch's eager attention, B2 H8 N1024; `spread` scales q
     (8: scores reach the cap, where it bends them)."""
@@ -84,10 +82,11 @@ def attention_errors() -> list[dict]:
                     finally:
                         config.SOFTCAP_APPROX_DTYPES = shipped
                         plan.BOUND.cache_clear()
-                    row[name] = [rel(g, w) for g, w in zip(got, wants, strict=True)]
+                    row[name] = [rel_error(g, w) for g, w in zip(got, wants, strict=True)]
                 ins = [t.detach().requires_grad_() for t in (q, k, v)]
                 out = reference(*ins, cap, dtype)
-                row["torch"] = [rel(g, w) for g, w in zip([out, *torch.autograd.grad(out, ins, do)], wants, strict=True)]
+                row["torch"] = [rel_error(g, w) for g, w in zip([out, *torch.autograd.grad(out, ins, do)], wants,
+                                                               strict=True)]
                 rows.append(row)
                 print(f"d{d} {row['dtype']} cap {cap} spread {spread}: " + "; ".join(
                     f"{name} " + " ".join(f"{x:.2e}" for x in row[name]) for name in ("fk approx", "fk exp2", "torch")),

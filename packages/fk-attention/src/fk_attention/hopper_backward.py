@@ -175,9 +175,8 @@ if gluon is not None:
         return gl.exp2(zt)
 
     @gluon.jit
-    def _capped_probs(st, lse2, keys, m0, full_from, shift, qk_scale, cap_scale, CAUSAL: gl.constexpr,
-                      SOFTCAP: gl.constexpr):
-        """`_probs` of softcapped scores (SOFTCAP, `kernels.TANH_APPROX` only): t = tanh(S^T * cap_scale),
+    def _capped_probs(st, lse2, keys, m0, full_from, shift, qk_scale, cap_scale, CAUSAL: gl.constexpr):
+        """`_probs` of softcapped scores (`kernels.TANH_APPROX` builds): t = tanh(S^T * cap_scale),
         P^T from t, and the cap's derivative 1 - t^2 that dS^T carries (as the tl kernels'); (P^T, 1 - t^2)."""
         t = hopper.tanh_approx(st * cap_scale)
         return _probs(t, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL), 1.0 - t * t
@@ -203,7 +202,7 @@ if gluon is not None:
         if not EARLY:
             lse2 = _row_term(lse2_smem, stage, s_zero, Q_ROWS)
         if SOFTCAP:
-            pt, slope = _capped_probs(st, lse2, keys, m0, full_from, shift, qk_scale, cap_scale, CAUSAL, SOFTCAP)
+            pt, slope = _capped_probs(st, lse2, keys, m0, full_from, shift, qk_scale, cap_scale, CAUSAL)
         else:
             pt = _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL)
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
@@ -526,13 +525,13 @@ if gluon is not None:
             lse2, delta = _row_terms(lse2_smem, delta_smem, 0, s_zero, Q_ROWS)
             st = warpgroup_mma_wait(1, deps=[st])
             if SOFTCAP:
-                pt, slope = _capped_probs(st, lse2, keys, m0, full_from, shift, qk_scale, cap_scale, CAUSAL, SOFTCAP)
-                dpt = warpgroup_mma_wait(0, deps=[dpt])
-                dst = pt * (dpt - gl.expand_dims(delta, 0)) * slope
+                pt, slope = _capped_probs(st, lse2, keys, m0, full_from, shift, qk_scale, cap_scale, CAUSAL)
             else:
                 pt = _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL)
-                dpt = warpgroup_mma_wait(0, deps=[dpt])
-                dst = pt * (dpt - gl.expand_dims(delta, 0))
+            dpt = warpgroup_mma_wait(0, deps=[dpt])
+            dst = pt * (dpt - gl.expand_dims(delta, 0))
+            if SOFTCAP:
+                dst = dst * slope
             _store_ds(dst.to(dtype), ds_smem, ds_full, ds_free, 0, HALF)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             for step in range(n - 1):
@@ -549,18 +548,20 @@ if gluon is not None:
                 dq = _issue_dq(ds_smem, ds_full, k_lo, k_hi, dq_zero, step)
                 if SOFTCAP:  # (delta read once dP^T is done: the cap's derivative is held instead)
                     lse2 = _row_term(lse2_smem, ahead % STAGES, s_zero, Q_ROWS)
-                    st = warpgroup_mma_wait(5, deps=[st])  # S^T ahead done; dP^T ahead, dV, dK, dQ still run
-                    pt, slope = _capped_probs(st, lse2, keys, m_ahead, full_from, shift, qk_scale, cap_scale, CAUSAL,
-                                              SOFTCAP)
-                    dpt = warpgroup_mma_wait(4, deps=[dpt])
-                    delta = _row_term(delta_smem, ahead % STAGES, s_zero, Q_ROWS)
-                    ds16 = (pt * (dpt - gl.expand_dims(delta, 0)) * slope).to(dtype)
                 else:
                     lse2, delta = _row_terms(lse2_smem, delta_smem, ahead % STAGES, s_zero, Q_ROWS)
-                    st = warpgroup_mma_wait(5, deps=[st])  # S^T ahead done; dP^T ahead, dV, dK, dQ still run
+                st = warpgroup_mma_wait(5, deps=[st])  # S^T ahead done; dP^T ahead, dV, dK, dQ still run
+                if SOFTCAP:
+                    pt, slope = _capped_probs(st, lse2, keys, m_ahead, full_from, shift, qk_scale, cap_scale, CAUSAL)
+                else:
                     pt = _probs(st, lse2, keys, m_ahead, full_from, shift, qk_scale, CAUSAL)
-                    dpt = warpgroup_mma_wait(4, deps=[dpt])
-                    ds16 = (pt * (dpt - gl.expand_dims(delta, 0))).to(dtype)
+                dpt = warpgroup_mma_wait(4, deps=[dpt])
+                if SOFTCAP:
+                    delta = _row_term(delta_smem, ahead % STAGES, s_zero, Q_ROWS)
+                ds = pt * (dpt - gl.expand_dims(delta, 0))
+                if SOFTCAP:
+                    ds = ds * slope
+                ds16 = ds.to(dtype)
                 dv, dk, dq, pt_op = warpgroup_mma_wait(0, deps=[dv, dk, dq, pt_op])
                 _add_dq(dq, dq_out, dq_tile, dq_desc, ds_free, empty, b, hk * group + step // per_head, m0, step,
                         sm_scale, HALF, HEAD_DIM, FRAGMENTS, STAGES)
