@@ -412,13 +412,21 @@ FUSED_CASES = HOPPER_CASES + [
     ((2, 4, 2, 1000, 1000, 128), fk_mask.Mask(right=0, softcap=30.0)), ((1, 2, 2, 300, 700, 128), fk_mask.Mask(softcap=5.0)),
     ((2, 4, 2, 1000, 1000, 64), fk_mask.Mask(right=0, lower_right=True, softcap=20.0)),
     ((1, 2, 1, 77, 300, 64), fk_mask.Mask(softcap=5.0)), ((1, 4, 1, 1025, 333, 96), fk_mask.Mask(right=0, softcap=5.0)),
+    # windows (`config.GLUON_BWD_WINDOWS`): sliding causal, two-sided, one side unbounded, lower-right with rows that
+    # see no key, softcapped (Gemma 2's local layers), programs masked at both edges or wholly outside
+    ((2, 4, 2, 1000, 1000, 128), fk_mask.Mask(left=200, right=0)), ((1, 2, 1, 700, 900, 64), fk_mask.Mask(left=100, right=37)),
+    ((1, 2, 2, 900, 300, 128), fk_mask.Mask(left=50, right=80, lower_right=True)),
+    ((1, 2, 2, 300, 300, 128), fk_mask.Mask(right=5)), ((1, 2, 2, 500, 500, 64), fk_mask.Mask(left=3)),
+    ((1, 4, 1, 1025, 333, 96), fk_mask.Mask(left=64, right=0, softcap=5.0)),
+    ((2, 4, 2, 1000, 1000, 64), fk_mask.Mask(left=255, right=0, lower_right=True, softcap=20.0)),
 ]
 
 
 def test_5_matmul_backward_takes_softcaps_where_tanh_is_the_gpus(monkeypatch):
-    """`hopper_backward.fused_mask`: every key or causal (either alignment), softcapped too where the scores take
-    `tanh.approx.f32` (16-bit inputs on a GPU, `Mask.softcap_build`) and `config.GLUON_BWD_SOFTCAP` is on; never
-    windows, fp32's or the interpreter's capped scores."""
+    """`hopper_backward.fused_mask`: every key or causal (either alignment), other windows where
+    `config.GLUON_BWD_WINDOWS` is on, softcapped too where the scores take `tanh.approx.f32` (16-bit inputs on a
+    GPU, `Mask.softcap_build`) and `config.GLUON_BWD_SOFTCAP` is on; never fp32's or the interpreter's capped
+    scores."""
     capped = (fk_mask.Mask(softcap=30.0), fk_mask.Mask(right=0, softcap=5.0), fk_mask.Mask(right=0, lower_right=True,
                                                                                          softcap=20.0))
     plain = (fk_mask.FULL, fk_mask.CAUSAL, fk_mask.Mask(right=0, lower_right=True))
@@ -429,10 +437,13 @@ def test_5_matmul_backward_takes_softcaps_where_tanh_is_the_gpus(monkeypatch):
             approx = gpu and dtype != torch.float32
             assert all(hopper_backward.fused_mask(m, dtype) for m in plain)
             assert [hopper_backward.fused_mask(m, dtype) for m in capped] == [approx] * 3, (gpu, dtype)
-            assert not any(hopper_backward.fused_mask(m, dtype) for m in windows)
+            assert [hopper_backward.fused_mask(m, dtype) for m in windows] == [True, approx, True], (gpu, dtype)
     monkeypatch.setattr(fk_config, "GLUON_BWD_SOFTCAP", False)
     assert not hopper_backward.fused_mask(capped[0], torch.bfloat16) and hopper_backward.fused_mask(fk_mask.CAUSAL,
                                                                                                    torch.bfloat16)
+    monkeypatch.setattr(fk_config, "GLUON_BWD_WINDOWS", False)
+    assert not any(hopper_backward.fused_mask(m, torch.bfloat16) for m in windows)
+    assert all(hopper_backward.fused_mask(m, torch.bfloat16) for m in plain)
 
 
 def test_5_matmul_backward_issues_steps_ahead_where_configured(monkeypatch):
@@ -447,15 +458,15 @@ def test_5_matmul_backward_issues_steps_ahead_where_configured(monkeypatch):
     monkeypatch.setattr(fk_config, "GLUON_BWD_DQ_FRAGMENT_HEAD_DIMS", (128,))
     builds = hopper_backward.fused_builds
     in_order = {"AHEAD": False, "STAGES": fk_config.GLUON_BWD_STAGES}
-    for causal in (False, True):
-        assert builds(40, causal) == builds(64, causal) == {"AHEAD": True, "STAGES": 3, "DQ_TURNS": False,
-                                                            "DQ_FRAGMENTS": False}
-        assert builds(96, causal) == builds(128, causal) == {**in_order, "DQ_TURNS": not causal, "DQ_FRAGMENTS": True}
+    for seen in (0, 1, 2):  # every key, causal, another window (`hopper.forward_mask_args`' SEEN)
+        assert builds(40, seen) == builds(64, seen) == {"AHEAD": True, "STAGES": 3, "DQ_TURNS": False,
+                                                        "DQ_FRAGMENTS": False}
+        assert builds(96, seen) == builds(128, seen) == {**in_order, "DQ_TURNS": seen == 0, "DQ_FRAGMENTS": True}
     monkeypatch.setattr(fk_config, "GLUON_BWD_AHEAD_HEAD_DIMS", ())
     monkeypatch.setattr(fk_config, "GLUON_BWD_DQ_TURNS_HEAD_DIMS", (128,))
-    assert builds(64, False) == {**in_order, "DQ_TURNS": False, "DQ_FRAGMENTS": False}
+    assert builds(64, 0) == {**in_order, "DQ_TURNS": False, "DQ_FRAGMENTS": False}
     assert hopper_backward.dq_sum_rows(300) == 320
-    fields = [hopper_backward.dq_sum_fields([2, 4, 320, d], builds(d, causal)) for d in (128, 64) for causal in (0, 1)]
+    fields = [hopper_backward.dq_sum_fields([2, 4, 320, d], builds(d, seen)) for d in (128, 64) for seen in (0, 1)]
     # fragment rows (all of a Q block's, or a half's) at d128; rows in order at d64, half the head dim each
     assert [f[2] for f in fields] == [[1, 1, 256, 32], [1, 1, 128, 32], [1, 1, 64, 32], [1, 1, 64, 32]]
     assert [f[0] for f in fields] == [[2, 4, 1280, 32]] * 2 + [[2, 4, 320, 64]] * 2

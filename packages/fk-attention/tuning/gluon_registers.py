@@ -53,7 +53,7 @@ backend.is_interpreter = lambda: False  # the builds a GPU takes (`Mask.softcap_
 
 from fk_attention import decode_hopper, hopper, hopper_backward  # noqa: E402
 from fk_attention import config as fk_config  # noqa: E402
-from fk_attention.mask import CAUSAL, FULL, Mask  # noqa: E402
+from fk_attention.mask import CAUSAL, FULL, UNBOUNDED, Mask  # noqa: E402
 
 B, H, N, D = 1, 2, 512, 128
 
@@ -70,19 +70,26 @@ def row_terms(rows: torch.Tensor):
                       layout=hopper_backward.STATS_LAYOUT).real()
 
 
-def fused_backward(d: int, causal: bool, **builds):
-    """The 5-matmul backward at padded head dim d, its tiles as `hopper_backward.bind_backward` lays them out."""
+def mask_args(seen: int) -> tuple:
+    """A backward kernel's (d_lo, d_hi) for mask build `seen` (`hopper_backward._key_program`; a window of 100 keys
+    left and 37 right for 2)."""
+    return ((-UNBOUNDED, UNBOUNDED), (-UNBOUNDED, 0), (-100, 37))[seen]
+
+
+def fused_backward(d: int, seen: int, **builds):
+    """The 5-matmul backward at padded head dim d and mask build `seen` (`hopper.forward_mask_args`' SEEN), its
+    tiles as `hopper_backward.bind_backward` lays them out."""
     q = torch.empty(B, H, N, d, dtype=torch.bfloat16)
     rows = torch.empty(B, H, N)
     kv = hopper_backward.fused_kv_layout(d, q.dtype)
     tiles = [descriptor(q, r, layout) for r, layout in (
         (fk_config.GLUON_Q_ROWS, None), (fk_config.GLUON_KEYS, kv), (fk_config.GLUON_KEYS, kv),
         (fk_config.GLUON_Q_ROWS, None), (fk_config.GLUON_KEYS, kv), (fk_config.GLUON_KEYS, kv))]
-    builds = {**hopper_backward.fused_builds(d, causal), "SOFTCAP": 0, **builds}
+    builds = {**hopper_backward.fused_builds(d, seen), "SOFTCAP": 0, **builds}
     dq_sum = torch.empty(B, H, hopper_backward.dq_sum_rows(N), d)
     dq = Descriptor(dq_sum, *hopper_backward.dq_sum_fields(list(dq_sum.shape), builds)).real()
     return hopper_backward.attn_bwd_hopper_kernel.warmup(
-        *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, 0, 2, 0.01, CAUSAL=causal, HEAD_DIM=d,
+        *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, *mask_args(seen), 2, 0.01, SEEN=seen, HEAD_DIM=d,
         CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS, PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
         num_warps=4, grid=(1,), **builds)
 
@@ -96,7 +103,8 @@ def role_dkdv(d: int, causal: bool):
     half = torch.empty(B, H, N, d // 2, dtype=torch.bfloat16)
     tiles += [descriptor(half, fk_config.GLUON_KEYS)] * 2
     return hopper_backward.attn_bwd_dkdv_roles_hopper_kernel.warmup(
-        *tiles, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1, 0, 2, CAUSAL=causal, HEAD_DIM=d,
+        *tiles, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1, *mask_args(int(causal)), 2, SEEN=int(causal),
+        HEAD_DIM=d,
         STAGES=fk_config.GLUON_BWD_STAGES, CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS,
         PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
 
@@ -189,15 +197,19 @@ def main() -> None:
         bwd = [descriptor(q, r) for r in (fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS, fk_config.GLUON_KEYS, fk_config.GLUON_Q_ROWS, fk_config.GLUON_KEYS,
                                           fk_config.GLUON_KEYS)]
         dkdv = hopper_backward.attn_bwd_dkdv_hopper_kernel.warmup(
-            *bwd, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1, 0, 2, CAUSAL=causal,
+            *bwd, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1, *mask_args(int(causal)), 2, SEEN=int(causal),
             STAGES=fk_config.GLUON_BWD_STAGES, **common)
         kernels = [(f"dK/dV d{D}", dkdv)] + [(f"dK/dV roles d{d}", role_dkdv(d, causal))
                                               for d in fk_config.GLUON_ROLE_HEAD_DIMS]
         if hopper_backward.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8), its head dims
-            kernels += [(f"5-matmul backward d{d}{' softcap' if cap else ''}", fused_backward(d, causal, SOFTCAP=cap))
+            kernels += [(f"5-matmul backward d{d}{' softcap' if cap else ''}", fused_backward(d, int(causal), SOFTCAP=cap))
                         for d in fk_config.GLUON_FUSED_HEAD_DIMS for cap in (0, 2)]
         for name, compiled in kernels:
             print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")
+    if hopper_backward.tma_reduce_add is not None:  # and windows
+        for d in fk_config.GLUON_FUSED_HEAD_DIMS:
+            for cap in (0, 2):
+                print(f"5-matmul backward d{d}{' softcap' if cap else ''} window: {usage(fused_backward(d, 2, SOFTCAP=cap))}")
     for d, _ in fk_config.GLUON_DECODE_TILES:
         for stages in fk_config.GLUON_DECODE_STAGES:
             for sliced in (False, True):

@@ -468,6 +468,10 @@ GLUON_FUSED_HEAD_DIMS = (64, 128)
 # Softcapped scores (tanh.approx builds, `Mask.softcap_build`) in the 5-matmul backward, where the tl dQ and dK/dV
 # kernels took them: 0.71x / 0.79x their time at d128 / d64 (H200, 3.8; TUNING.md: The softcapped backward).
 GLUON_BWD_SOFTCAP = True
+# Windows other than causal (sliding, either side bounded) in the 5-matmul backward, where the tl dQ and dK/dV kernels
+# took them: 0.90x / 0.89x their time at d128 / d64, causal window 1024 (H200, 3.8; TUNING.md: Windows in the 5-matmul
+# backward).
+GLUON_BWD_WINDOWS = True
 # Padded head dims whose 5-matmul backward issues the next Q block's S^T and dP^T before this block's dV, dK and
 # dQ (`hopper_backward._steps_ahead`: the softmax under those matmuls), on a ring of GLUON_BWD_AHEAD_STAGES (two
 # blocks held while the next loads): d64 took 0.91-0.96x the in-order time, 4 stages 2-6% less than 3, 5 or 6;

@@ -44,8 +44,8 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> boo
 
 
 def fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
-    """Whether the backward binds the 5-matmul kernel (bases are checked per call): full or causal
-    masks (`fused_mask`: softcapped too), its own head dims, switched on in config (both read at bind
+    """Whether the backward binds the 5-matmul kernel (bases are checked per call): its masks
+    (`fused_mask`), its own head dims, switched on in config (both read at bind
     time, so that a variant may set them), a Triton with TMA reduce-adds, no determinism asked for by the
     call. A call takes it only while torch's deterministic algorithms are off."""
     return (fused_mask(mask, q.dtype) and config.GLUON_FUSED_DQ and tma_reduce_add is not None
@@ -53,22 +53,24 @@ def fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) 
 
 
 def fused_mask(mask: Mask, dtype: torch.dtype) -> bool:
-    """Masks the 5-matmul backward takes: every key or causal (either alignment), softcapped too where the
-    scores take `kernels.TANH_APPROX` (`Mask.softcap_build`) and `config.GLUON_BWD_SOFTCAP` is on."""
+    """Masks the 5-matmul backward takes: every key or causal (either alignment), other windows where
+    `config.GLUON_BWD_WINDOWS` is on; softcapped too where the scores take `kernels.TANH_APPROX`
+    (`Mask.softcap_build`) and `config.GLUON_BWD_SOFTCAP` is on."""
     capped = mask.softcap_build(dtype)
-    return (mask.left is None and mask.right in (None, 0)
+    return ((mask.left is None and mask.right in (None, 0) or config.GLUON_BWD_WINDOWS)
             and (not capped or (capped == kernels.TANH_APPROX and config.GLUON_BWD_SOFTCAP)))
 
 
-def fused_builds(head_dim: int, causal: bool) -> dict:
-    """The 5-matmul backward's step order, ring depth and dQ split at this head dim and mask: the next
-    block's scores issued ahead at the head dims of `config.GLUON_BWD_AHEAD_HEAD_DIMS`, on
-    `GLUON_BWD_AHEAD_STAGES`; else under full masks at `GLUON_BWD_DQ_TURNS_HEAD_DIMS` the consumers take
-    turns at dQ; the dQ sum in fragment rows at `GLUON_BWD_DQ_FRAGMENT_HEAD_DIMS` (`dq_sum_fields`)."""
+def fused_builds(head_dim: int, seen: int) -> dict:
+    """The 5-matmul backward's step order, ring depth and dQ split at this head dim and mask build (`seen`,
+    `hopper.forward_mask_args`' SEEN): the next block's scores issued ahead at the head dims of
+    `config.GLUON_BWD_AHEAD_HEAD_DIMS`, on `GLUON_BWD_AHEAD_STAGES`; else under full masks at
+    `GLUON_BWD_DQ_TURNS_HEAD_DIMS` the consumers take turns at dQ; the dQ sum in fragment rows at
+    `GLUON_BWD_DQ_FRAGMENT_HEAD_DIMS` (`dq_sum_fields`)."""
     padded = padded_head_dim(head_dim)
     ahead = padded in config.GLUON_BWD_AHEAD_HEAD_DIMS
     return {"AHEAD": ahead, "STAGES": config.GLUON_BWD_AHEAD_STAGES if ahead else GLUON_BWD_STAGES,
-            "DQ_TURNS": not (ahead or causal) and padded in config.GLUON_BWD_DQ_TURNS_HEAD_DIMS,
+            "DQ_TURNS": not (ahead or seen) and padded in config.GLUON_BWD_DQ_TURNS_HEAD_DIMS,
             "DQ_FRAGMENTS": padded in config.GLUON_BWD_DQ_FRAGMENT_HEAD_DIMS}
 
 
@@ -77,7 +79,7 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_producer(q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
                        delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
-                       n_blocks, Q_ROWS: gl.constexpr, KEYS: gl.constexpr, STAGES: gl.constexpr,
+                       end_block, Q_ROWS: gl.constexpr, KEYS: gl.constexpr, STAGES: gl.constexpr,
                        KV_TILES: gl.constexpr):
         """K and V of the program's KV_TILES x KEYS keys once, then (Q, dO) blocks with their rows' lse2 and
         delta into the ring as stages free up (as FlashAttention-3: the consumers then hold no global loads)."""
@@ -85,7 +87,7 @@ if gluon is not None:
         for i in gl.static_range(KV_TILES):
             tma_load(k_desc, [b, hk, start_n + i * KEYS, 0], kv_bar, k_smem.index(i))
             tma_load(v_desc, [b, hk, start_n + i * KEYS, 0], kv_bar, v_smem.index(i))
-        per_head = n_blocks - first_block
+        per_head = end_block - first_block
         for step in range(group * per_head):
             stage = step % STAGES
             h = hk * group + step // per_head
@@ -100,15 +102,16 @@ if gluon is not None:
             tma_load(do_desc, [b, h, m0, 0], bar, do_smem.index(stage))
 
     @gluon.jit
-    def _key_program(n_q, n_k, n_heads_k, shift, section, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr,
+    def _key_program(n_q, n_k, n_heads_k, d_lo, d_hi, section, SEEN: gl.constexpr, Q_ROWS: gl.constexpr,
                      PROGRAM_KEYS: gl.constexpr):
-        """A backward program over PROGRAM_KEYS keys: (batch, KV head, its first key, the query blocks, the
-        first of them that sees a key: row i sees key j when j <= i + shift under CAUSAL). Programs go
-        head by head; under CAUSAL in sections of `section` heads (`causal_section`), key block by key
-        block: the longest programs (the first key blocks) first."""
+        """A backward program over PROGRAM_KEYS keys: (batch, KV head, its first key, the end of the query blocks
+        that see a key, the first of them). Row i sees key j when d_lo <= j - i <= d_hi (`_bwd_launch`): under
+        SEEN 1 (causal) the right bound only, SEEN 2 (a window) both, SEEN 0 every key. Programs go head by head;
+        causal ones in sections of `section` heads (`causal_section`), key block by key block: the longest
+        programs (the first key blocks) first."""
         n_key_blocks = gl.cdiv(n_k, PROGRAM_KEYS)
         pid = gl.program_id(0)
-        if CAUSAL:
+        if SEEN == 1:
             span = section * n_key_blocks
             first = pid // span * section
             heads = gl.minimum(section, gl.num_programs(0) // n_key_blocks - first)  # fewer in the last section
@@ -120,11 +123,14 @@ if gluon is not None:
         start_n = key_block * PROGRAM_KEYS
         b = bhk // n_heads_k
         hk = bhk % n_heads_k
-        n_blocks = gl.cdiv(n_q, Q_ROWS)
+        end_block = gl.cdiv(n_q, Q_ROWS)
         first_block = 0
-        if CAUSAL:
-            first_block = gl.minimum(gl.maximum(start_n - shift, 0) // Q_ROWS, n_blocks)
-        return b, hk, start_n, n_blocks, first_block
+        if SEEN != 0:
+            first_block = gl.minimum(gl.maximum(start_n - d_hi, 0) // Q_ROWS, end_block)
+        if SEEN == 2:  # the last row that sees the program's last key: start_n + PROGRAM_KEYS - 1 - d_lo
+            last_end = gl.maximum(start_n + PROGRAM_KEYS - d_lo, 0)
+            end_block = gl.maximum(gl.minimum(gl.cdiv(last_end, Q_ROWS), end_block), first_block)
+        return b, hk, start_n, end_block, first_block
 
     @gluon.jit
     def _store_dkdv(dk_desc, dv_desc, k, v, k_tile, v_tile, dk, dv, b, hk, start_n, HALF: gl.constexpr,
@@ -164,27 +170,39 @@ if gluon is not None:
         return _row_term(lse2_smem, stage, s_zero, Q_ROWS), _row_term(delta_smem, stage, s_zero, Q_ROWS)
 
     @gluon.jit
-    def _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL: gl.constexpr):
-        """P^T from a finished S^T of the query rows from m0 and the saved base-2 log-sum-exp (causal: masked
-        on blocks before full_from)."""
+    def _full_rows(start_n, d_lo, d_hi, PROGRAM_KEYS: gl.constexpr, Q_ROWS: gl.constexpr):
+        """(full_from, full_to): the Q blocks from m0 with full_from <= m0 <= full_to see every key of the program's
+        (`_key_program`'s bounds); causal's full_from one row later than it need be."""
+        return start_n + PROGRAM_KEYS - d_hi, start_n - Q_ROWS + 1 - d_lo
+
+    @gluon.jit
+    def _probs(st, lse2, keys, m0, full_from, full_to, d_lo, d_hi, qk_scale, SEEN: gl.constexpr):
+        """P^T from a finished S^T of the query rows from m0 and the saved base-2 log-sum-exp, masked (`_key_program`'s
+        SEEN) on blocks outside [full_from, full_to] (`_full_rows`)."""
         zt = st * qk_scale - gl.expand_dims(lse2, 0)
-        if CAUSAL:
+        if SEEN == 1:
             if m0 < full_from:  # the rows' indices made where masked, not held across the loop
                 rows = m0 + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, st.type.layout))
-                zt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + shift, zt, -float("inf"))
+                zt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + d_hi, zt, -float("inf"))
+        if SEEN == 2:
+            if (m0 < full_from) | (m0 > full_to):
+                rows = m0 + d_lo + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, st.type.layout))
+                # d_lo <= j - i <= d_hi as one unsigned compare a score (two and their AND took 9 LOP3 more)
+                past_lo = (gl.expand_dims(keys, 1) - gl.expand_dims(rows, 0)).to(gl.uint32, bitcast=True)
+                zt = gl.where(past_lo <= (d_hi - d_lo).to(gl.uint32, bitcast=True), zt, -float("inf"))
         return gl.exp2(zt)
 
     @gluon.jit
-    def _capped_probs(st, lse2, keys, m0, full_from, shift, qk_scale, cap_scale, CAUSAL: gl.constexpr):
+    def _capped_probs(st, lse2, keys, m0, full_from, full_to, d_lo, d_hi, qk_scale, cap_scale, SEEN: gl.constexpr):
         """`_probs` of softcapped scores (`kernels.TANH_APPROX` builds): t = tanh(S^T * cap_scale),
         P^T from t, and the cap's derivative 1 - t^2 that dS^T carries (as the tl kernels'); (P^T, 1 - t^2)."""
         t = hopper.tanh_approx(st * cap_scale)
-        return _probs(t, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL), 1.0 - t * t
+        return _probs(t, lse2, keys, m0, full_from, full_to, d_lo, d_hi, qk_scale, SEEN), 1.0 - t * t
 
     @gluon.jit
-    def _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0, full_from, shift, qk_scale,
-                  cap_scale, stage, step, s_zero, dv, op_layout: gl.constexpr, tile_2d: gl.constexpr,
-                  CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    def _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0, full_from, full_to, d_lo, d_hi,
+                  qk_scale, cap_scale, stage, step, s_zero, dv, op_layout: gl.constexpr, tile_2d: gl.constexpr,
+                  SEEN: gl.constexpr, SOFTCAP: gl.constexpr, Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                   STAGES: gl.constexpr):
         """One (Q, dO) block of a backward consumer over keys (transposed, keys as rows): S^T = K Q^T
         and dP^T = V dO^T issued together, P^T from the saved base-2 log-sum-exp, dV += P^T dO issued;
@@ -193,18 +211,18 @@ if gluon is not None:
         dtype: gl.constexpr = q_smem.dtype
         q, do, st, dpt = _issue_scores(k, v, q_smem, do_smem, ready, stage, step, s_zero, tile_2d, Q_ROWS, HEAD_DIM,
                                        STAGES)
-        # the row terms read under the matmuls where causal, after each one's wait where full or capped (TUNING.md:
+        # the row terms read under the matmuls where causal, after each one's wait where full, windowed or capped (TUNING.md:
         # When the backward reads its row terms)
-        EARLY: gl.constexpr = CAUSAL and not SOFTCAP
+        EARLY: gl.constexpr = SEEN == 1 and not SOFTCAP
         if EARLY:
             lse2, delta = _row_terms(lse2_smem, delta_smem, stage, s_zero, Q_ROWS)
         st = warpgroup_mma_wait(1, deps=[st])
         if not EARLY:
             lse2 = _row_term(lse2_smem, stage, s_zero, Q_ROWS)
         if SOFTCAP:
-            pt, slope = _capped_probs(st, lse2, keys, m0, full_from, shift, qk_scale, cap_scale, CAUSAL)
+            pt, slope = _capped_probs(st, lse2, keys, m0, full_from, full_to, d_lo, d_hi, qk_scale, cap_scale, SEEN)
         else:
-            pt = _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL)
+            pt = _probs(st, lse2, keys, m0, full_from, full_to, d_lo, d_hi, qk_scale, SEEN)
         pt_op = gl.convert_layout(pt.to(dtype), op_layout)
         if SOFTCAP:
             pt = pt * slope
@@ -232,8 +250,8 @@ if gluon is not None:
 
     @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, kv_bar, ready,
-                       empty, qk_scale, sm_scale, shift, b, hk, start_n, group, first_block, n_blocks,
-                       HALF: gl.constexpr, CAUSAL: gl.constexpr, Q_ROWS: gl.constexpr, KEYS: gl.constexpr,
+                       empty, qk_scale, sm_scale, d_lo, d_hi, b, hk, start_n, group, first_block, end_block,
+                       HALF: gl.constexpr, SEEN: gl.constexpr, Q_ROWS: gl.constexpr, KEYS: gl.constexpr,
                        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
         """One warpgroup's KEYS keys, transposed (keys as rows): S^T = K Q^T and dP^T = V dO^T issued
         together; P^T from the saved base-2 log-sum-exp, dV += P^T dO while dS^T = P^T (dP^T - delta)
@@ -247,15 +265,15 @@ if gluon is not None:
         k_tile, v_tile, k, v, keys, s_zero, dk, dv = _key_tiles(k_smem, v_smem, start_n, kv_2d, s_layout,
                                                                 acc_layout, HALF, KEYS, Q_ROWS, HEAD_DIM)
         # Row blocks from here on see every key of the program: no mask.
-        full_from = start_n + 2 * KEYS - shift
-        per_head = n_blocks - first_block
+        full_from, full_to = _full_rows(start_n, d_lo, d_hi, 2 * KEYS, Q_ROWS)
+        per_head = end_block - first_block
         mbarrier.wait(kv_bar, 0)
         for step in range(group * per_head):
             stage = step % STAGES
             m0 = (first_block + step % per_head) * Q_ROWS
             q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys, m0,
-                                          full_from, shift, qk_scale, 1.0, stage, step, s_zero, dv, op_layout,
-                                          tile_2d, CAUSAL, 0, Q_ROWS, HEAD_DIM, STAGES)
+                                          full_from, full_to, d_lo, d_hi, qk_scale, 1.0, stage, step, s_zero, dv,
+                                          op_layout, tile_2d, SEEN, 0, Q_ROWS, HEAD_DIM, STAGES)
             ds_op = gl.convert_layout(dst.to(dtype), op_layout)
             dk = warpgroup_mma(ds_op, q, dk, is_async=True)
             dv, dk, pt_op, ds_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, ds_op])
@@ -289,39 +307,39 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=2)
         return kv_bar, ready, empty
 
-    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "section"])
+    @gluon.jit(do_not_specialize=["n_q", "n_k", "d_lo", "d_hi", "section"])
     def attn_bwd_dkdv_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc,
-                                    qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, section,
-                                    CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                    qk_scale, sm_scale, n_q, n_k, n_heads_k, group, d_lo, d_hi, section,
+                                    SEEN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                     CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
         """dK and dV of 2 x KEYS keys of one KV head, summed over its group's query heads, as
         `kernels.attn_bwd_dkdv_kernel` gives them (it reads the delta and base-2 lse the dQ kernel
         wrote, through `lse2_desc` and `delta_desc`); deterministic."""
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
-        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, section, CAUSAL, Q_ROWS,
-                                                             2 * KEYS)
+        b, hk, start_n, end_block, first_block = _key_program(n_q, n_k, n_heads_k, d_lo, d_hi, section, SEEN, Q_ROWS,
+                                                              2 * KEYS)
         q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem = _key_program_buffers(q_desc, do_desc, lse2_desc,
                                                                                       delta_desc, k_desc, v_desc, STAGES, 2)
         kv_bar, ready, empty = _key_program_barriers(STAGES)
         gl.warp_specialize([
             (_dkdv_consumer, (dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, kv_bar, ready,
-                              empty, qk_scale, sm_scale, shift, b, hk, start_n, group, first_block, n_blocks, 0,
-                              CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
+                              empty, qk_scale, sm_scale, d_lo, d_hi, b, hk, start_n, group, first_block, end_block, 0,
+                              SEEN, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
             (_dkdv_consumer, (dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, kv_bar, ready,
-                              empty, qk_scale, sm_scale, shift, b, hk, start_n, group, first_block, n_blocks, 1,
-                              CAUSAL, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
+                              empty, qk_scale, sm_scale, d_lo, d_hi, b, hk, start_n, group, first_block, end_block, 1,
+                              SEEN, Q_ROWS, KEYS, HEAD_DIM, STAGES)),
             (_dkdv_producer, (q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
                               delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
-                              n_blocks, Q_ROWS, KEYS, STAGES, 2)),
+                              end_block, Q_ROWS, KEYS, STAGES, 2)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 
     @gluon.jit
     def _role_consumer(dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, pt_smem, ds_smem,
-                       kv_bar, ready, empty, pt_full, pt_free, ds_full, ds_free, qk_scale, sm_scale, shift, b, hk,
-                       start_n, group, first_block, n_blocks, ROLE: gl.constexpr, CAUSAL: gl.constexpr,
+                       kv_bar, ready, empty, pt_full, pt_free, ds_full, ds_free, qk_scale, sm_scale, d_lo, d_hi, b,
+                       hk, start_n, group, first_block, end_block, ROLE: gl.constexpr, SEEN: gl.constexpr,
                        Q_ROWS: gl.constexpr, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
         """One warpgroup of the role-split dK/dV kernel (d256: a warpgroup cannot hold dK and dV of 64 keys
         over the whole head dim). ROLE 0 takes S^T = K Q^T and P^T, ROLE 1 dP^T = V dO^T and dS^T = P^T (dP^T -
@@ -346,8 +364,8 @@ if gluon is not None:
         s_zero = gl.zeros([KEYS, Q_ROWS], gl.float32, s_layout)
         dk = gl.zeros([KEYS, COLS], gl.float32, acc_layout)
         dv = gl.zeros([KEYS, COLS], gl.float32, acc_layout)
-        full_from = start_n + KEYS - shift
-        per_head = n_blocks - first_block
+        full_from, full_to = _full_rows(start_n, d_lo, d_hi, KEYS, Q_ROWS)
+        per_head = end_block - first_block
         mbarrier.wait(kv_bar, 0)
         for step in range(group * per_head):
             stage = step % STAGES
@@ -361,7 +379,7 @@ if gluon is not None:
             if ROLE == 0:
                 st = warpgroup_mma(kv, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 st = warpgroup_mma_wait(0, deps=[st])
-                pt = _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL)
+                pt = _probs(st, lse2, keys, m0, full_from, full_to, d_lo, d_hi, qk_scale, SEEN)
                 mbarrier.wait(pt_free, (step & 1) ^ 1, pred=step >= 1)  # the other has read the last one
                 pt_smem.store(pt)
                 mbarrier.arrive(pt_full, count=1)
@@ -397,10 +415,10 @@ if gluon is not None:
         tma_store(dv_desc, [b, hk, start_n, ROLE * COLS], halves.index(1))
         store_wait(0)
 
-    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "section"])
+    @gluon.jit(do_not_specialize=["n_q", "n_k", "d_lo", "d_hi", "section"])
     def attn_bwd_dkdv_roles_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc,
-                                          qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, section,
-                                          CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                                          qk_scale, sm_scale, n_q, n_k, n_heads_k, group, d_lo, d_hi, section,
+                                          SEEN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                           CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr):
         """`attn_bwd_dkdv_hopper_kernel` for head dims where one warpgroup cannot hold dK and dV of its keys
         (`config.GLUON_ROLE_HEAD_DIMS`): KEYS keys a program, its two warpgroups split by role
@@ -408,7 +426,8 @@ if gluon is not None:
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
-        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, section, CAUSAL, Q_ROWS, KEYS)
+        b, hk, start_n, end_block, first_block = _key_program(n_q, n_k, n_heads_k, d_lo, d_hi, section, SEEN, Q_ROWS,
+                                                              KEYS)
         q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem = _key_program_buffers(q_desc, do_desc, lse2_desc,
                                                                                       delta_desc, k_desc, v_desc, STAGES, 1)
         pt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, Q_ROWS], gl.float32)
@@ -428,15 +447,15 @@ if gluon is not None:
         gl.warp_specialize([
             (_role_consumer, (dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, pt_smem,
                               ds_smem, kv_bar, ready, empty, pt_full, pt_free, ds_full, ds_free, qk_scale, sm_scale,
-                              shift, b, hk, start_n, group, first_block, n_blocks, 0, CAUSAL, Q_ROWS, KEYS, HEAD_DIM,
-                              STAGES)),
+                              d_lo, d_hi, b, hk, start_n, group, first_block, end_block, 0, SEEN, Q_ROWS, KEYS,
+                              HEAD_DIM, STAGES)),
             (_role_consumer, (dk_desc, dv_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, pt_smem,
                               ds_smem, kv_bar, ready, empty, pt_full, pt_free, ds_full, ds_free, qk_scale, sm_scale,
-                              shift, b, hk, start_n, group, first_block, n_blocks, 1, CAUSAL, Q_ROWS, KEYS, HEAD_DIM,
-                              STAGES)),
+                              d_lo, d_hi, b, hk, start_n, group, first_block, end_block, 1, SEEN, Q_ROWS, KEYS,
+                              HEAD_DIM, STAGES)),
             (_dkdv_producer, (q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
                               delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
-                              n_blocks, Q_ROWS, KEYS, STAGES, 1)),
+                              end_block, Q_ROWS, KEYS, STAGES, 1)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
     @gluon.jit
@@ -508,8 +527,8 @@ if gluon is not None:
     @gluon.jit
     def _steps_ahead(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile, dq_desc,
                      ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale, sm_scale, cap_scale,
-                     shift, full_from, b, hk, group, first_block, per_head, op_layout: gl.constexpr,
-                     tile_2d: gl.constexpr, HALF: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr,
+                     full_from, full_to, d_lo, d_hi, b, hk, group, first_block, per_head, op_layout: gl.constexpr,
+                     tile_2d: gl.constexpr, HALF: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr,
                      Q_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, FRAGMENTS: gl.constexpr, STAGES: gl.constexpr):
         """A consumer's steps with the next block's S^T and dP^T issued ahead of this block's dV, dK and dQ,
         so that the next softmax runs while those are on the tensor cores (the other order leaves them idle
@@ -525,9 +544,9 @@ if gluon is not None:
             lse2, delta = _row_terms(lse2_smem, delta_smem, 0, s_zero, Q_ROWS)
             st = warpgroup_mma_wait(1, deps=[st])
             if SOFTCAP:
-                pt, slope = _capped_probs(st, lse2, keys, m0, full_from, shift, qk_scale, cap_scale, CAUSAL)
+                pt, slope = _capped_probs(st, lse2, keys, m0, full_from, full_to, d_lo, d_hi, qk_scale, cap_scale, SEEN)
             else:
-                pt = _probs(st, lse2, keys, m0, full_from, shift, qk_scale, CAUSAL)
+                pt = _probs(st, lse2, keys, m0, full_from, full_to, d_lo, d_hi, qk_scale, SEEN)
             dpt = warpgroup_mma_wait(0, deps=[dpt])
             dst = pt * (dpt - gl.expand_dims(delta, 0))
             if SOFTCAP:
@@ -552,9 +571,10 @@ if gluon is not None:
                     lse2, delta = _row_terms(lse2_smem, delta_smem, ahead % STAGES, s_zero, Q_ROWS)
                 st = warpgroup_mma_wait(5, deps=[st])  # S^T ahead done; dP^T ahead, dV, dK, dQ still run
                 if SOFTCAP:
-                    pt, slope = _capped_probs(st, lse2, keys, m_ahead, full_from, shift, qk_scale, cap_scale, CAUSAL)
+                    pt, slope = _capped_probs(st, lse2, keys, m_ahead, full_from, full_to, d_lo, d_hi, qk_scale,
+                                              cap_scale, SEEN)
                 else:
-                    pt = _probs(st, lse2, keys, m_ahead, full_from, shift, qk_scale, CAUSAL)
+                    pt = _probs(st, lse2, keys, m_ahead, full_from, full_to, d_lo, d_hi, qk_scale, SEEN)
                 dpt = warpgroup_mma_wait(4, deps=[dpt])
                 if SOFTCAP:
                     delta = _row_term(delta_smem, ahead % STAGES, s_zero, Q_ROWS)
@@ -581,8 +601,8 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem, ds_smem,
-                      dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, cap_scale, shift, b, hk,
-                      start_n, group, first_block, n_blocks, HALF: gl.constexpr, CAUSAL: gl.constexpr,
+                      dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, cap_scale, d_lo, d_hi, b,
+                      hk, start_n, group, first_block, end_block, HALF: gl.constexpr, SEEN: gl.constexpr,
                       SOFTCAP: gl.constexpr, Q_ROWS: gl.constexpr, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr,
                       STAGES: gl.constexpr, AHEAD: gl.constexpr, DQ_TURNS: gl.constexpr, DQ_FRAGMENTS: gl.constexpr):
         """`_dkdv_consumer`, plus dQ = dS K (FlashAttention-3's split): both warpgroups' dS^T meet in
@@ -613,22 +633,22 @@ if gluon is not None:
         dq_tile = dq_smem.index(HALF)
         dq_out = reinterpret(dq_tile, gl.float32, dq_box, dq_2d)
         dq_zero = gl.zeros([Q_ROWS, DQ_COLS], gl.float32, dq_layout)
-        full_from = start_n + 2 * KEYS - shift
-        per_head = n_blocks - first_block
+        full_from, full_to = _full_rows(start_n, d_lo, d_hi, 2 * KEYS, Q_ROWS)
+        per_head = end_block - first_block
         mbarrier.wait(kv_bar, 0)
         if AHEAD:
             dk, dv = _steps_ahead(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile,
                                   dq_desc, ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale,
-                                  sm_scale, cap_scale, shift, full_from, b, hk, group, first_block, per_head, op_layout,
-                                  tile_2d, HALF, CAUSAL, SOFTCAP, Q_ROWS, HEAD_DIM, DQ_FRAGMENTS, STAGES)
+                                  sm_scale, cap_scale, full_from, full_to, d_lo, d_hi, b, hk, group, first_block,
+                                  per_head, op_layout, tile_2d, HALF, SEEN, SOFTCAP, Q_ROWS, HEAD_DIM, DQ_FRAGMENTS, STAGES)
         else:
             for step in range(group * per_head):
                 stage = step % STAGES
                 h = hk * group + step // per_head
                 m0 = (first_block + step % per_head) * Q_ROWS
                 q, dv, pt_op, dst = _bwd_step(k, v, q_smem, do_smem, lse2_smem, delta_smem, ready, keys,
-                                              m0, full_from, shift, qk_scale, cap_scale, stage, step, s_zero, dv,
-                                              op_layout, tile_2d, CAUSAL, SOFTCAP, Q_ROWS, HEAD_DIM, STAGES)
+                                              m0, full_from, full_to, d_lo, d_hi, qk_scale, cap_scale, stage, step,
+                                              s_zero, dv, op_layout, tile_2d, SEEN, SOFTCAP, Q_ROWS, HEAD_DIM, STAGES)
                 ds_t = _store_ds(dst.to(dtype), ds_smem, ds_full, ds_free, step, HALF)
                 dk = warpgroup_mma(ds_t, q, dk, is_async=True)  # dS^T read from shared memory: no registers held
                 if DQ_TURNS:
@@ -645,10 +665,10 @@ if gluon is not None:
             mbarrier.wait(ds_free.index(last % 2), (last // 2) & 1)
         _store_dkdv(dk_desc, dv_desc, k, v, k_tile, v_tile, dk * sm_scale, dv, b, hk, start_n, HALF, KEYS)
 
-    @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "section"])
+    @gluon.jit(do_not_specialize=["n_q", "n_k", "d_lo", "d_hi", "section"])
     def attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse2_desc, delta_desc, dq_desc,
-                               qk_scale, sm_scale, n_q, n_k, n_heads_k, group, shift, section, cap_scale,
-                               CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                               qk_scale, sm_scale, n_q, n_k, n_heads_k, group, d_lo, d_hi, section, cap_scale,
+                               SEEN: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                AHEAD: gl.constexpr, DQ_TURNS: gl.constexpr, DQ_FRAGMENTS: gl.constexpr,
                                SOFTCAP: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
                                PRODUCER_REGISTERS: gl.constexpr):
@@ -662,8 +682,8 @@ if gluon is not None:
         Q_ROWS: gl.constexpr = q_desc.block_type.shape[2]
         KEYS: gl.constexpr = k_desc.block_type.shape[2]
         dtype: gl.constexpr = q_desc.dtype
-        b, hk, start_n, n_blocks, first_block = _key_program(n_q, n_k, n_heads_k, shift, section, CAUSAL, Q_ROWS,
-                                                             2 * KEYS)
+        b, hk, start_n, end_block, first_block = _key_program(n_q, n_k, n_heads_k, d_lo, d_hi, section, SEEN, Q_ROWS,
+                                                              2 * KEYS)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, Q_ROWS], dtype)
         q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem = _key_program_buffers(q_desc, do_desc, lse2_desc,
                                                                                       delta_desc, k_desc, v_desc, STAGES, 2)
@@ -678,15 +698,15 @@ if gluon is not None:
         gl.warp_specialize([
             (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem,
                              ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, cap_scale,
-                             shift, b, hk, start_n, group, first_block, n_blocks, 0, CAUSAL, SOFTCAP, Q_ROWS, KEYS,
-                             HEAD_DIM, STAGES, AHEAD, DQ_TURNS, DQ_FRAGMENTS)),
+                             d_lo, d_hi, b, hk, start_n, group, first_block, end_block, 0, SEEN, SOFTCAP, Q_ROWS,
+                             KEYS, HEAD_DIM, STAGES, AHEAD, DQ_TURNS, DQ_FRAGMENTS)),
             (_bwd_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, lse2_smem, delta_smem, k_smem, v_smem,
                              ds_smem, dq_smem, kv_bar, ready, empty, ds_full, ds_free, qk_scale, sm_scale, cap_scale,
-                             shift, b, hk, start_n, group, first_block, n_blocks, 1, CAUSAL, SOFTCAP, Q_ROWS, KEYS,
-                             HEAD_DIM, STAGES, AHEAD, DQ_TURNS, DQ_FRAGMENTS)),
+                             d_lo, d_hi, b, hk, start_n, group, first_block, end_block, 1, SEEN, SOFTCAP, Q_ROWS,
+                             KEYS, HEAD_DIM, STAGES, AHEAD, DQ_TURNS, DQ_FRAGMENTS)),
             (_dkdv_producer, (q_desc, do_desc, lse2_desc, delta_desc, k_desc, v_desc, q_smem, do_smem, lse2_smem,
                               delta_smem, k_smem, v_smem, kv_bar, ready, empty, b, hk, start_n, group, first_block,
-                              n_blocks, Q_ROWS, KEYS, STAGES, 2)),
+                              end_block, Q_ROWS, KEYS, STAGES, 2)),
         ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -741,14 +761,16 @@ def _bwd_launch(kernel, tensors, scratch_strides: tuple[int, int], mask: Mask, s
     if roles:
         layouts[4:] = hopper.tile_descriptors(tensors[4:], rows[4:], padded // 2, q.dtype)
     program_keys = GLUON_KEYS if roles else 2 * GLUON_KEYS
-    # the 5-matmul kernel takes softcaps (`fused_mask`): the forward's scales and SOFTCAP build
-    capped, (qk_scale, cap_scale, _, _) = hopper.forward_mask_args(mask, sm_scale, q.dtype)
+    # the 5-matmul kernel takes softcaps and windows (`fused_mask`): the forward's scales and builds; row i
+    # sees key j when d_lo <= j - i <= d_hi (`_key_program`)
+    mask_builds, (qk_scale, cap_scale, left, right) = hopper.forward_mask_args(mask, sm_scale, q.dtype)
+    shift = int(mask.lower_right) * (n_k - n_q)
     launch = Launch(kernel, (sizing.cdiv(n_k, program_keys) * b * hk,),
-                    (qk_scale, sm_scale, n_q, n_k, hk, hq // hk, int(mask.lower_right) * (n_k - n_q),
+                    (qk_scale, sm_scale, n_q, n_k, hk, hq // hk, shift - left, shift + right,
                      causal_section(b * hk, hq // hk, n_q, padded, q.dtype.itemsize, dq_sum),
                      *((cap_scale,) if dq_sum else ())),
-                    {"CAUSAL": mask.right == 0, "HEAD_DIM": padded, "STAGES": GLUON_BWD_STAGES,
-                     **({"SOFTCAP": capped["SOFTCAP"]} if dq_sum else {}),
+                    {"SEEN": mask_builds["SEEN"], "HEAD_DIM": padded, "STAGES": GLUON_BWD_STAGES,
+                     **({"SOFTCAP": mask_builds["SOFTCAP"]} if dq_sum else {}),
                      "CONSUMER_REGISTERS": GLUON_CONSUMER_REGISTERS, "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "num_warps": 4, **(builds or {})}, q.device)
     layouts += [([b, hq, scratch_strides[1]], [*scratch_strides, 1], [1, 1, GLUON_Q_ROWS], "zero", STATS_LAYOUT)] * 2
@@ -795,7 +817,7 @@ def bind_backward(q, k, v, out, grad_out, dlse, dq, dk, dv, lse_strides: tuple[i
                    *(dlse.stride() if has_dlse else (0, 0, 0)), *scratch_strides),
                   {"HAS_DLSE": has_dlse, "HEAD_DIM": d, "HEAD_DIM_PADDED": padded, "BLOCK_M": PREP_ROWS,
                    "num_warps": 4}, q.device)
-    builds = fused_builds(d, mask.right == 0)
+    builds = fused_builds(d, hopper.forward_mask_args(mask, sm_scale, q.dtype)[0]["SEEN"])
     launch, descriptors = _bwd_launch(attn_bwd_hopper_kernel, (q, k, v, grad_out, dk, dv), scratch_strides,
                                       mask, sm_scale, fused_kv_layout(padded, q.dtype), builds, dq_sum=True)
     dq_shape = [b, hq, rows, padded]
