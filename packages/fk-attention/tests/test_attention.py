@@ -414,7 +414,8 @@ FUSED_CASES = HOPPER_CASES + [
     ((1, 2, 1, 77, 300, 64), fk_mask.Mask(softcap=5.0)), ((1, 4, 1, 1025, 333, 96), fk_mask.Mask(right=0, softcap=5.0)),
     # windows (`config.GLUON_BWD_WINDOWS`): sliding causal, two-sided, one side unbounded, lower-right with rows that
     # see no key, softcapped (Gemma 2's local layers), programs masked at both edges or wholly outside
-    ((2, 4, 2, 1000, 1000, 128), fk_mask.Mask(left=200, right=0)), ((1, 2, 1, 700, 900, 64), fk_mask.Mask(left=100, right=37)),
+    ((2, 4, 2, 1000, 1000, 128), fk_mask.Mask(left=200, right=0)),
+    ((1, 2, 1, 700, 900, 64), fk_mask.Mask(left=100, right=37)),
     ((1, 2, 2, 900, 300, 128), fk_mask.Mask(left=50, right=80, lower_right=True)),
     ((1, 2, 2, 300, 300, 128), fk_mask.Mask(right=5)), ((1, 2, 2, 500, 500, 64), fk_mask.Mask(left=3)),
     ((1, 4, 1, 1025, 333, 96), fk_mask.Mask(left=64, right=0, softcap=5.0)),

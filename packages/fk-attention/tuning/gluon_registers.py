@@ -89,7 +89,8 @@ def fused_backward(d: int, seen: int, **builds):
     dq_sum = torch.empty(B, H, hopper_backward.dq_sum_rows(N), d)
     dq = Descriptor(dq_sum, *hopper_backward.dq_sum_fields(list(dq_sum.shape), builds)).real()
     return hopper_backward.attn_bwd_hopper_kernel.warmup(
-        *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, *mask_args(seen), 2, 0.01, SEEN=seen, HEAD_DIM=d,
+        *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, *mask_args(seen), 2, 0.01, SEEN=seen,
+        HEAD_DIM=d,
         CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS, PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
         num_warps=4, grid=(1,), **builds)
 
@@ -202,14 +203,16 @@ def main() -> None:
         kernels = [(f"dK/dV d{D}", dkdv)] + [(f"dK/dV roles d{d}", role_dkdv(d, causal))
                                               for d in fk_config.GLUON_ROLE_HEAD_DIMS]
         if hopper_backward.tma_reduce_add is not None:  # the 5-matmul backward (Triton >= 3.8), its head dims
-            kernels += [(f"5-matmul backward d{d}{' softcap' if cap else ''}", fused_backward(d, int(causal), SOFTCAP=cap))
+            kernels += [(f"5-matmul backward d{d}{' softcap' if cap else ''}",
+                         fused_backward(d, int(causal), SOFTCAP=cap))
                         for d in fk_config.GLUON_FUSED_HEAD_DIMS for cap in (0, 2)]
         for name, compiled in kernels:
             print(f"{name}{' causal' if causal else ''}: {usage(compiled)}")
     if hopper_backward.tma_reduce_add is not None:  # and windows
         for d in fk_config.GLUON_FUSED_HEAD_DIMS:
             for cap in (0, 2):
-                print(f"5-matmul backward d{d}{' softcap' if cap else ''} window: {usage(fused_backward(d, 2, SOFTCAP=cap))}")
+                name = f"5-matmul backward d{d}{' softcap' if cap else ''} window"
+                print(f"{name}: {usage(fused_backward(d, 2, SOFTCAP=cap))}")
     for d, _ in fk_config.GLUON_DECODE_TILES:
         for stages in fk_config.GLUON_DECODE_STAGES:
             for sliced in (False, True):

@@ -211,8 +211,8 @@ if gluon is not None:
         dtype: gl.constexpr = q_smem.dtype
         q, do, st, dpt = _issue_scores(k, v, q_smem, do_smem, ready, stage, step, s_zero, tile_2d, Q_ROWS, HEAD_DIM,
                                        STAGES)
-        # the row terms read under the matmuls where causal, after each one's wait where full, windowed or capped (TUNING.md:
-        # When the backward reads its row terms)
+        # the row terms read under the matmuls where causal, after each one's wait where full, windowed or capped
+        # (TUNING.md: When the backward reads its row terms)
         EARLY: gl.constexpr = SEEN == 1 and not SOFTCAP
         if EARLY:
             lse2, delta = _row_terms(lse2_smem, delta_smem, stage, s_zero, Q_ROWS)
@@ -640,7 +640,8 @@ if gluon is not None:
             dk, dv = _steps_ahead(k, v, k_lo, k_hi, q_smem, do_smem, lse2_smem, delta_smem, ds_smem, dq_out, dq_tile,
                                   dq_desc, ready, empty, ds_full, ds_free, keys, s_zero, dq_zero, dk, dv, qk_scale,
                                   sm_scale, cap_scale, full_from, full_to, d_lo, d_hi, b, hk, group, first_block,
-                                  per_head, op_layout, tile_2d, HALF, SEEN, SOFTCAP, Q_ROWS, HEAD_DIM, DQ_FRAGMENTS, STAGES)
+                                  per_head, op_layout, tile_2d, HALF, SEEN, SOFTCAP, Q_ROWS, HEAD_DIM, DQ_FRAGMENTS,
+                                  STAGES)
         else:
             for step in range(group * per_head):
                 stage = step % STAGES
