@@ -124,13 +124,8 @@ def _time(case, variant: str, bench, torch) -> float:
     prepare = case.variants[variant]
     if not torch.cuda.is_available():  # the interpreter: that it runs, not what it costs
         return bench.time_ms([prepare(i) for i in inputs])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls = [prepare(i) for i in inputs]
-        ms = bench.time_ms(bench.graphed(calls, stream))
-    torch.cuda.synchronize()
-    return ms
+    with bench.captured(prepare, inputs) as calls:
+        return bench.time_ms(calls)
 
 
 def _tuned_picks() -> dict:

@@ -25,8 +25,8 @@ VARIANTS = ("fk", "sdpa cudnn")
 SAMPLE_MS = 25
 
 
-def graphed(case, variant: str, zero: bool):
-    """The variant's calls over the case's input sets, captured; `zero`: the inputs multiplied by 0 first."""
+def input_sets(case, zero: bool) -> list:
+    """The case's input sets; `zero`: multiplied by 0 (less switching, less power)."""
     inputs = [case.make_inputs() for _ in range(bench.input_sets(case))]
     if zero:
         with torch.no_grad():
@@ -34,12 +34,7 @@ def graphed(case, variant: str, zero: bool):
                 for t in (i.values() if isinstance(i, dict) else i if isinstance(i, (tuple, list)) else [i]):
                     if torch.is_tensor(t) and t.is_floating_point():
                         t.mul_(0.0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls = bench.graphed([case.variants[variant](i) for i in inputs], stream)
-    torch.cuda.synchronize()
-    return calls
+    return inputs
 
 
 def clocks(calls, seconds: float = 1.0) -> tuple[float, float]:
@@ -71,9 +66,10 @@ def main() -> None:
             for dtype in (torch.bfloat16, torch.float16):
                 for variant in VARIANTS:
                     for zero in (False, True):
-                        calls = graphed(cases[(row, dtype)], variant, zero)
-                        ms = bench.time_ms(calls)
-                        mhz, watts = clocks(calls)
+                        case = cases[(row, dtype)]
+                        with bench.captured(case.variants[variant], input_sets(case, zero)) as calls:
+                            ms = bench.time_ms(calls)
+                            mhz, watts = clocks(calls)
                         results.append(dict(row=row, dtype=str(dtype).removeprefix("torch."), variant=variant,
                                             zero=zero, round=rnd, ms=ms, sm_mhz=mhz, watts=watts))
                         print(json.dumps(results[-1]), flush=True)

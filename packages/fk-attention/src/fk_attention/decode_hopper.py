@@ -17,7 +17,6 @@ import triton
 from fk_runtime.gluon import gl, gluon, mbarrier, mma_v2, reinterpret, tma_load
 
 from . import hopper
-from .kernels import TANH_APPROX
 
 if gluon is not None and mma_v2 is not None:
 
@@ -63,7 +62,7 @@ if gluon is not None and mma_v2 is not None:
         [1, 1, BLOCK_N, D] blocks, 16 query rows a program, no ALiBi or left pads: one slice of the
         keys of a block of a GQA group's rows; with one slice the output and (STORE_LSE) lse, with
         several (SLICED) the fp32 partial output and log-sum-exp to part (the `tl` kernel's layout).
-        Scores are scaled in base 2 by qk_scale > 0; SOFTCAP: tanh as `hopper._capped` takes it (cap_scale
+        Scores are scaled in base 2 by qk_scale > 0; SOFTCAP: tanh as `hopper.capped` takes it (cap_scale
         from `hopper.forward_mask_args`)."""
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         D: gl.constexpr = k_desc.block_type.shape[3]
@@ -137,10 +136,7 @@ if gluon is not None and mma_v2 is not None:
             mbarrier.wait(k_ready.index(stage), phase)
             k_t = reinterpret(k_smem.index(stage), dtype, [BLOCK_N, D], kv_2d).permute((1, 0)).load(b_op)
             s = mma_v2(q, k_t, s_zero)
-            if SOFTCAP == TANH_APPROX:
-                s = hopper.tanh_approx(s * cap_scale)
-            elif SOFTCAP:
-                s = 1.0 - 2.0 / (gl.exp2(s * cap_scale) + 1.0)
+            s = hopper.capped(s, cap_scale, SOFTCAP)
             s = _edge_masked(s, pos, start, n_k_b, shift, left, right, full_lo, full_hi, BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = gl.where(m_new == -float("inf"), 0.0, m_new) * qk_scale

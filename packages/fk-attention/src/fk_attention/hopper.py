@@ -350,7 +350,7 @@ if gluon is not None:
         return gl.inline_asm_elementwise(TANH_APPROX_ASM, "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _capped(s, cap_scale, SOFTCAP: gl.constexpr):
+    def capped(s, cap_scale, SOFTCAP: gl.constexpr):
         """Raw scores with a softcap: tanh(s * sm_scale / cap), as `kernels.capped` (`forward_mask_args`:
         cap_scale is sm_scale / cap for TANH_APPROX, 2 log2(e) sm_scale / cap for tanh from exp2; qk_scale then
         holds cap * log2(e)); else s."""
@@ -420,7 +420,7 @@ if gluon is not None:
         s = warpgroup_mma_wait(0, deps=[s])
         mbarrier.arrive(k_empty.index(stage), count=1)
         mbarrier.arrive(q_free.index(PART), count=1)
-        s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, key_block, n_k, shift, left, right, full_lo, full_hi,
+        s = _masked(capped(s, cap_scale, SOFTCAP), rows, cols, key_block, n_k, shift, left, right, full_lo, full_hi,
                     SEEN, BLOCK_N)
         p, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
                                       gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), qk_scale)
@@ -497,7 +497,7 @@ if gluon is not None:
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(stage), count=1)
             mbarrier.arrive(q_free.index(PART), count=1, pred=n_steps == 1)
-            s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, first, n_k, shift, left, right, full_lo,
+            s = _masked(capped(s, cap_scale, SOFTCAP), rows, cols, first, n_k, shift, left, right, full_lo,
                         full_hi, SEEN, BLOCK_N)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
             p_op = gl.convert_layout(p.to(dtype), p_layout)  # carried as the operand: half p's registers
@@ -520,7 +520,7 @@ if gluon is not None:
                 mbarrier.arrive(k_empty.index(stage), count=1)
                 if not LATE_PV_WAIT:
                     mbarrier.arrive(q_free.index(PART), count=1, pred=i == n_steps - 1)
-                s = _masked(_capped(s, cap_scale, SOFTCAP), rows, cols, first + i, n_k, shift, left, right,
+                s = _masked(capped(s, cap_scale, SOFTCAP), rows, cols, first + i, n_k, shift, left, right,
                             full_lo, full_hi, SEEN, BLOCK_N)
                 p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
                 if LATE_PV_WAIT:  # a basic block ends here, so that ptxas keeps the P V wait below the softmax

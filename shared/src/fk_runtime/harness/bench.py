@@ -19,6 +19,7 @@ plus backward) with one synchronization at the end, and beside each the device t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -157,6 +158,17 @@ def graphed(calls: Sequence[Callable[[], object]], stream) -> list[Callable[[], 
             call()
         graphs.append(graph)
     return [graph.replay for graph in graphs]
+
+
+@contextlib.contextmanager
+def captured(prepare, sets: Sequence):
+    """A variant's replays as the tables time them, to be run inside the block: `prepare`d on each input set on
+    a side stream, current in the block, each call captured in its own CUDA graph (`graphed`)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield graphed([prepare(inputs) for inputs in sets], stream)
+    torch.cuda.synchronize()
 
 
 def measure_ceilings() -> Ceilings:
