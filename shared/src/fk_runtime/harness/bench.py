@@ -564,10 +564,9 @@ def time_per_call_us(calls: dict[str, Callable[[], object]]) -> dict[str, float]
     return {name: s * 1e6 for name, s in interleaved_seconds(calls, warmup, count, repeats).items()}
 
 
-def device_us_per_call(call: Callable[[], object], calls: int = PROFILED_CALLS,
-                       kernel: str | None = None) -> float | None:
-    """Sum of the device's kernel (and copy) durations over `calls` calls, per call, from
-    torch.profiler (only the kernel named `kernel`, if given); None on the interpreter."""
+def device_us_by_kernel(call: Callable[[], object], calls: int = PROFILED_CALLS) -> dict[str, float] | None:
+    """Each kernel's (and copy's) device duration per call, by name, summed over `calls` calls from
+    torch.profiler; None on the interpreter."""
     if backend.is_interpreter():
         return None
     from torch.autograd import DeviceType
@@ -579,12 +578,23 @@ def device_us_per_call(call: Callable[[], object], calls: int = PROFILED_CALLS,
         for _ in range(calls):
             call()
         torch.cuda.synchronize()
-    # GPU-side user annotations (record_function ranges) span kernels: counted, they would count
-    # those kernels twice.
-    total = sum(e.time_range.elapsed_us() for e in prof.events()
-                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-                and (kernel is None or e.name == kernel))
-    return total / calls
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        # GPU-side user annotations (record_function ranges) span kernels: counted, they would count
+        # those kernels twice.
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us() / calls
+    return kernels
+
+
+def device_us_per_call(call: Callable[[], object], calls: int = PROFILED_CALLS,
+                       kernel: str | None = None) -> float | None:
+    """Sum of the device's kernel (and copy) durations over `calls` calls, per call, from
+    torch.profiler (only the kernel named `kernel`, if given); None on the interpreter."""
+    kernels = device_us_by_kernel(call, calls)
+    if kernels is None:
+        return None
+    return sum(us for name, us in kernels.items() if kernel is None or name == kernel)
 
 
 def run_host_cases(cases: Sequence[HostCase], progress: bool = True) -> list[HostResult]:
