@@ -43,8 +43,10 @@ def main() -> None:
             print(f"{row} | {variant}: {results[-1]['total_us']:.1f} us", flush=True)
             for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
                 print(f"    {us:9.1f}  {name[:100]}", flush=True)
+    meta = bench.environment()
+    meta["command"] = "python packages/fk-attention/tuning/kernel_parts.py " + " ".join(sys.argv[1:])
     with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump(dict(meta=meta, rows=results), f, indent=1)
 
 
 if __name__ == "__main__":
