@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = {}
     for op in OPS:
         for case in importlib.import_module(f"fk_{op}.bench").cases(full):
-            name = f"{case.op} {case.direction} {case.shape.replace('×', 'x')} {str(case.dtype).removeprefix('torch.')}"
+            name = case.row()
             if case.op in tables and name not in wanted:
                 wanted.append(name)
             if name in wanted and args.time in case.variants:

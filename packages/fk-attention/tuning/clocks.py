@@ -57,7 +57,7 @@ def clocks(calls, seconds: float = 1.0) -> tuple[float, float]:
 
 def main() -> None:
     out, rows = sys.argv[1], sys.argv[2:] or ROWS
-    cases = {(f"{c.op} {c.direction} {c.shape.replace('×', 'x')}", c.dtype): c
+    cases = {(c.row(dtype=False), c.dtype): c
              for c in importlib.import_module("fk_attention.bench").cases(True)
              if c.dtype in (torch.float16, torch.bfloat16)}
     results = []

@@ -31,7 +31,7 @@ def rotating(calls):
 
 def main() -> None:
     out, rows = sys.argv[1], sys.argv[2:] or ROWS
-    cases = {f"{c.op} {c.direction} {c.shape.replace('×', 'x')}": c
+    cases = {c.row(dtype=False): c
              for c in importlib.import_module("fk_attention.bench").cases(True) if c.dtype == torch.bfloat16}
     results = []
     for row in rows:

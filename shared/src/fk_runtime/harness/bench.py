@@ -74,6 +74,11 @@ class Case:
     input_bytes: int = 0
     memory: bool = False
 
+    def row(self, dtype: bool = True) -> str:
+        """The case as scripts name a table row: `op direction shape dtype` (`x` for `×`; `dtype` False: without it)."""
+        name = f"{self.op} {self.direction} {self.shape.replace('×', 'x')}"
+        return f"{name} {str(self.dtype).removeprefix('torch.')}" if dtype else name
+
 
 @dataclasses.dataclass
 class Result:
