@@ -568,6 +568,26 @@ def test_hopper_forward_persistent_grid_runs_many_tiles_a_program(monkeypatch, s
     _check_gluon_forward(monkeypatch, shape, mask, dtype)
 
 
+@ON_GLUON_HOPPER
+def test_hopper_forward_causal_bound_inside_a_cuda_graph_capture_replays_right(monkeypatch):
+    """A causal forward on the persistent grid whose first call of its shape (the bind: the schedule table
+    copied from pinned memory, `hopper.pinned_table`) runs inside a CUDA graph's capture, its kernel compiled
+    by another length before: the replay gives the float64 answer on inputs written after the capture."""
+    ran = _hopper_launches(monkeypatch)
+    warm = make((2, 4, 2, 900, 900, 64), torch.bfloat16, requires_grad=False)
+    plan.forward(*warm, fk_mask.CAUSAL, 0.125)  # compiles the kernel (not inside the capture)
+    q, k, v = make((2, 4, 2, 1000, 1000, 64), torch.bfloat16, requires_grad=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = plan.forward(q, k, v, fk_mask.CAUSAL, 0.125)
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert len(ran) == 2
+    _assert_gluon_forward(q, k, v, fk_mask.CAUSAL, 0.125, out, lse)
+
+
 # d64's masks on three consumers (causal either alignment, rows without keys, windows, a softcap; GQA;
 # padded from 40): causal up to 4096 query rows takes two (`config.GLUON_FORWARD_TWO`), windows and
 # softcaps tl (`config.GLUON_FORWARD_FULL_OR_CAUSAL`).
@@ -644,6 +664,45 @@ def test_forward_waits_for_p_v_below_the_softmax_where_configured(monkeypatch):
     assert hopper.forward_tiles(64, 0, 4096)[2] == 3 and hopper.forward_tiles(64, 0, 1024)[2] == 2
     monkeypatch.setattr(fk_config, "GLUON_FORWARD_LATE_PV_WAIT", ((128, 1, 2),))
     assert hopper.late_pv_wait(1, 96, 2) and not hopper.late_pv_wait(0, 64, 3)
+
+
+def _schedule_loads(table, programs, n_q, n_k, shift, rows=128, block_n=128):
+    """Each program's tiles and its work (key blocks plus `config.GLUON_CAUSAL_TILE_BLOCKS` a tile) in a
+    `hopper.causal_schedule` table."""
+    n_blocks = -(-n_q // rows)
+    blocks = [-(-min(n_k, max((n_blocks - k) * rows + shift, 0)) // block_n) for k in range(n_blocks)]
+    owned = [table[table[p]:table[p + 1]] for p in range(programs)]
+    return owned, [sum(blocks[t % n_blocks] + fk_config.GLUON_CAUSAL_TILE_BLOCKS for t in own) for own in owned]
+
+
+def test_causal_schedule_lists_every_tile_once_and_ends_balanced():
+    """The causal persistent forward's order (`hopper.causal_schedule`): programs + 1 offsets, then every
+    tile of every head exactly once (lower-right shifts, rows without keys, fewer tiles than programs among
+    them); with no tail, units of a head's r-th longest and r-th shortest tile round robin; with a tail, the
+    most loaded program within a few percent of the mean where the units' last turn left it 3% above (B16 H32
+    N1024), and never more loaded than the units left it."""
+    assert dict(fk_config.GLUON_CAUSAL_TAIL_TILES) == {64: 6}
+    for n_q, n_k, shift, heads, programs in ((1024, 1024, 0, 512, 132), (4096, 4096, 0, 128, 132),
+                                             (2048, 2048, 0, 128, 132), (1000, 1500, 500, 7, 21),
+                                             (300, 100, -200, 3, 9), (128, 128, 0, 1, 1), (640, 640, 0, 2, 10)):
+        n_blocks = -(-n_q // 128)
+        units = hopper.causal_schedule(n_q, n_k, shift, heads, programs, 128, 128, 0)
+        tail = hopper.causal_schedule(n_q, n_k, shift, heads, programs, 128, 128, 6)
+        for table in (units, tail):
+            assert table[0] == programs + 1 and table[programs] == len(table)
+            assert sorted(table[programs + 1:]) == list(range(heads * n_blocks)), (n_q, heads)
+        owned, unit_loads = _schedule_loads(units, programs, n_q, n_k, shift)
+        half = (n_blocks + 1) // 2
+        for p in range(min(programs, 4)):  # program p: units p, p + programs, ..., each its pair of tiles
+            expected = [u // half * n_blocks + k for u in range(p, heads * half, programs)
+                        for k in sorted({u % half, n_blocks - 1 - u % half})]
+            assert owned[p] == expected
+        _, tail_loads = _schedule_loads(tail, programs, n_q, n_k, shift)
+        assert sum(tail_loads) == sum(unit_loads) and max(tail_loads) <= max(unit_loads), (n_q, heads)
+    _, unit_loads = _schedule_loads(hopper.causal_schedule(1024, 1024, 0, 512, 132, 128, 128, 0), 132, 1024, 1024, 0)
+    _, tail_loads = _schedule_loads(hopper.causal_schedule(1024, 1024, 0, 512, 132, 128, 128, 6), 132, 1024, 1024, 0)
+    mean = sum(unit_loads) / 132
+    assert max(unit_loads) > 1.03 * mean and max(tail_loads) < 1.01 * mean
 
 
 def _masked_reference(q, k, v, mask: fk_mask.Mask, scale: float, with_lse: bool = False):

@@ -158,7 +158,7 @@ def forward(d: int, mask, n: int = N, varlen: bool = False):
     n_tiles = B * H * n // (consumers * fk_config.GLUON_ROWS)
     cu = torch.empty(B + 1, dtype=torch.int32)
     return hopper.attn_fwd_hopper_kernel.warmup(
-        *tiles, torch.empty(B, H, n), cu, cu, q, *args[:2], B if varlen else n, n, H, 1, 0, *args[2:], n_tiles, H * n,
+        *tiles, torch.empty(B, H, n), cu, cu, q, cu, *args[:2], B if varlen else n, n, H, 1, 0, *args[2:], n_tiles, H * n,
         n, B * n, B * n, H * d, d, d, **builds, VARLEN=varlen, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
         CONSUMERS=consumers, PERSISTENT=not varlen and hopper.persistent_grid(builds["SEEN"], d, n),
         CONSUMER_REGISTERS=hopper.consumer_registers(consumers),

@@ -440,6 +440,15 @@ GLUON_FORWARD_LATE_PV_WAIT = ((64, 0, 3),)
 GLUON_PERSISTENT_SEEN = (0, 1, 2)
 GLUON_PERSISTENT_HEAD_DIMS = (64, 128)
 GLUON_PERSISTENT_CAUSAL_N = 4096
+# The causal persistent forward's order (`hopper.causal_schedule`): (padded head dim, tiles a program) whose
+# last heads, about that many tiles a program, go longest first to the least loaded program (a tile's start and
+# epilogue counted as GLUON_CAUSAL_TILE_BLOCKS key blocks); other head dims keep units of a head's r-th longest
+# and r-th shortest tile round robin to the end, whose last turn left about half the programs idle. H200, units'
+# time ÷ this order's, 3.8 | 3.6: d64 causal N1024 1.015-1.023 | 1.004-1.039, N4096 1.009-1.023 | 0.991-1.015,
+# B8 N2048 1.016-1.024 | 1.021-1.025; d128 0.989-1.002 | 0.963-1.000, so not there (TUNING.md: Forward on a
+# persistent grid).
+GLUON_CAUSAL_TAIL_TILES = ((64, 6),)
+GLUON_CAUSAL_TILE_BLOCKS = 1
 # Query rows per consumer warpgroup, the consumers' registers after the producer warp gives its own
 # back: two consumers 240 (no spills at d128), three 160 (16 warps share the 64K registers: Triton
 # gives the first consumer, its default partition, what is left, 168; the producer's warpgroup 24).

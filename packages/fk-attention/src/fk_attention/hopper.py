@@ -8,8 +8,8 @@ moves Q and rings of K and V blocks into shared memory through TMA (mbarriers: `
 has landed, `empty` when every consumer is done with it). A consumer issues the next block's Q K^T on
 the tensor cores before the softmax of this one, so that softmax runs under the P V matmul
 (asynchronous wgmma); the producer's registers go to the consumers (`setmaxnreg`). At d64 and d128 a
-program takes tile after tile (a persistent grid), the next tile's Q and K loading while this one's
-output drains.
+program takes tile after tile (a persistent grid; causal tiles in the order its plan lists,
+`causal_schedule`), the next tile's Q and K loading while this one's output drains.
 
 Taken for what it was built and measured on (TUNING.md: Hopper forward): an H100-class GPU (compute
 capability 9.x), the Triton versions in `fk_runtime.gluon.VERSIONS` (whose names for Gluon's API the
@@ -24,6 +24,8 @@ Everything else, and any Triton where Gluon or this API is missing, runs the `tl
 """
 
 from __future__ import annotations
+
+import heapq
 
 import torch
 import triton
@@ -253,41 +255,33 @@ if gluon is not None:
         return last_key < last_block * BLOCK_N + BLOCK_N // 2
 
     @gluon.jit
-    def _units(n_q, SEEN: gl.constexpr, TILE: gl.constexpr):
-        """(query blocks a head, units a head) of a persistent grid's work: causal, a unit is a head's
-        r-th longest block and its r-th shortest, so that every unit holds about the same keys and a
-        static round robin balances the programs; otherwise a unit is a tile."""
-        n_blocks = gl.cdiv(n_q, TILE)
+    def _turns(schedule, n_tiles, SEEN: gl.constexpr):
+        """(first, end, stride) of the program's turns on a persistent grid: causal, its entries of the plan's
+        table (`causal_schedule`); otherwise tiles pid, pid + programs, ... of the n_tiles."""
         if SEEN == 1:
-            half = (n_blocks + 1) // 2
+            first = gl.load(schedule + gl.program_id(0))
+            end = gl.load(schedule + gl.program_id(0) + 1)
+            stride = 1
         else:
-            half = n_blocks
-        return n_blocks, half
+            first = gl.program_id(0)
+            end = n_tiles
+            stride = gl.num_programs(0)
+        return first, end, stride
 
     @gluon.jit
-    def _unit_size(unit, n_blocks, half, SEEN: gl.constexpr):
-        """Tiles in a unit: 2, or 1 (not causal; the middle block of an odd count)."""
+    def _turn_tile(at, schedule, n_q, ROWS: gl.constexpr, SEEN: gl.constexpr, CONSUMERS: gl.constexpr):
+        """The tile of turn `at` (`_turns`) in `_fwd_tile`'s numbering: causal, the table's entry. Three
+        consumers, other masks: a head's blocks rotated by the wave its first block falls in, so that a
+        program's tiles take every block in turn: wherever the block count divides the program count, the cheap
+        last blocks (spare consumers idle there, `_consume_tile`) went to the same programs."""
         if SEEN == 1:
-            size = 2 - (2 * (unit % half) + 1 == n_blocks).to(gl.int32)
-        else:
-            size = 1
-        return size
-
-    @gluon.jit
-    def _unit_tile(unit, m, n_blocks, half, SEEN: gl.constexpr, CONSUMERS: gl.constexpr):
-        """The m-th tile of a unit in `_fwd_tile`'s numbering: causal, longest first within a head.
-        Three consumers, other masks: a head's blocks rotated by the wave its first block falls in, so
-        that a program's tiles take every block in turn: wherever the block count divides the program
-        count, the cheap last blocks (spare consumers idle there, `_consume_tile`) went to the same
-        programs."""
-        r = unit % half
-        if SEEN == 1:
-            tile = unit // half * n_blocks + r + m * (n_blocks - 1 - 2 * r)
+            tile = gl.load(schedule + at)
         elif CONSUMERS == 3:
-            head_start = unit // n_blocks * n_blocks
-            tile = head_start + (r + head_start // gl.num_programs(0)) % n_blocks
+            n_blocks = gl.cdiv(n_q, CONSUMERS * ROWS)
+            head_start = at // n_blocks * n_blocks
+            tile = head_start + (at % n_blocks + head_start // gl.num_programs(0)) % n_blocks
         else:
-            tile = unit
+            tile = at
         return tile
 
     @gluon.jit
@@ -325,20 +319,19 @@ if gluon is not None:
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                   v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, cu_q, cu_k, total_q, total_k,
-                  SEEN: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  schedule, SEEN: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   PERSISTENT: gl.constexpr, VARLEN: gl.constexpr):
         if PERSISTENT:  # the rings run on across tiles
             step = 0
             j = 0
-            n_blocks, half = _units(n_q, SEEN, q_smem.shape[0] * ROWS)
-            for unit in range(gl.program_id(0), n_tiles // n_blocks * half, gl.num_programs(0)):
-                for m in range(_unit_size(unit, n_blocks, half, SEEN)):
-                    tile = _unit_tile(unit, m, n_blocks, half, SEEN, q_smem.shape[0])
-                    step = _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free,
-                                         k_ready, k_empty, v_ready, v_empty, tile, j, step, n_q, n_k, n_heads,
-                                         group, shift, left, right, cu_q, cu_k, total_q, total_k, SEEN, ROWS, BLOCK_N,
-                                         STAGES, VARLEN)
-                    j += 1
+            first, end, stride = _turns(schedule, n_tiles, SEEN)
+            for at in range(first, end, stride):
+                tile = _turn_tile(at, schedule, n_q, ROWS, SEEN, q_smem.shape[0])
+                step = _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free,
+                                     k_ready, k_empty, v_ready, v_empty, tile, j, step, n_q, n_k, n_heads,
+                                     group, shift, left, right, cu_q, cu_k, total_q, total_k, SEEN, ROWS, BLOCK_N,
+                                     STAGES, VARLEN)
+                j += 1
         else:  # (no loop: one round spills nothing)
             _produce_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                           v_ready, v_empty, gl.program_id(0), 0, 0, n_q, n_k, n_heads, group, shift, left, right,
@@ -569,23 +562,22 @@ if gluon is not None:
     @gluon.jit
     def _consumer(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready, v_empty,
                   lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles, slb, slh,
-                  cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, PART: gl.constexpr, SEEN: gl.constexpr,
-                  SOFTCAP: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HALF_LAST: gl.constexpr,
+                  cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, schedule, PART: gl.constexpr,
+                  SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HALF_LAST: gl.constexpr,
                   LATE_PV_WAIT: gl.constexpr, VARLEN: gl.constexpr):
-        if PERSISTENT:  # the rings run on across tiles
+        if PERSISTENT:  # the rings run on across tiles, the tiles the producer's (`_turns`)
             step = 0
             j = 0
-            n_blocks, half = _units(n_q, SEEN, q_smem.shape[0] * ROWS)
-            for unit in range(gl.program_id(0), n_tiles // n_blocks * half, gl.num_programs(0)):
-                for m in range(_unit_size(unit, n_blocks, half, SEEN)):
-                    tile = _unit_tile(unit, m, n_blocks, half, SEEN, q_smem.shape[0])
-                    step = _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready,
-                                         k_empty, v_ready, v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale,
-                                         n_q, n_k, n_heads, group, shift, left, right, slb, slh, cu_q, cu_k, total_q,
-                                         total_k, o_ptr, son, soh, head_dim, PART, SEEN, SOFTCAP, ROWS, BLOCK_N,
-                                         HEAD_DIM, STAGES, True, HALF_LAST, LATE_PV_WAIT, VARLEN)
-                    j += 1
+            first, end, stride = _turns(schedule, n_tiles, SEEN)
+            for at in range(first, end, stride):
+                tile = _turn_tile(at, schedule, n_q, ROWS, SEEN, q_smem.shape[0])
+                step = _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready,
+                                     k_empty, v_ready, v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale,
+                                     n_q, n_k, n_heads, group, shift, left, right, slb, slh, cu_q, cu_k, total_q,
+                                     total_k, o_ptr, son, soh, head_dim, PART, SEEN, SOFTCAP, ROWS, BLOCK_N,
+                                     HEAD_DIM, STAGES, True, HALF_LAST, LATE_PV_WAIT, VARLEN)
+                j += 1
             store_wait(0)  # before the program's shared memory goes
         else:
             _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
@@ -594,17 +586,18 @@ if gluon is not None:
                           SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, False, HALF_LAST, LATE_PV_WAIT, VARLEN)
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "n_tiles", "slb", "slh", "total_q", "total_k"])
-    def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, cu_q, cu_k, o_ptr, qk_scale, cap_scale, n_q,
-                               n_k, n_heads, group, shift, left, right, n_tiles, slb, slh, total_q, total_k, son,
-                               soh, head_dim, SEEN: gl.constexpr,
+    def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, cu_q, cu_k, o_ptr, schedule, qk_scale,
+                               cap_scale, n_q, n_k, n_heads, group, shift, left, right, n_tiles, slb, slh, total_q,
+                               total_k, son, soh, head_dim, SEEN: gl.constexpr,
                                SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
                                CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
                                HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr, VARLEN: gl.constexpr):
         """Tiles of CONSUMERS (2 or 3) x 64 query rows of one (batch, head) against every key they see
         (SEEN 0 all, 1 causal, 2 a window of `left` and `right` keys, key blocks outside it skipped;
-        `_fwd_tile`); PERSISTENT: a program a multiprocessor takes units pid, pid + programs, ... of the
-        n_tiles tiles (`_units`), else one tile a program. Out and the row log-sum-exp (natural log), as
+        `_fwd_tile`); PERSISTENT: a program a multiprocessor takes tiles pid, pid + programs, ... of the
+        n_tiles, causal ones those `schedule` lists for it (`_turns`, `causal_schedule`), else one tile a
+        program. Out and the row log-sum-exp (natural log), as
         `kernels.attn_fwd_kernel` gives them. VARLEN (one tile a program): packed sequences, n_q of them
         (`_fwd_tile`), bounded by the prefix sums cu_q and cu_k over total_q and total_k rows, the output
         stored through o_ptr (strides son, soh; head_dim columns) instead of o_desc; dense: those unread."""
@@ -638,33 +631,33 @@ if gluon is not None:
             gl.warp_specialize([
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, 0, SEEN,
-                             SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
+                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, schedule, 0,
+                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, 1, SEEN,
-                             SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
+                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, schedule, 1,
+                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, 2, SEEN,
-                             SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
+                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, schedule, 2,
+                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                              v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, cu_q, cu_k,
-                             total_q, total_k, SEEN, ROWS, BLOCK_N, STAGES, PERSISTENT, VARLEN)),
+                             total_q, total_k, schedule, SEEN, ROWS, BLOCK_N, STAGES, PERSISTENT, VARLEN)),
             ], [4, 4, 1], [CONSUMER_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS])
         else:
             gl.warp_specialize([
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, 0, SEEN,
-                             SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
+                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, schedule, 0,
+                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
-                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, 1, SEEN,
-                             SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
+                             n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, schedule, 1,
+                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                              v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, cu_q, cu_k,
-                             total_q, total_k, SEEN, ROWS, BLOCK_N, STAGES, PERSISTENT, VARLEN)),
+                             total_q, total_k, schedule, SEEN, ROWS, BLOCK_N, STAGES, PERSISTENT, VARLEN)),
             ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 def shared_layout(rows: int, cols: int, dtype: torch.dtype):
@@ -681,10 +674,59 @@ def tile_descriptors(tensors, rows, padded: int, dtype: torch.dtype, layouts=Non
             for t, r, layout in zip(tensors, rows, layouts, strict=True)]
 
 
+def causal_schedule(n_q: int, n_k: int, shift: int, heads: int, programs: int, rows: int, block_n: int,
+                    tail_tiles: int) -> list[int]:
+    """The causal forward's tiles on a persistent grid of `programs`, as the kernel reads them: programs + 1
+    offsets into the list, then each program's tiles in `_fwd_tile`'s numbering (a head's k-th tile sees its
+    k-th most keys). Units of a head's r-th longest and r-th shortest tile (about equal keys) go round robin,
+    head by head (a head's K and V stay in L2), but for the last heads, about `tail_tiles` tiles a program
+    (`config.GLUON_CAUSAL_TAIL_TILES`): their tiles longest first, each to the program with the least work so
+    far (a tile's work its key blocks plus `GLUON_CAUSAL_TILE_BLOCKS`, its start and epilogue), so that the
+    grid ends on short tiles rather than on a last turn of units that half the programs have no share in."""
+    n_blocks = sizing.cdiv(n_q, rows)
+    half = (n_blocks + 1) // 2
+    # `_fwd_tile`'s key blocks of a head's k-th tile, plus its own cost
+    cost = torch.tensor([sizing.cdiv(min(n_k, max((n_blocks - k) * rows + shift, 0)), block_n)
+                         + config.GLUON_CAUSAL_TILE_BLOCKS for k in range(n_blocks)])
+    body = heads - min(heads, round(tail_tiles * programs / n_blocks))
+    unit = torch.arange(body * half)
+    r, first = unit % half, unit // half * n_blocks
+    pairs = torch.stack([first + r, first + n_blocks - 1 - r], 1)
+    paired = torch.stack([torch.ones_like(r, dtype=torch.bool), 2 * r + 1 != n_blocks], 1)  # (odd counts' middle)
+    owner = (unit % programs)[:, None].expand(-1, 2)
+    tiles, owner = pairs[paired], owner[paired]
+    tiles = tiles[torch.sort(owner, stable=True).indices].tolist()
+    counts = torch.bincount(owner, minlength=programs).tolist()
+    work = torch.zeros(programs, dtype=cost.dtype).index_add_(0, unit % programs, cost[r] + cost[n_blocks - 1 - r]
+                                                              * paired[:, 1]).tolist()
+    loads = [(w, p) for p, w in enumerate(work)]  # a heap: the least loaded program first
+    heapq.heapify(loads)
+    tail: list[list[int]] = [[] for _ in range(programs)]
+    for work_k, k in sorted(((c, k) for k, c in enumerate(cost.tolist())), key=lambda item: -item[0]):
+        for bh in range(body, heads):
+            load, p = loads[0]
+            tail[p].append(bh * n_blocks + k)
+            heapq.heapreplace(loads, (load + work_k, p))
+    offsets, at, table = [programs + 1], 0, []
+    for p in range(programs):
+        table += tiles[at:at + counts[p]] + tail[p]
+        at += counts[p]
+        offsets.append(programs + 1 + len(table))
+    return offsets + table
+
+
+def pinned_table(values: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """values as int32 on device, copied from pinned memory without a synchronization (a bind inside a CUDA
+    graph's capture records the copy), and the pinned source, which must live as long as the copy may run."""
+    source = torch.tensor(values, dtype=torch.int32).pin_memory()
+    return torch.empty_like(source, device=device).copy_(source, non_blocking=True), source
+
+
 def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float, packing: Packing | None = None):
     """launch(q, k, v, out, lse, cu_q, cu_k) of the forward for tensors laid out like these (`takes` holds),
     out like q and lse (B, H, N) fp32 with strides (*lse_strides, 1); the caller checks `bases_aligned`
-    per call. A program a multiprocessor where `persistent_grid` holds, else one tile a program. Packed
+    per call. A program a multiprocessor where `persistent_grid` holds (causal: in `causal_schedule`'s
+    order), else one tile a program. Packed
     sequences (`packing`): the (1, H, total, D) views of (total, H, D) tensors (`layout.packed`), the calls
     passing the tensors themselves and the prefix sums; one tile a program, total // tile + sequences
     tiles a head (`_packed_slot`); dense: cu_q, cu_k unread."""
@@ -700,8 +742,7 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
         n_blocks = sizing.cdiv(n_q, consumers * GLUON_ROWS)
         n_tiles = n_blocks * b * hq
         persistent = persistent_grid(builds["SEEN"], padded, n_q)
-        units = b * hq * (sizing.cdiv(n_blocks, 2) if builds["SEEN"] == 1 else n_blocks)  # `_units`
-        programs = min(units, backend.multiprocessor_count(q.device.index or 0)) if persistent else n_tiles
+        programs = min(n_tiles, backend.multiprocessor_count(q.device.index or 0)) if persistent else n_tiles
         lengths = (n_q, n_k, int(mask.lower_right) * (n_k - n_q))
     else:  # the kernel's n_q: the sequences, each with its own shift (`_fwd_tile`), in `_packed_slot`'s tiles
         persistent = False
@@ -716,9 +757,14 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
                      "HALF_LAST": half_last(builds["SEEN"], d, consumers),
                      "LATE_PV_WAIT": late_pv_wait(builds["SEEN"], d, consumers), "VARLEN": packing is not None,
                      "num_warps": 4}, q.device)
+    table = None  # (the device table and its pinned source, which lives as long as the plan)
+    if persistent and builds["SEEN"] == 1:
+        tail = dict(config.GLUON_CAUSAL_TAIL_TILES).get(padded, 0)
+        table = pinned_table(causal_schedule(n_q, n_k, lengths[2], b * hq, programs, consumers * GLUON_ROWS,
+                                             block_n, tail), q.device)
 
     def run(q, k, v, out, lse, cu_q=None, cu_k=None):  # (no generator a call: 1-2 µs)
         launch(Descriptor(q, *q_tile), Descriptor(k, *k_tile), Descriptor(v, *v_tile), Descriptor(out, *o_tile), lse,
-               lse if cu_q is None else cu_q, lse if cu_k is None else cu_k, out)
+               lse if cu_q is None else cu_q, lse if cu_k is None else cu_k, out, lse if table is None else table[0])
 
     return run
