@@ -687,9 +687,9 @@ def causal_schedule(n_q: int, n_k: int, shift: int, heads: int, programs: int, r
     half = (n_blocks + 1) // 2
     # `_fwd_tile`'s key blocks of a head's k-th tile, plus its own cost
     cost = torch.tensor([sizing.cdiv(min(n_k, max((n_blocks - k) * rows + shift, 0)), block_n)
-                         + config.GLUON_CAUSAL_TILE_BLOCKS for k in range(n_blocks)])
+                         + config.GLUON_CAUSAL_TILE_BLOCKS for k in range(n_blocks)], device="cpu")
     body = heads - min(heads, round(tail_tiles * programs / n_blocks))
-    unit = torch.arange(body * half)
+    unit = torch.arange(body * half, device="cpu")
     r, first = unit % half, unit // half * n_blocks
     pairs = torch.stack([first + r, first + n_blocks - 1 - r], 1)
     paired = torch.stack([torch.ones_like(r, dtype=torch.bool), 2 * r + 1 != n_blocks], 1)  # (odd counts' middle)
@@ -697,7 +697,7 @@ def causal_schedule(n_q: int, n_k: int, shift: int, heads: int, programs: int, r
     tiles, owner = pairs[paired], owner[paired]
     tiles = tiles[torch.sort(owner, stable=True).indices].tolist()
     counts = torch.bincount(owner, minlength=programs).tolist()
-    work = torch.zeros(programs, dtype=cost.dtype).index_add_(0, unit % programs, cost[r] + cost[n_blocks - 1 - r]
+    work = torch.zeros(programs, dtype=cost.dtype, device="cpu").index_add_(0, unit % programs, cost[r] + cost[n_blocks - 1 - r]
                                                               * paired[:, 1]).tolist()
     loads = [(w, p) for p, w in enumerate(work)]  # a heap: the least loaded program first
     heapq.heapify(loads)
@@ -716,10 +716,12 @@ def causal_schedule(n_q: int, n_k: int, shift: int, heads: int, programs: int, r
 
 
 def pinned_table(values: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """values as int32 on device, copied from pinned memory without a synchronization (a bind inside a CUDA
-    graph's capture records the copy), and the pinned source, which must live as long as the copy may run."""
-    source = torch.tensor(values, dtype=torch.int32).pin_memory()
-    return torch.empty_like(source, device=device).copy_(source, non_blocking=True), source
+    """values as int32 on device and their pinned source, which lives as long as the table: copied before
+    this returns, so that a call on any stream finds it (the current stream's work waits), but inside a CUDA
+    graph's capture recorded in the graph, ahead of its launches."""
+    source = torch.tensor(values, dtype=torch.int32, device="cpu").pin_memory()
+    capturing = torch.cuda.is_current_stream_capturing()
+    return torch.empty_like(source, device=device).copy_(source, non_blocking=capturing), source
 
 
 def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float, packing: Packing | None = None):
