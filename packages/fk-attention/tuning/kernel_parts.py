@@ -8,7 +8,6 @@ ROW: `attention bwd B4 H16 N4096 d128` as the main tables name it, less the dtyp
 """
 
 import importlib
-import itertools
 import json
 import sys
 
@@ -23,12 +22,6 @@ VARIANTS = ("fk", "sdpa cudnn")
 CALLS = 20
 
 
-def rotating(calls):
-    """One call that runs `calls` in turn."""
-    turn = itertools.cycle(calls)
-    return lambda: next(turn)()
-
-
 def main() -> None:
     out, rows = sys.argv[1], sys.argv[2:] or ROWS
     cases = {c.row(dtype=False): c
@@ -38,7 +31,7 @@ def main() -> None:
         case = cases[row]
         for variant in VARIANTS:
             sets = [case.make_inputs() for _ in range(bench.input_sets(case))]
-            kernels = bench.device_us_by_kernel(rotating([case.variants[variant](s) for s in sets]), CALLS)
+            kernels = bench.device_us_by_kernel(bench.rotating([case.variants[variant](s) for s in sets]), CALLS)
             results.append(dict(row=row, variant=variant, total_us=sum(kernels.values()), kernels_us=kernels))
             print(f"{row} | {variant}: {results[-1]['total_us']:.1f} us", flush=True)
             for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]):

@@ -134,10 +134,15 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def rotating(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
+    """One call that runs `calls` (one per input set) in turn."""
+    cycle = itertools.cycle(calls)
+    return lambda: next(cycle)()
+
+
 def time_ms(calls: Sequence[Callable[[], object]]) -> float:
     """Median milliseconds of one call, rotating through `calls` (one per input set)."""
-    cycle = itertools.cycle(calls)
-    step = lambda: next(cycle)()  # noqa: E731
+    step = rotating(calls)
     if backend.is_interpreter():
         samples = []
         for _ in range(INTERPRETER_REPS):
