@@ -568,6 +568,31 @@ def test_hopper_forward_persistent_grid_runs_many_tiles_a_program(monkeypatch, s
     _check_gluon_forward(monkeypatch, shape, mask, dtype)
 
 
+# Two-consumer builds staggered (`hopper.staggered`): d64 and d128 (d96, d72 padded), every mask, a program
+# whose first tile has no keys (lower-right, 2 of 9 tiles with keys on 3 programs), GQA.
+STAGGER_CASES = [
+    ((2, 4, 2, 1000, 1000, 64), fk_mask.FULL), ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL),
+    ((1, 1, 1, 1025, 100, 128), fk_mask.Mask(right=0, lower_right=True)),
+    ((1, 2, 1, 1025, 100, 64), fk_mask.Mask(right=0, lower_right=True)),
+    ((1, 4, 2, 777, 1300, 96), fk_mask.Mask(left=100, right=37, lower_right=True)),
+    ((1, 2, 2, 300, 700, 72), fk_mask.Mask(softcap=20.0)),
+]
+
+
+@ON_GLUON_HOPPER
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,mask", STAGGER_CASES, ids=str)
+def test_hopper_forward_staggered_consumers_where_switched_on(monkeypatch, switch, shape, mask, dtype, programs):
+    """The second consumer held back until the first's first softmax (`config.GLUON_FORWARD_STAGGER`) at
+    every two-consumer build on a persistent grid of 1 and 3 programs, a program's first tile without keys
+    among them: no hang, and against float64 and the tl kernel."""
+    switch("GLUON_FORWARD_MASKS", (backend.triton_release(),))
+    switch("GLUON_FORWARD_STAGGER", tuple((d, seen) for d in (64, 128) for seen in (0, 1, 2)))
+    monkeypatch.setattr(hopper.backend, "multiprocessor_count", lambda *args: programs)
+    _check_gluon_forward(monkeypatch, shape, mask, dtype)
+
+
 @ON_GLUON_HOPPER
 def test_hopper_forward_causal_bound_inside_a_cuda_graph_capture_replays_right(monkeypatch):
     """A causal forward on the persistent grid whose first call of its shape (the bind: the schedule table
@@ -664,6 +689,19 @@ def test_forward_waits_for_p_v_below_the_softmax_where_configured(monkeypatch):
     assert hopper.forward_tiles(64, 0, 4096)[2] == 3 and hopper.forward_tiles(64, 0, 1024)[2] == 2
     monkeypatch.setattr(fk_config, "GLUON_FORWARD_LATE_PV_WAIT", ((128, 1, 2),))
     assert hopper.late_pv_wait(1, 96, 2) and not hopper.late_pv_wait(0, 64, 3)
+
+
+def test_forward_staggers_its_consumers_where_configured(monkeypatch):
+    """The second consumer's late start (`hopper.staggered`): two consumers on the persistent grid, the
+    (padded head dim, mask build) pairs of `config.GLUON_FORWARD_STAGGER`; as shipped, d128 (d96 padded) with
+    every mask, never d64, d256, three consumers or one tile a program."""
+    assert fk_config.GLUON_FORWARD_STAGGER == ((128, 0), (128, 1), (128, 2))
+    assert all(hopper.staggered(seen, d, 2, True) for seen in (0, 1, 2) for d in (128, 96))
+    assert not hopper.staggered(0, 128, 2, False) and not hopper.staggered(1, 128, 3, True)
+    assert not hopper.staggered(0, 64, 2, True) and not hopper.staggered(1, 256, 2, True)
+    monkeypatch.setattr(fk_config, "GLUON_FORWARD_STAGGER", ((64, 1),))
+    assert hopper.staggered(1, 40, 2, True) and not hopper.staggered(0, 64, 2, True)
+    assert not hopper.staggered(1, 128, 2, True)
 
 
 def _schedule_loads(table, programs, n_q, n_k, shift, rows=128, block_n=128):

@@ -157,14 +157,16 @@ def forward(d: int, mask, n: int = N, varlen: bool = False):
     tiles = [descriptor(q, r) for r in (fk_config.GLUON_ROWS, block_n, block_n, fk_config.GLUON_ROWS)]
     n_tiles = B * H * n // (consumers * fk_config.GLUON_ROWS)
     cu = torch.empty(B + 1, dtype=torch.int32)
+    persistent = not varlen and hopper.persistent_grid(builds["SEEN"], d, n)
     return hopper.attn_fwd_hopper_kernel.warmup(
         *tiles, torch.empty(B, H, n), cu, cu, q, cu, *args[:2], B if varlen else n, n, H, 1, 0, *args[2:], n_tiles, H * n,
         n, B * n, B * n, H * d, d, d, **builds, VARLEN=varlen, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
-        CONSUMERS=consumers, PERSISTENT=not varlen and hopper.persistent_grid(builds["SEEN"], d, n),
+        CONSUMERS=consumers, PERSISTENT=persistent,
         CONSUMER_REGISTERS=hopper.consumer_registers(consumers),
         PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
         HALF_LAST=hopper.half_last(builds["SEEN"], d, consumers),
-        LATE_PV_WAIT=hopper.late_pv_wait(builds["SEEN"], d, consumers), num_warps=4, grid=(1,))
+        LATE_PV_WAIT=hopper.late_pv_wait(builds["SEEN"], d, consumers),
+        STAGGER=hopper.staggered(builds["SEEN"], d, consumers, persistent), num_warps=4, grid=(1,))
 
 
 def decode(d: int, stages: int, sliced: bool):

@@ -431,6 +431,12 @@ GLUON_FORWARD_HALF_LAST = ((64, 1),)
 # on three consumers (N > 1024) 0.96-0.98 at N16384, 0.97-1.01 at N4096; every other build level or slower
 # (N1024 two consumers 0.99-1.05, d96 1.03-1.04). TUNING.md: Hopper forward, the P V wait below the softmax.
 GLUON_FORWARD_LATE_PV_WAIT = ((64, 0, 3),)
+# (padded head dim, SEEN) whose forward on two consumers on the persistent grid starts the second consumer
+# once the first has ended its first softmax (a program's first tile): H200, not staggered ÷ staggered time,
+# 3.8 (three runs) | 3.6: d128 N4096 full 1.014-1.019 | 1.011, causal 1.000-1.033 | 1.019, N16384 1.009-1.037
+# | 1.020, d96 1.016-1.031 | 1.023, N1024 0.994-1.015; d64 0.993-1.015 (not taken). TUNING.md: Hopper forward,
+# consumers staggered.
+GLUON_FORWARD_STAGGER = ((128, 0), (128, 1), (128, 2))
 # Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) and padded head dims whose Gluon
 # forward runs on a persistent grid, a program a multiprocessor: the next tile's loads under this
 # one's epilogue, about 9% less time at d128 N1024, 7-12% at d64 N1024 (TUNING.md: Forward on a

@@ -135,6 +135,14 @@ def late_pv_wait(seen: int, head_dim: int, consumers: int) -> bool:
     return (padded_head_dim(head_dim), seen, consumers) in config.GLUON_FORWARD_LATE_PV_WAIT
 
 
+def staggered(seen: int, head_dim: int, consumers: int, persistent: bool) -> bool:
+    """Whether the forward's second consumer starts a program's first tile once the first has ended its first
+    softmax (`config.GLUON_FORWARD_STAGGER`: two consumers on the persistent grid), so that the two take turns
+    at the exponentials and the matmuls from the start rather than meet on both."""
+    return (persistent and consumers == 2
+            and (padded_head_dim(head_dim), seen) in config.GLUON_FORWARD_STAGGER)
+
+
 def persistent_grid(seen: int, head_dim: int, n_q: int) -> bool:
     """Whether the forward runs on a persistent grid: its padded head dim in
     `config.GLUON_PERSISTENT_HEAD_DIMS`, its mask in `GLUON_PERSISTENT_SEEN` (causal up to
@@ -460,6 +468,8 @@ if gluon is not None:
         # three consumers only: 192-row tiles leave consumers without rows at most lengths, 128-row ones at
         # few (and there the branch cost the step loops 3-4% at d128 B16 N1024 causal)
         SKIP_EMPTY: gl.constexpr = q_smem.shape[0] == 3
+        # q_bars one past the consumers': the first consumer's first softmax (two consumers, `staggered`)
+        STAGGER: gl.constexpr = q_bars.shape[0] > q_smem.shape[0]
         o_tile = o_smem.index(PART)
         o_2d = reinterpret(o_tile, dtype, [ROWS, HEAD_DIM], q_2d)
         b, h, hk, start_m, first, n_steps, q0, _, n_q, n_k, shift = _fwd_tile(
@@ -473,6 +483,8 @@ if gluon is not None:
         m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        if STAGGER and PART == 1:  # the program's first tile: after the first consumer's first softmax
+            mbarrier.wait(q_bars.index(2), 0, pred=j == 0)
         mbarrier.wait(q_bars.index(PART), j & 1)
         if SKIP_EMPTY and row0 >= n_q:  # no row here (a length's last tile): pass the blocks on
             mbarrier.arrive(q_free.index(PART), count=1)
@@ -494,6 +506,8 @@ if gluon is not None:
                         full_hi, SEEN, BLOCK_N)
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
             p_op = gl.convert_layout(p.to(dtype), p_layout)  # carried as the operand: half p's registers
+            if STAGGER and PART == 0:
+                mbarrier.arrive(q_bars.index(2), count=1, pred=j == 0)
             half = False
             n_full = n_steps
             if HALF_LAST:
@@ -537,6 +551,8 @@ if gluon is not None:
                                            HEAD_DIM, STAGES)
         else:
             mbarrier.arrive(q_free.index(PART), count=1)
+            if STAGGER and PART == 0:
+                mbarrier.arrive(q_bars.index(2), count=1, pred=j == 0)
         if not SKIP_EMPTY or row0 < n_q:
             seen = l_i > 0.0  # rows that see no key: output 0, log-sum-exp -inf
             l_safe = gl.where(seen, l_i, 1.0)
@@ -592,7 +608,8 @@ if gluon is not None:
                                SOFTCAP: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
                                CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
-                               HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr, VARLEN: gl.constexpr):
+                               HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr, VARLEN: gl.constexpr,
+                               STAGGER: gl.constexpr):
         """Tiles of CONSUMERS (2 or 3) x 64 query rows of one (batch, head) against every key they see
         (SEEN 0 all, 1 causal, 2 a window of `left` and `right` keys, key blocks outside it skipped;
         `_fwd_tile`); PERSISTENT: a program a multiprocessor takes tiles pid, pid + programs, ... of the
@@ -611,7 +628,8 @@ if gluon is not None:
             o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
         else:
             o_smem = q_smem
-        q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        # (STAGGER: one more, the first consumer's first softmax; `_consume_tile` reads it from the shape)
+        q_bars = gl.allocate_shared_memory(gl.int64, [CONSUMERS + STAGGER, 1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -620,6 +638,8 @@ if gluon is not None:
         for i in gl.static_range(CONSUMERS):
             mbarrier.init(q_bars.index(i), count=1)
             mbarrier.init(q_free.index(i), count=1)
+        if STAGGER:
+            mbarrier.init(q_bars.index(CONSUMERS), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -758,6 +778,7 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
                      "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
                      "HALF_LAST": half_last(builds["SEEN"], d, consumers),
                      "LATE_PV_WAIT": late_pv_wait(builds["SEEN"], d, consumers), "VARLEN": packing is not None,
+                     "STAGGER": staggered(builds["SEEN"], d, consumers, persistent),
                      "num_warps": 4}, q.device)
     table = None  # (the device table and its pinned source, which lives as long as the plan)
     if persistent and builds["SEEN"] == 1:
