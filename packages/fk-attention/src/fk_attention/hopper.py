@@ -454,7 +454,8 @@ if gluon is not None:
         masked stores from registers instead (a tile's rows past its sequence are the next one's). Three
         consumers: one whose rows all lie past n_q passes the tile's blocks on, no matmul, no epilogue.
         HALF_LAST: a last block whose second half these rows do not see (causal: the first 64 rows'
-        diagonal) is taken at half width (`_half_step`).
+        diagonal) is taken at half width (`_half_step`). STAGGER (`staggered`): on the program's first tile
+        the second consumer starts once the first has ended its first softmax.
         Returns the ring position after the tile."""
         s_layout: gl.constexpr = mma_layout(BLOCK_N)
         o_layout: gl.constexpr = mma_layout(HEAD_DIM)
