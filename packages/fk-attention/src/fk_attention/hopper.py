@@ -485,7 +485,7 @@ if gluon is not None:
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         if STAGGER and PART == 1:  # the program's first tile: after the first consumer's first softmax
-            mbarrier.wait(q_bars.index(2), 0, pred=j == 0)
+            mbarrier.wait(q_bars.index(q_smem.shape[0]), 0, pred=j == 0)
         mbarrier.wait(q_bars.index(PART), j & 1)
         if SKIP_EMPTY and row0 >= n_q:  # no row here (a length's last tile): pass the blocks on
             mbarrier.arrive(q_free.index(PART), count=1)
@@ -508,7 +508,7 @@ if gluon is not None:
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
             p_op = gl.convert_layout(p.to(dtype), p_layout)  # carried as the operand: half p's registers
             if STAGGER and PART == 0:
-                mbarrier.arrive(q_bars.index(2), count=1, pred=j == 0)
+                mbarrier.arrive(q_bars.index(q_smem.shape[0]), count=1, pred=j == 0)
             half = False
             n_full = n_steps
             if HALF_LAST:
@@ -553,7 +553,7 @@ if gluon is not None:
         else:
             mbarrier.arrive(q_free.index(PART), count=1)
             if STAGGER and PART == 0:
-                mbarrier.arrive(q_bars.index(2), count=1, pred=j == 0)
+                mbarrier.arrive(q_bars.index(q_smem.shape[0]), count=1, pred=j == 0)
         if not SKIP_EMPTY or row0 < n_q:
             seen = l_i > 0.0  # rows that see no key: output 0, log-sum-exp -inf
             l_safe = gl.where(seen, l_i, 1.0)
@@ -714,12 +714,12 @@ def causal_schedule(n_q: int, n_k: int, shift: int, heads: int, programs: int, r
     r, first = unit % half, unit // half * n_blocks
     pairs = torch.stack([first + r, first + n_blocks - 1 - r], 1)
     paired = torch.stack([torch.ones_like(r, dtype=torch.bool), 2 * r + 1 != n_blocks], 1)  # (odd counts' middle)
-    owner = (unit % programs)[:, None].expand(-1, 2)
-    tiles, owner = pairs[paired], owner[paired]
+    program = unit % programs
+    tiles, owner = pairs[paired], program[:, None].expand(-1, 2)[paired]
     tiles = tiles[torch.sort(owner, stable=True).indices].tolist()
     counts = torch.bincount(owner, minlength=programs).tolist()
-    work = torch.zeros(programs, dtype=cost.dtype, device="cpu").index_add_(0, unit % programs, cost[r] + cost[n_blocks - 1 - r]
-                                                              * paired[:, 1]).tolist()
+    pair_cost = cost[r] + cost[n_blocks - 1 - r] * paired[:, 1]
+    work = torch.zeros(programs, dtype=cost.dtype, device="cpu").index_add_(0, program, pair_cost).tolist()
     loads = [(w, p) for p, w in enumerate(work)]  # a heap: the least loaded program first
     heapq.heapify(loads)
     tail: list[list[int]] = [[] for _ in range(programs)]
