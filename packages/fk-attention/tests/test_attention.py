@@ -593,6 +593,28 @@ def test_hopper_forward_staggered_consumers_where_switched_on(monkeypatch, switc
     _check_gluon_forward(monkeypatch, shape, mask, dtype)
 
 
+# Row reductions in one chain a thread (`hopper.row_chains`): d64 on two and three consumers (the half-width
+# diagonal step among them), d128 windows (d96 padded), d72 softcaps, d256's 64-key steps; GQA.
+ROW_CHAIN_CASES = [
+    ((2, 4, 2, 1000, 1000, 64), fk_mask.FULL), ((1, 4, 2, 1500, 1500, 64), fk_mask.FULL),
+    ((2, 4, 2, 1000, 1000, 64), fk_mask.CAUSAL), ((1, 2, 1, 1025, 100, 64), fk_mask.Mask(right=0, lower_right=True)),
+    ((1, 4, 2, 777, 1300, 96), fk_mask.Mask(left=100, right=37, lower_right=True)),
+    ((1, 2, 2, 300, 700, 72), fk_mask.Mask(softcap=20.0)), ((1, 4, 2, 600, 600, 256), fk_mask.CAUSAL),
+]
+
+
+@ON_GLUON_HOPPER
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,mask", ROW_CHAIN_CASES, ids=str)
+def test_hopper_forward_row_chains_where_switched_on(monkeypatch, switch, shape, mask, dtype):
+    """Each row's max and sum over a thread's scores in one chain (`config.GLUON_FORWARD_ROW_CHAINS`) at every
+    build: against float64 and the tl kernel."""
+    switch("GLUON_FORWARD_MASKS", (backend.triton_release(),))
+    switch("GLUON_FORWARD_ROW_CHAINS", tuple((backend.triton_release(), d, seen, consumers) for d in (64, 128, 256)
+                                             for seen in (0, 1, 2) for consumers in (2, 3)))
+    _check_gluon_forward(monkeypatch, shape, mask, dtype)
+
+
 @ON_GLUON_HOPPER
 def test_hopper_forward_causal_bound_inside_a_cuda_graph_capture_replays_right(monkeypatch):
     """A causal forward on the persistent grid whose first call of its shape (the bind: the schedule table
@@ -689,6 +711,20 @@ def test_forward_waits_for_p_v_below_the_softmax_where_configured(monkeypatch):
     assert hopper.forward_tiles(64, 0, 4096)[2] == 3 and hopper.forward_tiles(64, 0, 1024)[2] == 2
     monkeypatch.setattr(fk_config, "GLUON_FORWARD_LATE_PV_WAIT", ((128, 1, 2),))
     assert hopper.late_pv_wait(1, 96, 2) and not hopper.late_pv_wait(0, 64, 3)
+
+
+def test_forward_reduces_rows_in_chains_where_configured(monkeypatch):
+    """Each row's max and sum in one chain a thread (`hopper.row_chains`): the (Triton release, padded head dim,
+    mask build, consumers) builds of `config.GLUON_FORWARD_ROW_CHAINS`; as shipped, d64 (d40 padded) full
+    masks on two consumers on Triton 3.8 only."""
+    assert fk_config.GLUON_FORWARD_ROW_CHAINS == (((3, 8), 64, 0, 2),)
+    for release in ((3, 6), (3, 7), (3, 8), (3, 9)):
+        monkeypatch.setattr(hopper.backend, "triton_release", lambda release=release: release)
+        assert hopper.row_chains(0, 64, 2) == hopper.row_chains(0, 40, 2) == (release == (3, 8))
+        assert not hopper.row_chains(0, 64, 3) and not hopper.row_chains(1, 64, 2)
+        assert not hopper.row_chains(0, 128, 2) and not hopper.row_chains(0, 256, 2)
+    monkeypatch.setattr(fk_config, "GLUON_FORWARD_ROW_CHAINS", (((3, 9), 128, 1, 2),))
+    assert hopper.row_chains(1, 96, 2) and not hopper.row_chains(0, 64, 2)
 
 
 def test_forward_staggers_its_consumers_where_configured(monkeypatch):

@@ -166,7 +166,8 @@ def forward(d: int, mask, n: int = N, varlen: bool = False):
         PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
         HALF_LAST=hopper.half_last(builds["SEEN"], d, consumers),
         LATE_PV_WAIT=hopper.late_pv_wait(builds["SEEN"], d, consumers),
-        STAGGER=hopper.staggered(builds["SEEN"], d, consumers, persistent), num_warps=4, grid=(1,))
+        STAGGER=hopper.staggered(builds["SEEN"], d, consumers, persistent),
+        ROW_CHAINS=hopper.row_chains(builds["SEEN"], d, consumers), num_warps=4, grid=(1,))
 
 
 def decode(d: int, stages: int, sliced: bool):

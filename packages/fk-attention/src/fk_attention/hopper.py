@@ -143,6 +143,13 @@ def staggered(seen: int, head_dim: int, consumers: int, persistent: bool) -> boo
             and (padded_head_dim(head_dim), seen) in config.GLUON_FORWARD_STAGGER)
 
 
+def row_chains(seen: int, head_dim: int, consumers: int) -> bool:
+    """Whether the forward's softmax takes each row's max and sum over a thread's scores in one chain, not in
+    the tree Triton 3.7+ reduces in (`config.GLUON_FORWARD_ROW_CHAINS`, per release): after the tree's short
+    reduction ptxas issued the exponentials in a burst; after a chain, spaced as Triton 3.6's schedule."""
+    return (backend.triton_release(), padded_head_dim(head_dim), seen, consumers) in config.GLUON_FORWARD_ROW_CHAINS
+
+
 def persistent_grid(seen: int, head_dim: int, n_q: int) -> bool:
     """Whether the forward runs on a persistent grid: its padded head dim in
     `config.GLUON_PERSISTENT_HEAD_DIMS`, its mask in `GLUON_PERSISTENT_SEEN` (causal up to
@@ -385,21 +392,62 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def _softmax(s, m_i, l_i, qk_scale):
+    def _top_halves(x):
+        """[rows, cols] -> the columns whose top column bit is 0, and those whose is 1: a bit of the thread's
+        registers in the wgmma layout (cols > 4), so that no value moves."""
+        return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))
+
+    @gluon.jit
+    def _fold(x, acc, MAX: gl.constexpr):
+        """acc folded with each of x's [rows, 4] column slices in turn (max or sum): one chain a thread."""
+        if x.shape[1] > 4:
+            a, b = _top_halves(x)
+            acc = _fold(b, _fold(a, acc, MAX), MAX)
+        elif MAX:
+            acc = gl.maximum(acc, x)
+        else:
+            acc = acc + x
+        return acc
+
+    @gluon.jit
+    def _first_fold(x, MAX: gl.constexpr):
+        """x's [rows, 4] column slices folded in one chain, the first as its start."""
+        if x.shape[1] > 4:
+            a, b = _top_halves(x)
+            return _fold(b, _first_fold(a, MAX), MAX)
+        else:
+            return x
+
+    @gluon.jit
+    def _row_reduce(x, MAX: gl.constexpr, CHAIN: gl.constexpr):
+        """Each row's max (MAX) or sum of x in its wgmma layout; CHAIN: a thread's own values in one chain
+        (`row_chains`), then across its row's 4 threads, else `gl.max` / `gl.sum`'s order."""
+        if CHAIN:
+            even, odd = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+            part = _fold(odd, _first_fold(even, MAX), MAX)
+            r = gl.max(part, axis=1) if MAX else gl.sum(part, axis=1)
+            return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))  # the same layout, another name
+        elif MAX:
+            return gl.max(x, axis=1)
+        else:
+            return gl.sum(x, axis=1)
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, qk_scale, ROW_CHAINS: gl.constexpr):
         """Online softmax of one block of raw scores (base 2 after scaling by qk_scale > 0, folded
         into the exponent's multiply-add): p, the new row max (raw) and sum, and the factor that
         rescales the output so far (a row that has seen no key keeps max -inf and p 0)."""
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_new = gl.maximum(m_i, _row_reduce(s, True, ROW_CHAINS))
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new) * qk_scale
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
         alpha = gl.exp2(m_i * qk_scale - m_use)
-        return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+        return p, m_new, l_i * alpha + _row_reduce(p, False, ROW_CHAINS), alpha
 
     @gluon.jit
     def _half_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_free, acc, m_i, l_i, at, key_block, row0,
                    qk_scale, cap_scale, n_k, shift, left, right, full_lo, full_hi, PART: gl.constexpr,
                    SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ROW_CHAINS: gl.constexpr):
         """A tile's last step (ring position `at`, `key_block`) on the first BLOCK_N / 2 keys of its K and V,
         after the previous step's P V: Q K^T, softmax, P V, half as wide as `_consume_tile`'s steps.
         Returns the output accumulator and the rows' max and sum."""
@@ -424,7 +472,7 @@ if gluon is not None:
         s = _masked(capped(s, cap_scale, SOFTCAP), rows, cols, key_block, n_k, shift, left, right, full_lo, full_hi,
                     SEEN, BLOCK_N)
         p, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
-                                      gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), qk_scale)
+                                      gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), qk_scale, ROW_CHAINS)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p_h = gl.convert_layout(p.to(dtype), p_layout)
         slot = at % V_STAGES
@@ -442,7 +490,8 @@ if gluon is not None:
                       left, right, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim,
                       PART: gl.constexpr, SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-                      HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr, VARLEN: gl.constexpr):
+                      HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr, VARLEN: gl.constexpr,
+                      ROW_CHAINS: gl.constexpr):
         """One warpgroup's ROWS rows (the tile's PART-th) of the program's j-th tile, its K/V blocks from
         ring position `step` on: S_j = Q K_j^T issued, then P_{j-1} V_{j-1}; the softmax of S_j runs while
         the latter is on the tensor cores (LATE_PV_WAIT: elsewhere ptxas waits for it before the softmax,
@@ -455,7 +504,8 @@ if gluon is not None:
         consumers: one whose rows all lie past n_q passes the tile's blocks on, no matmul, no epilogue.
         HALF_LAST: a last block whose second half these rows do not see (causal: the first 64 rows'
         diagonal) is taken at half width (`_half_step`). STAGGER (`staggered`): on the program's first tile
-        the second consumer starts once the first has ended its first softmax.
+        the second consumer starts once the first has ended its first softmax. ROW_CHAINS (`row_chains`): each
+        row's max and sum over a thread's scores in one chain.
         Returns the ring position after the tile."""
         s_layout: gl.constexpr = mma_layout(BLOCK_N)
         o_layout: gl.constexpr = mma_layout(HEAD_DIM)
@@ -505,7 +555,7 @@ if gluon is not None:
             mbarrier.arrive(q_free.index(PART), count=1, pred=n_steps == 1)
             s = _masked(capped(s, cap_scale, SOFTCAP), rows, cols, first, n_k, shift, left, right, full_lo,
                         full_hi, SEEN, BLOCK_N)
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, ROW_CHAINS)
             p_op = gl.convert_layout(p.to(dtype), p_layout)  # carried as the operand: half p's registers
             if STAGGER and PART == 0:
                 mbarrier.arrive(q_bars.index(q_smem.shape[0]), count=1, pred=j == 0)
@@ -530,7 +580,7 @@ if gluon is not None:
                     mbarrier.arrive(q_free.index(PART), count=1, pred=i == n_steps - 1)
                 s = _masked(capped(s, cap_scale, SOFTCAP), rows, cols, first + i, n_k, shift, left, right,
                             full_lo, full_hi, SEEN, BLOCK_N)
-                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale)
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, ROW_CHAINS)
                 if LATE_PV_WAIT:  # a basic block ends here, so that ptxas keeps the P V wait below the softmax
                     if i == n_steps - 1:
                         mbarrier.arrive(q_free.index(PART), count=1)
@@ -549,7 +599,7 @@ if gluon is not None:
                 acc, m_i, l_i = _half_step(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_free, acc, m_i,
                                            l_i, at + 1, first + n_steps - 1, row0, qk_scale, cap_scale, n_k, shift,
                                            left, right, full_lo, full_hi, PART, SEEN, SOFTCAP, ROWS, BLOCK_N,
-                                           HEAD_DIM, STAGES)
+                                           HEAD_DIM, STAGES, ROW_CHAINS)
         else:
             mbarrier.arrive(q_free.index(PART), count=1)
             if STAGGER and PART == 0:
@@ -582,7 +632,7 @@ if gluon is not None:
                   cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, schedule, PART: gl.constexpr,
                   SEEN: gl.constexpr, SOFTCAP: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, HALF_LAST: gl.constexpr,
-                  LATE_PV_WAIT: gl.constexpr, VARLEN: gl.constexpr):
+                  LATE_PV_WAIT: gl.constexpr, VARLEN: gl.constexpr, ROW_CHAINS: gl.constexpr):
         if PERSISTENT:  # the rings run on across tiles, the tiles the producer's (`_turns`)
             step = 0
             j = 0
@@ -593,14 +643,15 @@ if gluon is not None:
                                      k_empty, v_ready, v_empty, lse_ptr, tile, j, step, qk_scale, cap_scale,
                                      n_q, n_k, n_heads, group, shift, left, right, slb, slh, cu_q, cu_k, total_q,
                                      total_k, o_ptr, son, soh, head_dim, PART, SEEN, SOFTCAP, ROWS, BLOCK_N,
-                                     HEAD_DIM, STAGES, True, HALF_LAST, LATE_PV_WAIT, VARLEN)
+                                     HEAD_DIM, STAGES, True, HALF_LAST, LATE_PV_WAIT, VARLEN, ROW_CHAINS)
                 j += 1
             store_wait(0)  # before the program's shared memory goes
         else:
             _consume_tile(o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                           v_empty, lse_ptr, gl.program_id(0), 0, 0, qk_scale, cap_scale, n_q, n_k, n_heads, group,
                           shift, left, right, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, PART,
-                          SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, False, HALF_LAST, LATE_PV_WAIT, VARLEN)
+                          SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, False, HALF_LAST, LATE_PV_WAIT, VARLEN,
+                          ROW_CHAINS)
 
     @gluon.jit(do_not_specialize=["n_q", "n_k", "shift", "n_tiles", "slb", "slh", "total_q", "total_k"])
     def attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, cu_q, cu_k, o_ptr, schedule, qk_scale,
@@ -610,7 +661,7 @@ if gluon is not None:
                                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
                                CONSUMER_REGISTERS: gl.constexpr, PRODUCER_REGISTERS: gl.constexpr,
                                HALF_LAST: gl.constexpr, LATE_PV_WAIT: gl.constexpr, VARLEN: gl.constexpr,
-                               STAGGER: gl.constexpr):
+                               STAGGER: gl.constexpr, ROW_CHAINS: gl.constexpr):
         """Tiles of CONSUMERS (2 or 3) x 64 query rows of one (batch, head) against every key they see
         (SEEN 0 all, 1 causal, 2 a window of `left` and `right` keys, key blocks outside it skipped;
         `_fwd_tile`); PERSISTENT: a program a multiprocessor takes tiles pid, pid + programs, ... of the
@@ -653,15 +704,18 @@ if gluon is not None:
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
                              n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, schedule, 0,
-                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
+                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN,
+                             ROW_CHAINS)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
                              n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, schedule, 1,
-                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
+                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN,
+                             ROW_CHAINS)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
                              n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, schedule, 2,
-                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
+                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN,
+                             ROW_CHAINS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                              v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, cu_q, cu_k,
                              total_q, total_k, schedule, SEEN, ROWS, BLOCK_N, STAGES, PERSISTENT, VARLEN)),
@@ -671,11 +725,13 @@ if gluon is not None:
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
                              n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, schedule, 0,
-                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
+                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN,
+                             ROW_CHAINS)),
                 (_consumer, (o_desc, q_smem, k_smem, v_smem, o_smem, q_bars, q_free, k_ready, k_empty, v_ready,
                              v_empty, lse_ptr, qk_scale, cap_scale, n_q, n_k, n_heads, group, shift, left, right,
                              n_tiles, slb, slh, cu_q, cu_k, total_q, total_k, o_ptr, son, soh, head_dim, schedule, 1,
-                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN)),
+                             SEEN, SOFTCAP, ROWS, BLOCK_N, HEAD_DIM, STAGES, PERSISTENT, HALF_LAST, LATE_PV_WAIT, VARLEN,
+                             ROW_CHAINS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_free, k_ready, k_empty,
                              v_ready, v_empty, n_q, n_k, n_heads, group, shift, left, right, n_tiles, cu_q, cu_k,
                              total_q, total_k, schedule, SEEN, ROWS, BLOCK_N, STAGES, PERSISTENT, VARLEN)),
@@ -780,6 +836,7 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
                      "HALF_LAST": half_last(builds["SEEN"], d, consumers),
                      "LATE_PV_WAIT": late_pv_wait(builds["SEEN"], d, consumers), "VARLEN": packing is not None,
                      "STAGGER": staggered(builds["SEEN"], d, consumers, persistent),
+                     "ROW_CHAINS": row_chains(builds["SEEN"], d, consumers),
                      "num_warps": 4}, q.device)
     table = None  # (the device table and its pinned source, which lives as long as the plan)
     if persistent and builds["SEEN"] == 1:
