@@ -145,8 +145,8 @@ def staggered(seen: int, head_dim: int, consumers: int, persistent: bool) -> boo
 
 def row_chains(seen: int, head_dim: int, consumers: int) -> bool:
     """Whether the forward's softmax takes each row's max and sum over a thread's scores in one chain, not in
-    the tree Triton 3.7+ reduces in (`config.GLUON_FORWARD_ROW_CHAINS`, per release): after the tree's short
-    reduction ptxas issued the exponentials in a burst; after a chain, spaced as Triton 3.6's schedule."""
+    the tree Triton 3.8+ reduces in (`config.GLUON_FORWARD_ROW_CHAINS`, per release): after the tree's short
+    reduction ptxas issued the exponentials in a burst; after a chain, spaced as Triton 3.6 and 3.7 schedule them."""
     return (backend.triton_release(), padded_head_dim(head_dim), seen, consumers) in config.GLUON_FORWARD_ROW_CHAINS
 
 
