@@ -161,13 +161,8 @@ def forward(d: int, mask, n: int = N, varlen: bool = False):
     return hopper.attn_fwd_hopper_kernel.warmup(
         *tiles, torch.empty(B, H, n), cu, cu, q, cu, *args[:2], B if varlen else n, n, H, 1, 0, *args[2:], n_tiles, H * n,
         n, B * n, B * n, H * d, d, d, **builds, VARLEN=varlen, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
-        CONSUMERS=consumers, PERSISTENT=persistent,
-        CONSUMER_REGISTERS=hopper.consumer_registers(consumers),
-        PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
-        HALF_LAST=hopper.half_last(builds["SEEN"], d, consumers),
-        LATE_PV_WAIT=hopper.late_pv_wait(builds["SEEN"], d, consumers),
-        STAGGER=hopper.staggered(builds["SEEN"], d, consumers, persistent),
-        ROW_CHAINS=hopper.row_chains(builds["SEEN"], d, consumers), num_warps=4, grid=(1,))
+        CONSUMERS=consumers, PERSISTENT=persistent, **hopper.consumer_builds(builds["SEEN"], d, consumers, persistent),
+        num_warps=4, grid=(1,))
 
 
 def decode(d: int, stages: int, sliced: bool):

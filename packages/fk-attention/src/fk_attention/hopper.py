@@ -150,6 +150,15 @@ def row_chains(seen: int, head_dim: int, consumers: int) -> bool:
     return (backend.triton_release(), padded_head_dim(head_dim), seen, consumers) in config.GLUON_FORWARD_ROW_CHAINS
 
 
+def consumer_builds(seen: int, head_dim: int, consumers: int, persistent: bool) -> dict:
+    """The forward kernel's per-build constexprs of its warpgroups, as `bind` launches them (and
+    `tuning/gluon_registers.py` compiles them): registers, and the switches of the functions above."""
+    return {"CONSUMER_REGISTERS": consumer_registers(consumers), "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
+            "HALF_LAST": half_last(seen, head_dim, consumers), "LATE_PV_WAIT": late_pv_wait(seen, head_dim, consumers),
+            "STAGGER": staggered(seen, head_dim, consumers, persistent),
+            "ROW_CHAINS": row_chains(seen, head_dim, consumers)}
+
+
 def persistent_grid(seen: int, head_dim: int, n_q: int) -> bool:
     """Whether the forward runs on a persistent grid: its padded head dim in
     `config.GLUON_PERSISTENT_HEAD_DIMS`, its mask in `GLUON_PERSISTENT_SEEN` (causal up to
@@ -831,13 +840,8 @@ def bind(q, k, v, out, lse_strides: tuple[int, int], mask: Mask, sm_scale: float
                     (qk_scale, cap_scale, lengths[0], lengths[1], hq, hq // hk, lengths[2], left, right, n_tiles,
                      *lse_strides, n_q, n_k, out.stride(2), out.stride(1), d),
                     {**builds, "BLOCK_N": block_n, "HEAD_DIM": padded, "STAGES": stages, "CONSUMERS": consumers,
-                     "PERSISTENT": persistent, "CONSUMER_REGISTERS": consumer_registers(consumers),
-                     "PRODUCER_REGISTERS": GLUON_PRODUCER_REGISTERS,
-                     "HALF_LAST": half_last(builds["SEEN"], d, consumers),
-                     "LATE_PV_WAIT": late_pv_wait(builds["SEEN"], d, consumers), "VARLEN": packing is not None,
-                     "STAGGER": staggered(builds["SEEN"], d, consumers, persistent),
-                     "ROW_CHAINS": row_chains(builds["SEEN"], d, consumers),
-                     "num_warps": 4}, q.device)
+                     "PERSISTENT": persistent, "VARLEN": packing is not None,
+                     **consumer_builds(builds["SEEN"], d, consumers, persistent), "num_warps": 4}, q.device)
     table = None  # (the device table and its pinned source, which lives as long as the plan)
     if persistent and builds["SEEN"] == 1:
         tail = dict(config.GLUON_CAUSAL_TAIL_TILES).get(padded, 0)
