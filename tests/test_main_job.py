@@ -14,6 +14,17 @@ from fk_runtime.harness import cli
 PACKAGES = Path(__file__).resolve().parent.parent / "packages"
 
 
+def test_committed_benchmarks_md_is_the_rebuild_of_its_sections(tmp_path):
+    """BENCHMARKS.md is what the main job rebuilds from `benchmarks/*.md`: a section written into it
+    alone would vanish at the next GPU run, and a plot link must point into `benchmarks/`."""
+    committed = PACKAGES.parent / "benchmarks"
+    out = tmp_path / "benchmarks"
+    out.mkdir()
+    for section in committed.glob("*.md"):
+        (out / section.name).write_text(section.read_text())
+    assert cli.rebuild_benchmarks_md(out).read_text() == (PACKAGES.parent / "BENCHMARKS.md").read_text()
+
+
 def test_every_package_is_discovered():
     on_disk = {p.name.removeprefix("fk-") for p in PACKAGES.glob("fk-*")}
     assert on_disk and on_disk <= set(cli.discover_ops())

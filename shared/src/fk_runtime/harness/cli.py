@@ -36,7 +36,7 @@ DEFAULT_OUT = "benchmarks"
 HOST_SECTION = "host"
 # Sections that sum up across ops come first in BENCHMARKS.md (by file stem in <out>), the
 # per-op sections after them in name order.
-LEADING_SECTIONS = ("decoder", HOST_SECTION, "versions")
+LEADING_SECTIONS = ("decoder", HOST_SECTION, "host-floor", "versions")
 # What the benchmarks import beyond torch and triton (fk-runtime's `bench` extra).
 BENCH_MODULES = ("matplotlib", "tqdm")
 
