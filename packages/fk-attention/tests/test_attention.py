@@ -715,13 +715,14 @@ def test_forward_waits_for_p_v_below_the_softmax_where_configured(monkeypatch):
 
 def test_forward_reduces_rows_in_chains_where_configured(monkeypatch):
     """Each row's max and sum in one chain a thread (`hopper.row_chains`): the (Triton release, padded head dim,
-    mask build, consumers) builds of `config.GLUON_FORWARD_ROW_CHAINS`; as shipped, d64 (d40 padded) full
-    masks on two consumers on Triton 3.8 only."""
-    assert fk_config.GLUON_FORWARD_ROW_CHAINS == (((3, 8), 64, 0, 2),)
+    mask build, consumers) builds of `config.GLUON_FORWARD_ROW_CHAINS`; as shipped, d64 (d40 padded) on two
+    consumers: full masks on Triton 3.8 and 3.9, causal on 3.8 (3.6 and 3.7 reduce in a chain already)."""
+    assert fk_config.GLUON_FORWARD_ROW_CHAINS == (((3, 8), 64, 0, 2), ((3, 8), 64, 1, 2), ((3, 9), 64, 0, 2))
     for release in ((3, 6), (3, 7), (3, 8), (3, 9)):
         monkeypatch.setattr(hopper.backend, "triton_release", lambda release=release: release)
-        assert hopper.row_chains(0, 64, 2) == hopper.row_chains(0, 40, 2) == (release == (3, 8))
-        assert not hopper.row_chains(0, 64, 3) and not hopper.row_chains(1, 64, 2)
+        assert hopper.row_chains(0, 64, 2) == hopper.row_chains(0, 40, 2) == (release >= (3, 8))
+        assert hopper.row_chains(1, 64, 2) == (release == (3, 8))
+        assert not hopper.row_chains(0, 64, 3) and not hopper.row_chains(1, 64, 3) and not hopper.row_chains(2, 64, 2)
         assert not hopper.row_chains(0, 128, 2) and not hopper.row_chains(0, 256, 2)
     monkeypatch.setattr(fk_config, "GLUON_FORWARD_ROW_CHAINS", (((3, 9), 128, 1, 2),))
     assert hopper.row_chains(1, 96, 2) and not hopper.row_chains(0, 64, 2)
