@@ -143,11 +143,14 @@ def compile_one(spec: str, registers: bool = False) -> str | None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from fk_runtime.launch import FP_FUSION
+
     module, name, args, meta = json.loads(spec)
     fn = getattr(importlib.import_module(module), name)  # an unknown kernel raises: a recording gone stale
     names = fn.arg_names
     unspecialized = {names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
-    options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in meta}
+    options = {k: meta.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion") if k in meta}
+    options.setdefault("enable_fp_fusion", FP_FUSION)  # as fk launches (Triton 3.10 turns the default off)
     signature, constants, attrs = {}, {}, {}
     for i, param in enumerate(names):
         if param in meta:

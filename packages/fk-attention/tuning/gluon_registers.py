@@ -47,7 +47,7 @@ class OfflineHopper:
 driver.set_active(OfflineHopper())
 
 from fk_runtime import backend  # noqa: E402
-from fk_runtime.launch import Descriptor  # noqa: E402
+from fk_runtime.launch import FP_FUSION, Descriptor  # noqa: E402
 
 backend.is_interpreter = lambda: False  # the builds a GPU takes (`Mask.softcap_build`)
 
@@ -92,7 +92,7 @@ def fused_backward(d: int, seen: int, **builds):
         *tiles, row_terms(rows), row_terms(rows), dq, 0.1, 0.1, N, N, H, 1, *mask_args(seen), 2, 0.01, SEEN=seen,
         HEAD_DIM=d,
         CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS, PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS,
-        num_warps=4, grid=(1,), **builds)
+        num_warps=4, grid=(1,), enable_fp_fusion=FP_FUSION, **builds)
 
 
 def role_dkdv(d: int, causal: bool):
@@ -107,7 +107,7 @@ def role_dkdv(d: int, causal: bool):
         *tiles, row_terms(rows), row_terms(rows), 0.1, 0.1, N, N, H, 1, *mask_args(int(causal)), 2, SEEN=int(causal),
         HEAD_DIM=d,
         STAGES=fk_config.GLUON_BWD_STAGES, CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS,
-        PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
+        PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,), enable_fp_fusion=FP_FUSION)
 
 
 def pv_waits_below(sass: str) -> str:
@@ -162,7 +162,7 @@ def forward(d: int, mask, n: int = N, varlen: bool = False):
         *tiles, torch.empty(B, H, n), cu, cu, q, cu, *args[:2], B if varlen else n, n, H, 1, 0, *args[2:], n_tiles, H * n,
         n, B * n, B * n, H * d, d, d, **builds, VARLEN=varlen, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages,
         CONSUMERS=consumers, PERSISTENT=persistent, **hopper.consumer_builds(builds["SEEN"], d, consumers, persistent),
-        num_warps=4, grid=(1,))
+        num_warps=4, grid=(1,), enable_fp_fusion=FP_FUSION)
 
 
 def decode(d: int, stages: int, sliced: bool):
@@ -174,14 +174,14 @@ def decode(d: int, stages: int, sliced: bool):
     return decode_hopper.attn_decode_tma_kernel.warmup(
         q, kv, kv, q, torch.empty(1), torch.empty(1), torch.empty(2, dtype=torch.int32), 0.1, 0.1, 1, 1024, 0, 8, 4,
         1, 1 << 30, 0, 4 if sliced else 1, 100, *q.stride(), *q.stride(), 32, 1, 1, SOFTCAP=False, SEQLENS=True,
-        SLICED=sliced, STORE_LSE=True, HEAD_DIM=d, STAGES=stages, num_warps=1, grid=(1,))
+        SLICED=sliced, STORE_LSE=True, HEAD_DIM=d, STAGES=stages, num_warps=1, grid=(1,), enable_fp_fusion=FP_FUSION)
 
 
 def main() -> None:
     q = torch.empty(B, H, N, D, dtype=torch.bfloat16)
     rows = torch.empty(B, H, N)
     common = dict(HEAD_DIM=D, CONSUMER_REGISTERS=fk_config.GLUON_CONSUMER_REGISTERS,
-                  PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,))
+                  PRODUCER_REGISTERS=fk_config.GLUON_PRODUCER_REGISTERS, num_warps=4, grid=(1,), enable_fp_fusion=FP_FUSION)
     print(f"triton {triton.__version__}, sm_90a, bf16")
     for d, *_ in fk_config.GLUON_FORWARD_TILES:  # the masks `hopper.takes` gives it (on a release that takes all)
         for name, mask in (("full", FULL), ("causal", CAUSAL), ("window", Mask(left=100, right=37)),

@@ -74,7 +74,7 @@ def resources(kernel, varlen: bool, block_m: int, block_n: int, warps: int, stag
             if value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=warps, num_stages=stages))
+                              options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True))  # as fk launches
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
