@@ -517,6 +517,31 @@ def test_recorded_calls_skip_the_checks_once_a_key_passed(name, monkeypatch):
         assert len(seen) > first
 
 
+# Modules whose plan lookups an op's forward makes (each imported `layout_key`).
+LOOKUPS = {"attention": ("fk_attention.plan", "fk_attention.decode"), "attention_varlen": ("fk_attention.plan",),
+           "layer_norm": ("fk_layernorm.plan",), "rms_norm": ("fk_layernorm.plan",),
+           "softmax": ("fk_softmax.plan",), "weighted_sum": ("fk_weightedsum.plan",)}
+
+
+@pytest.mark.parametrize("name", QUIET)
+def test_recorded_calls_run_the_forward_their_key_bound(name, monkeypatch):
+    """A key's later calls that autograd records run the forward its first call bound
+    (`fk_runtime.ops.Op.bound`): no plan looked up again, recorded all the same, with right outputs and
+    gradients."""
+    fn, ref, make = CASES[name]
+    for dtype in DTYPES:  # (bf16 on a GPU only: the interpreter widens it, and keeps the full forward)
+        fn(*[t.detach().requires_grad_() for t in make(dtype, "contiguous")])
+        looked = []
+        with monkeypatch.context() as patched:
+            for holder in map(importlib.import_module, LOOKUPS[name]):
+                real = holder.layout_key
+                patched.setattr(holder, "layout_key", lambda *t, real=real, looked=looked: looked.append(1) or real(*t))
+            out = fn(*[t.detach().requires_grad_() for t in make(dtype, "contiguous")])
+        assert out.grad_fn is not None and not looked, f"{len(looked)} plan lookups"
+        testing.assert_matches_reference(fn, ref, [t.detach().requires_grad_() for t in make(dtype, "contiguous")],
+                                         dtype=dtype)
+
+
 def test_quiet_keys_hold_argument_types():
     """A value the checks refuse never meets the plan of an accepted one it equals: 1.0 where an
     int is wanted, 1 where a bool is; a tensor argument is never part of a key."""

@@ -11,7 +11,8 @@ and `vjp` work), and returns the callable the op's public function uses:
 - a call that autograd does not record (inference, no_grad) can skip even that: an op keys it on
   `quiet_key` (its inputs' layouts and its other arguments with their types) and keeps, once the
   checks passed, the call's bound plan under that key in its plan cache; a call that autograd
-  records keeps, under its own key, the `autograd.Function` call its checks resolved to;
+  records keeps, under its own key, the `autograd.Function` call its checks resolved to, around the
+  forward bound for that key (`Op.bound`: no plan looked up again);
 - under `torch.compile` (or when a tracer hands in fake or functional tensors) Dynamo traces the
   same `autograd.Function`, whose forward and backward then call the registered ops: opaque in
   the graph, with the fakes for shapes, and the same kernels at run time.
@@ -230,13 +231,15 @@ class Op:
     """What `define` hands back: `apply` is the differentiable call; `op` and `backward_op` are
     the registered `torch.ops.fk.*` ops; `function` the autograd.Function; `recorded` the eager
     Function's apply itself, for a call that `quiet_key` found recorded (plain tensors, no transform,
-    tracer or forward-mode AD: what `apply` would look for again)."""
+    tracer or forward-mode AD: what `apply` would look for again); `bound(run, *inputs)` the same
+    with `run(*inputs)` for the implementation: the forward that such a call's key bound once."""
 
     apply: Callable
     op: object
     backward_op: object
     function: type
     recorded: Callable
+    bound: Callable
 
 
 def define(
@@ -317,6 +320,9 @@ def define(
             ctx.set_materialize_grads(False)
 
     def compute_grads(ctx, *grads):
+        return grads_of(ctx, grads, ctx.needs_input_grad)
+
+    def grads_of(ctx, grads, needs):
         # The upstream gradients are the backward's only inputs that did not pass the forward's checks.
         negated = False
         for g in () if torch.compiler.is_compiling() else grads:  # (traced: the registered ops see them)
@@ -329,8 +335,8 @@ def define(
                 negated = negated or g.is_neg()
         if negated:
             grads = resolve_negated(grads)
-        args = backward_args(ctx.saved_tensors, ctx.fk_other, grads, ctx.needs_input_grad)
-        return tuple(input_grads(ctx.fk_other, run_backward(*args), ctx.needs_input_grad))
+        args = backward_args(ctx.saved_tensors, ctx.fk_other, grads, needs)
+        return tuple(input_grads(ctx.fk_other, run_backward(*args), needs))
 
     op = torch.library.custom_op(qualified, forward, mutates_args=())
     op.register_fake(forward_fake)
@@ -347,16 +353,26 @@ def define(
     def recorded_forward(*inputs):  # what autograd records in eager calls
         return _own(forward(*inputs), inputs)
 
+    # The same with the forward a key bound once in front of the inputs (`Op.bound`): no lookups a call.
+    def bound_forward(run, *inputs):
+        return _own(run(*inputs), inputs)
+
+    def bound_setup_context(ctx, inputs, output):
+        setup_context(ctx, inputs[1:], output)
+
+    def bound_grads(ctx, *grads):
+        return None, *grads_of(ctx, grads, ctx.needs_input_grad[1:])
+
     # The implementation's parameters: Dynamo passes `ctx` to a forward whose parameter count differs
     # from the inputs' (a `*inputs` forward took it as its first input when nothing required grad).
     run_forward.__signature__ = recorded_forward.__signature__ = inspect.signature(forward)
 
-    def make_function(forward_fn, kind: str):
+    def make_function(forward_fn, kind: str, setup=setup_context, grads=compute_grads):
         cls = type(f"{name.title().replace('_', '')}{kind}Function", (torch.autograd.Function,), {
             "__doc__": f"Autograd for {qualified}: setup_context, backward, vmap.",
             "forward": staticmethod(forward_fn),
-            "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(compute_grads),
+            "setup_context": staticmethod(setup),
+            "backward": staticmethod(grads),
         })
         cls.vmap = staticmethod(vmap or _slice_rule(cls.apply))
         return cls
@@ -369,6 +385,7 @@ def define(
     function = make_function(run_forward, "")
     eager = make_function(recorded_forward, "Eager")
     c_apply = super(torch.autograd.Function, eager).apply
+    bound = make_function(bound_forward, "Bound", bound_setup_context, bound_grads)
 
     def apply(*inputs):
         # torch.func, compiling and forward-mode AD take torch's own apply (the last raises: no jvp).
@@ -393,4 +410,4 @@ def define(
         return c_apply(*inputs) if records else _own(forward(*inputs), inputs)
 
     apply.__name__ = name
-    return Op(apply, op, backward_op, function, c_apply)
+    return Op(apply, op, backward_op, function, c_apply, super(torch.autograd.Function, bound).apply)

@@ -8,7 +8,8 @@ writes the row term delta = rowsum(dO * O)), then dK/dV kernel (per KV head, sum
 query heads). Nothing N x N is ever stored. Calls that autograd does not record go straight to
 their key's bound plan once a call of that key passed the checks (`fk_runtime.ops.quiet_key`):
 no checks, no argument parsing, no autograd.Function; calls it records (no slopes, no dropout) go
-straight to the autograd.Function (the backward bound ahead by the key's first call).
+straight to the autograd.Function around the forward their key bound (the backward bound ahead by the
+key's first call).
 
 The registered ops carry the mask as one list of floats (`mask.op_args`: window sides, -1 for
 unbounded; lower-right alignment; softcap, 0.0 for none). Attention dropout (`dropout_p` > 0) comes last,
@@ -256,25 +257,39 @@ def attention(q, k, v, causal=False, sm_scale: float | None = None, return_lse: 
 
 def _recorded(q, k, v, sm_scale: float, mask: list[float], return_lse: bool):
     """run(q, k, v) of an `attention` call that autograd records (`fk_runtime.ops.quiet_key`: no
-    slopes, no dropout) whose checks passed: the autograd.Function; the first call binds the
-    backward ahead."""
+    slopes, no dropout) whose checks passed: the autograd.Function around the forward bound for
+    its key; the first call binds the backward ahead."""
     _backward_ahead(q, k, v, sm_scale, mask, None, (0.0, None))
-    if return_lse:
-        return lambda q, k, v: ATTENTION.recorded(q, k, v, sm_scale, mask, None, 0.0, None)
-    return lambda q, k, v: ATTENTION.recorded(q, k, v, sm_scale, mask, None, 0.0, None)[0]
+    bound = _bound(q, k, v, sm_scale, mask, True)
+    if bound:
+        def forward(q, k, v, *rest):
+            return bound(q, k, v)
+
+        def run(q, k, v):
+            return ATTENTION.bound(forward, q, k, v, sm_scale, mask, None, 0.0, None)
+    else:
+        def run(q, k, v):
+            return ATTENTION.recorded(q, k, v, sm_scale, mask, None, 0.0, None)
+    return run if return_lse else (lambda q, k, v: run(q, k, v)[0])
 
 
 def _quiet(q, k, v, sm_scale: float, mask: list[float], return_lse: bool):
     """run(q, k, v) of a quiet `attention` call (`fk_runtime.ops.quiet_key`): the bound plan's
     outputs, which are tensors of their own; False where the interpreter widens bf16."""
+    run = _bound(q, k, v, sm_scale, mask, return_lse)
+    return run if return_lse or not run else (lambda q, k, v: run(q, k, v)[0])
+
+
+def _bound(q, k, v, sm_scale: float, mask: list[float], with_lse: bool):
+    """run(q, k, v) -> (out, lse) bound for these inputs' layouts, as `_forward` takes them without
+    slopes or dropout (lse None on the decode path without `with_lse`: none allocated or stored);
+    False where the interpreter widens bf16."""
     if widened(q.dtype):
         return False
     m = from_op_args(mask)
-    if decode.takes(q):  # no lse asked for: none allocated or stored
-        run = decode.bound(q, k, v, m, sm_scale, with_lse=return_lse)
-    else:
-        run = plan.bound_forward(q, k, v, m, sm_scale)
-    return run if return_lse else (lambda q, k, v: run(q, k, v)[0])
+    if decode.takes(q):
+        return decode.bound(q, k, v, m, sm_scale, with_lse=with_lse)
+    return plan.bound_forward(q, k, v, m, sm_scale)
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, q: torch.Tensor) -> None:
@@ -366,21 +381,32 @@ def _recorded_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, sm_scale: floa
     """run(q, k, v, cu_q, cu_k) of an `attention_varlen` call that autograd records, as `_recorded`."""
     cu = (_index("cu_seqlens_q", cu_q), _index("cu_seqlens_k", cu_k))
     _backward_ahead(q, k, v, sm_scale, mask, None, (0.0, None), cu, _packing(cu_q, max_q, max_k))
+    bound = _bound_varlen(q, k, v, cu_q, cu_k, max_q, max_k, sm_scale, mask)
+    if bound:
+        def forward(q, k, v, cu_q, cu_k, *rest):
+            return bound(q, k, v, cu_q, cu_k)
 
-    def run(q, k, v, cu_q, cu_k):
-        return ATTENTION_VARLEN.recorded(q, k, v, cu_q, cu_k, max_q, max_k, sm_scale, mask, None, 0.0, None)
-
+        def run(q, k, v, cu_q, cu_k):
+            return ATTENTION_VARLEN.bound(forward, q, k, v, cu_q, cu_k, max_q, max_k, sm_scale, mask, None, 0.0, None)
+    else:
+        def run(q, k, v, cu_q, cu_k):
+            return ATTENTION_VARLEN.recorded(q, k, v, cu_q, cu_k, max_q, max_k, sm_scale, mask, None, 0.0, None)
     return run if return_lse else (lambda *args: run(*args)[0])
 
 
 def _quiet_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, sm_scale: float, mask: list[float],
                   return_lse: bool):
-    """run(q, k, v, cu_q, cu_k) of a quiet `attention_varlen` call, as `_quiet`; False also where a
-    bound's stride is not 1 (the registered op copies those)."""
+    """run(q, k, v, cu_q, cu_k) of a quiet `attention_varlen` call, as `_quiet`."""
+    run = _bound_varlen(q, k, v, cu_q, cu_k, max_q, max_k, sm_scale, mask)
+    return run if return_lse or not run else (lambda *args: run(*args)[0])
+
+
+def _bound_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, sm_scale: float, mask: list[float]):
+    """run(q, k, v, cu_q, cu_k) -> (out, lse), the packed forward bound for these layouts, as `_bound`;
+    False also where a bound's stride is not 1 (the registered op copies those)."""
     if widened(q.dtype) or cu_q.stride(-1) != 1 or cu_k.stride(-1) != 1:
         return False
-    run = plan.bound_forward_packed(q, k, v, cu_q, cu_k, _packing(cu_q, max_q, max_k), from_op_args(mask), sm_scale)
-    return run if return_lse else (lambda *args: run(*args)[0])
+    return plan.bound_forward_packed(q, k, v, cu_q, cu_k, _packing(cu_q, max_q, max_k), from_op_args(mask), sm_scale)
 
 
 def _forward_paged(

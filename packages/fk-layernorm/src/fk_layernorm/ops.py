@@ -5,7 +5,7 @@ Path of a call: metadata checks -> `fk::norm` (eager: its autograd.Function stra
 The forward writes per-row statistics only when autograd will need them; the backward saves x
 itself (no copy), the parameters and those statistics. Calls that autograd does not record go
 straight to their key's bound forward once a call of that key passed the checks
-(`fk_runtime.ops.quiet_key`); calls it records, to the autograd.Function.
+(`fk_runtime.ops.quiet_key`); calls it records, to the autograd.Function around their key's bound forward.
 """
 
 from __future__ import annotations
@@ -147,10 +147,18 @@ def rms_norm(x, weight=None, eps: float | None = 1e-6) -> torch.Tensor:
 
 def _recorded(x, weight, bias, eps, is_rms: bool, stable: bool):
     """run(x, weight, bias) -> y of a call that autograd records (`fk_runtime.ops.quiet_key`) whose
-    checks passed: the autograd.Function, statistics saved; the first call binds the backward ahead."""
+    checks passed: the autograd.Function around the forward bound for its key (where the parameters
+    are contiguous, as the kernels read them), statistics saved; the first call binds the backward ahead."""
     _backward_ahead(x, weight, bias, is_rms, stable)
     eps = float(eps)
-    return lambda x, w, b: NORM.recorded(x, w, b, eps, is_rms, stable, True)[0]
+    if not all(p is None or p.is_contiguous() for p in (weight, bias)):  # (their strides are in the key)
+        return lambda x, w, b: NORM.recorded(x, w, b, eps, is_rms, stable, True)[0]
+    bound = plan.bound_forward(x, weight, bias, eps, is_rms, stable, True)
+
+    def forward(x, w, b, *rest):
+        return bound(x, w, b)
+
+    return lambda x, w, b: NORM.bound(forward, x, w, b, eps, is_rms, stable, True)[0]
 
 
 def _quiet(x, weight, bias, eps, is_rms: bool, stable: bool):

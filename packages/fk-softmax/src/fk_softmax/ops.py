@@ -4,7 +4,8 @@ Path of a call: metadata checks -> `fk::softmax` (eager: its autograd.Function s
 `plan.forward`, a bound launch cached per shape, strides, dtype, device and flags) -> kernels.
 The backward saves only the output: softmax's gradient needs y, log-softmax's needs exp(y).
 Calls that autograd does not record go straight to their key's bound forward once a call of that
-key passed the checks (`fk_runtime.ops.quiet_key`); calls it records, to the autograd.Function.
+key passed the checks (`fk_runtime.ops.quiet_key`); calls it records, to the autograd.Function around
+their key's bound forward.
 """
 
 from __future__ import annotations
@@ -78,10 +79,15 @@ def _apply(x: torch.Tensor, dim, causal, log: bool) -> torch.Tensor:
 
 
 def _recorded(x: torch.Tensor, dim: int, causal: bool, log: bool):
-    """run(x) of a call that autograd records (`fk_runtime.ops.quiet_key`), whose checks passed;
-    the first call binds the backward ahead."""
+    """run(x) of a call that autograd records (`fk_runtime.ops.quiet_key`), whose checks passed:
+    the autograd.Function around the forward bound for its key; the first call binds the backward ahead."""
     _backward_ahead(x, dim, log)
-    return lambda x: SOFTMAX.recorded(x, dim, causal, log)
+    bound = plan.bound_forward(x, dim, causal, log)
+
+    def forward(x, *rest):
+        return bound(x)
+
+    return lambda x: SOFTMAX.bound(forward, x, dim, causal, log)
 
 
 def softmax(x: torch.Tensor, dim: int = -1, causal: bool = False) -> torch.Tensor:

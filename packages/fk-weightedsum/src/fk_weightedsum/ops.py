@@ -5,7 +5,7 @@ Path of a call: metadata checks -> `fk::weighted_sum` (eager: its autograd.Funct
 backward saves x and weight (no copies) and reads x once for both gradients; it computes only the
 gradients autograd asks for (a frozen weight: x is not read at all). Calls that autograd does not
 record go straight to their key's bound forward once a call of that key passed the checks
-(`fk_runtime.ops.quiet_key`); calls it records, to the autograd.Function.
+(`fk_runtime.ops.quiet_key`); calls it records, to the autograd.Function around their key's bound forward.
 """
 
 from __future__ import annotations
@@ -54,10 +54,17 @@ def weighted_sum(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x, weight = fk_ops.autocast(x, weight)
     plan.check_inputs(x, weight)
     # checked: this key's calls go straight to the plan, or (recorded) to the autograd.Function
-    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(x, weight), lambda: WEIGHTED_SUM.recorded)
+    run = fk_ops.keep_quiet(plan.BOUND, key, lambda: _quiet(x, weight), lambda: _recorded(x, weight))
     if run:
         return run(x, weight)
     return WEIGHTED_SUM.apply(x, weight)
+
+
+def _recorded(x: torch.Tensor, weight: torch.Tensor):
+    """run(x, weight) -> y of a call that autograd records (`fk_runtime.ops.quiet_key`) whose checks
+    passed: the autograd.Function around the forward bound for its key."""
+    bound = plan.bound_forward(x, weight)
+    return lambda x, weight: WEIGHTED_SUM.bound(bound, x, weight)
 
 
 def _quiet(x: torch.Tensor, weight: torch.Tensor):
