@@ -232,7 +232,8 @@ class Op:
     the registered `torch.ops.fk.*` ops; `function` the autograd.Function; `recorded` the eager
     Function's apply itself, for a call that `quiet_key` found recorded (plain tensors, no transform,
     tracer or forward-mode AD: what `apply` would look for again); `bound(run, *inputs)` the same
-    with `run(*inputs)` for the implementation: the forward that such a call's key bound once."""
+    with `run` on the leading `bound_inputs` inputs for the implementation: the forward that such a
+    call's key bound once."""
 
     apply: Callable
     op: object
@@ -255,6 +256,7 @@ def define(
     non_differentiable: tuple[int, ...] = (),
     materialize_grads: bool = True,
     vmap: Callable | None = None,
+    bound_inputs: int | None = None,
 ) -> Op:
     """Define `fk::<name>` and its backward.
 
@@ -269,6 +271,7 @@ def define(
     materialize_grads: False hands `backward_args` None for unused outputs' gradients.
     vmap: an `autograd.Function` vmap rule `(info, in_dims, *inputs)`; by default the op runs on
     each slice of the batch.
+    bound_inputs: how many leading inputs a bound forward takes (`Op.bound`; None: all of them).
     """
     qualified = f"fk::{name}"
     backward_name = f"{qualified}_backward"
@@ -355,7 +358,7 @@ def define(
 
     # The same with the forward a key bound once in front of the inputs (`Op.bound`): no lookups a call.
     def bound_forward(run, *inputs):
-        return _own(run(*inputs), inputs)
+        return _own(run(*inputs[:bound_inputs]), inputs)
 
     def bound_setup_context(ctx, inputs, output):
         setup_context(ctx, inputs[1:], output)

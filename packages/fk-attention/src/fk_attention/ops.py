@@ -119,6 +119,7 @@ ATTENTION = fk_ops.define(
     backward_args=_backward_args,
     input_grads=lambda other, grads, needs: (*grads, *(None,) * (len(needs) - 3)),
     materialize_grads=False,
+    bound_inputs=3,
 )
 
 
@@ -178,6 +179,7 @@ ATTENTION_VARLEN = fk_ops.define(
     backward_args=_backward_args,
     input_grads=lambda other, grads, needs: (*grads, *(None,) * (len(needs) - 3)),
     materialize_grads=False,
+    bound_inputs=5,
 )
 
 
@@ -262,11 +264,8 @@ def _recorded(q, k, v, sm_scale: float, mask: list[float], return_lse: bool):
     _backward_ahead(q, k, v, sm_scale, mask, None, (0.0, None))
     bound = _bound(q, k, v, sm_scale, mask, True)
     if bound:
-        def forward(q, k, v, *rest):
-            return bound(q, k, v)
-
         def run(q, k, v):
-            return ATTENTION.bound(forward, q, k, v, sm_scale, mask, None, 0.0, None)
+            return ATTENTION.bound(bound, q, k, v, sm_scale, mask, None, 0.0, None)
     else:
         def run(q, k, v):
             return ATTENTION.recorded(q, k, v, sm_scale, mask, None, 0.0, None)
@@ -383,11 +382,8 @@ def _recorded_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, sm_scale: floa
     _backward_ahead(q, k, v, sm_scale, mask, None, (0.0, None), cu, _packing(cu_q, max_q, max_k))
     bound = _bound_varlen(q, k, v, cu_q, cu_k, max_q, max_k, sm_scale, mask)
     if bound:
-        def forward(q, k, v, cu_q, cu_k, *rest):
-            return bound(q, k, v, cu_q, cu_k)
-
         def run(q, k, v, cu_q, cu_k):
-            return ATTENTION_VARLEN.bound(forward, q, k, v, cu_q, cu_k, max_q, max_k, sm_scale, mask, None, 0.0, None)
+            return ATTENTION_VARLEN.bound(bound, q, k, v, cu_q, cu_k, max_q, max_k, sm_scale, mask, None, 0.0, None)
     else:
         def run(q, k, v, cu_q, cu_k):
             return ATTENTION_VARLEN.recorded(q, k, v, cu_q, cu_k, max_q, max_k, sm_scale, mask, None, 0.0, None)

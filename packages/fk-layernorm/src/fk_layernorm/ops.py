@@ -64,6 +64,7 @@ NORM = fk_ops.define(
     backward_args=lambda saved, other, grads, needs: (grads[0], *saved, other[0], other[1]),
     input_grads=_input_grads,
     non_differentiable=(1,),
+    bound_inputs=3,
 )
 
 
@@ -154,11 +155,7 @@ def _recorded(x, weight, bias, eps, is_rms: bool, stable: bool):
     if not all(p is None or p.is_contiguous() for p in (weight, bias)):  # (their strides are in the key)
         return lambda x, w, b: NORM.recorded(x, w, b, eps, is_rms, stable, True)[0]
     bound = plan.bound_forward(x, weight, bias, eps, is_rms, stable, True)
-
-    def forward(x, w, b, *rest):
-        return bound(x, w, b)
-
-    return lambda x, w, b: NORM.bound(forward, x, w, b, eps, is_rms, stable, True)[0]
+    return lambda x, w, b: NORM.bound(bound, x, w, b, eps, is_rms, stable, True)[0]
 
 
 def _quiet(x, weight, bias, eps, is_rms: bool, stable: bool):

@@ -40,6 +40,7 @@ SOFTMAX = fk_ops.define(
     save=lambda inputs, outputs: ((outputs[0],), (inputs[1], inputs[3])),
     backward_args=lambda saved, other, grads, needs: (saved[0], grads[0], *other),
     input_grads=lambda other, grad_x, needs: (grad_x, None, None, None),
+    bound_inputs=1,
 )
 
 
@@ -83,11 +84,7 @@ def _recorded(x: torch.Tensor, dim: int, causal: bool, log: bool):
     the autograd.Function around the forward bound for its key; the first call binds the backward ahead."""
     _backward_ahead(x, dim, log)
     bound = plan.bound_forward(x, dim, causal, log)
-
-    def forward(x, *rest):
-        return bound(x)
-
-    return lambda x: SOFTMAX.bound(forward, x, dim, causal, log)
+    return lambda x: SOFTMAX.bound(bound, x, dim, causal, log)
 
 
 def softmax(x: torch.Tensor, dim: int = -1, causal: bool = False) -> torch.Tensor:
