@@ -604,14 +604,15 @@ ROW_CHAIN_CASES = [
 
 
 @ON_GLUON_HOPPER
+@pytest.mark.parametrize("chains", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,mask", ROW_CHAIN_CASES, ids=str)
-def test_hopper_forward_row_chains_where_switched_on(monkeypatch, switch, shape, mask, dtype):
-    """Each row's max and sum over a thread's scores in one chain (`config.GLUON_FORWARD_ROW_CHAINS`) at every
-    build: against float64 and the tl kernel."""
+def test_hopper_forward_row_chains_where_switched_on(monkeypatch, switch, shape, mask, dtype, chains):
+    """Each row's max over a thread's scores in `chains` chains and its sum in one (`config.GLUON_FORWARD_ROW_CHAINS`)
+    at every build: against float64 and the tl kernel."""
     switch("GLUON_FORWARD_MASKS", (backend.triton_release(),))
-    switch("GLUON_FORWARD_ROW_CHAINS", tuple((backend.triton_release(), d, seen, consumers) for d in (64, 128, 256)
-                                             for seen in (0, 1, 2) for consumers in (2, 3)))
+    switch("GLUON_FORWARD_ROW_CHAINS", tuple((backend.triton_release(), d, seen, consumers, chains)
+                                             for d in (64, 128, 256) for seen in (0, 1, 2) for consumers in (2, 3)))
     _check_gluon_forward(monkeypatch, shape, mask, dtype)
 
 
@@ -714,18 +715,19 @@ def test_forward_waits_for_p_v_below_the_softmax_where_configured(monkeypatch):
 
 
 def test_forward_reduces_rows_in_chains_where_configured(monkeypatch):
-    """Each row's max and sum in one chain a thread (`hopper.row_chains`): the (Triton release, padded head dim,
-    mask build, consumers) builds of `config.GLUON_FORWARD_ROW_CHAINS`; as shipped, d64 (d40 padded) on two
-    consumers: full masks on Triton 3.8 and 3.9, causal on 3.8 (3.6 and 3.7 reduce in a chain already)."""
-    assert fk_config.GLUON_FORWARD_ROW_CHAINS == (((3, 8), 64, 0, 2), ((3, 8), 64, 1, 2), ((3, 9), 64, 0, 2))
+    """Each row's sum in one chain a thread and its max in `row_chains` chains (`hopper.row_chains`, 0: a tree):
+    the (Triton release, padded head dim, mask build, consumers, max chains) builds of
+    `config.GLUON_FORWARD_ROW_CHAINS`; as shipped, d64 (d40 padded) on two consumers: full masks on Triton 3.8 and
+    3.9 (one chain), causal on 3.8 (the max in two; 3.6 and 3.7 reduce in a chain already)."""
+    assert fk_config.GLUON_FORWARD_ROW_CHAINS == (((3, 8), 64, 0, 2, 1), ((3, 8), 64, 1, 2, 2), ((3, 9), 64, 0, 2, 1))
     for release in ((3, 6), (3, 7), (3, 8), (3, 9)):
         monkeypatch.setattr(hopper.backend, "triton_release", lambda release=release: release)
-        assert hopper.row_chains(0, 64, 2) == hopper.row_chains(0, 40, 2) == (release >= (3, 8))
-        assert hopper.row_chains(1, 64, 2) == (release == (3, 8))
-        assert not hopper.row_chains(0, 64, 3) and not hopper.row_chains(1, 64, 3) and not hopper.row_chains(2, 64, 2)
-        assert not hopper.row_chains(0, 128, 2) and not hopper.row_chains(0, 256, 2)
-    monkeypatch.setattr(fk_config, "GLUON_FORWARD_ROW_CHAINS", (((3, 9), 128, 1, 2),))
-    assert hopper.row_chains(1, 96, 2) and not hopper.row_chains(0, 64, 2)
+        assert hopper.row_chains(0, 64, 2) == hopper.row_chains(0, 40, 2) == (1 if release >= (3, 8) else 0)
+        assert hopper.row_chains(1, 64, 2) == (2 if release == (3, 8) else 0)
+        assert hopper.row_chains(0, 64, 3) == hopper.row_chains(1, 64, 3) == hopper.row_chains(2, 64, 2) == 0
+        assert hopper.row_chains(0, 128, 2) == hopper.row_chains(0, 256, 2) == 0
+    monkeypatch.setattr(fk_config, "GLUON_FORWARD_ROW_CHAINS", (((3, 9), 128, 1, 2, 4),))
+    assert hopper.row_chains(1, 96, 2) == 4 and hopper.row_chains(0, 64, 2) == 0
 
 
 def test_forward_staggers_its_consumers_where_configured(monkeypatch):

@@ -437,13 +437,15 @@ GLUON_FORWARD_LATE_PV_WAIT = ((64, 0, 3),)
 # | 1.020, d96 1.016-1.031 | 1.023, N1024 0.994-1.015; d64 0.993-1.015 (not taken). TUNING.md: Hopper forward,
 # consumers staggered.
 GLUON_FORWARD_STAGGER = ((128, 0), (128, 1), (128, 2))
-# (Triton release, padded head dim, SEEN, consumers) whose forward's softmax takes each row's max and sum over
+# (Triton release, padded head dim, SEEN, consumers, max chains) whose forward's softmax takes each row's sum over
 # a thread's scores in one chain, as Triton 3.6 and 3.7 reduce (3.8 on: in a tree, after which ptxas issues the
-# exponentials in bursts). H200, tree ÷ chain time, d64 N1024 (two consumers), bf16 / fp16: 3.8 full 1.016 /
-# 1.024, causal 1.000-1.010 / 1.001-1.005 (three runs; causal N2048-4096 0.990-1.006); 3.9 full 1.023 / 1.046,
-# causal 0.992 / 0.998 (not taken); d64 three consumers 0.956, d128 0.962-0.997, d96 0.999 (3.8, not taken).
-# TUNING.md: Hopper forward, the row reductions in one chain.
-GLUON_FORWARD_ROW_CHAINS = (((3, 8), 64, 0, 2), ((3, 8), 64, 1, 2), ((3, 9), 64, 0, 2))
+# exponentials in bursts), and its max in `max chains` chains a thread. H200, tree ÷ one chain's time, d64 N1024 (two
+# consumers), bf16 / fp16: 3.8 full 1.016 / 1.024, causal 1.000-1.010 / 1.001-1.005 (three runs; causal N2048-4096
+# 0.990-1.006); 3.9 full 1.023 / 1.046, causal 0.992 / 0.998 (not taken); d64 three consumers 0.956, d128
+# 0.962-0.997, d96 0.999 (3.8, not taken). The max in two chains, one chain's time ÷ two's, 3.8, two runs: causal
+# 1.001-1.019 (N1024-4096); full N1024 0.985 / 0.960 (not taken); four chains slower on every row. TUNING.md: Hopper
+# forward, the row reductions in chains.
+GLUON_FORWARD_ROW_CHAINS = (((3, 8), 64, 0, 2, 1), ((3, 8), 64, 1, 2, 2), ((3, 9), 64, 0, 2, 1))
 # Masks (the forward kernel's SEEN: 0 full, 1 causal, 2 a window) and padded head dims whose Gluon
 # forward runs on a persistent grid, a program a multiprocessor: the next tile's loads under this
 # one's epilogue, about 9% less time at d128 N1024, 7-12% at d64 N1024 (TUNING.md: Forward on a

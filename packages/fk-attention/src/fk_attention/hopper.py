@@ -143,11 +143,13 @@ def staggered(seen: int, head_dim: int, consumers: int, persistent: bool) -> boo
             and (padded_head_dim(head_dim), seen) in config.GLUON_FORWARD_STAGGER)
 
 
-def row_chains(seen: int, head_dim: int, consumers: int) -> bool:
-    """Whether the forward's softmax takes each row's max and sum over a thread's scores in one chain, not in
-    the tree Triton 3.8+ reduces in (`config.GLUON_FORWARD_ROW_CHAINS`, per release): after the tree's short
-    reduction ptxas issued the exponentials in a burst; after a chain, spaced as Triton 3.6 and 3.7 schedule them."""
-    return (backend.triton_release(), padded_head_dim(head_dim), seen, consumers) in config.GLUON_FORWARD_ROW_CHAINS
+def row_chains(seen: int, head_dim: int, consumers: int) -> int:
+    """In how many chains a thread the forward's softmax takes each row's max over its scores, the sum then in one
+    chain (`config.GLUON_FORWARD_ROW_CHAINS`, per release); 0: both in the tree Triton 3.8+ reduces in. After the
+    tree's short reduction ptxas issued the exponentials in a burst; after a chain, spaced as Triton 3.6 and 3.7
+    schedule them."""
+    build = (backend.triton_release(), padded_head_dim(head_dim), seen, consumers)
+    return next((chains for *key, chains in config.GLUON_FORWARD_ROW_CHAINS if tuple(key) == build), 0)
 
 
 def consumer_builds(seen: int, head_dim: int, consumers: int, persistent: bool) -> dict:
@@ -407,11 +409,11 @@ if gluon is not None:
         return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))
 
     @gluon.jit
-    def _fold(x, acc, MAX: gl.constexpr):
-        """acc folded with each of x's [rows, 4] column slices in turn (max or sum): one chain a thread."""
-        if x.shape[1] > 4:
+    def _fold(x, acc, MAX: gl.constexpr, WIDTH: gl.constexpr):
+        """acc folded with each of x's [rows, WIDTH] column slices in turn (max or sum): WIDTH / 4 chains a thread."""
+        if x.shape[1] > WIDTH:
             a, b = _top_halves(x)
-            acc = _fold(b, _fold(a, acc, MAX), MAX)
+            acc = _fold(b, _fold(a, acc, MAX, WIDTH), MAX, WIDTH)
         elif MAX:
             acc = gl.maximum(acc, x)
         else:
@@ -419,21 +421,22 @@ if gluon is not None:
         return acc
 
     @gluon.jit
-    def _first_fold(x, MAX: gl.constexpr):
-        """x's [rows, 4] column slices folded in one chain, the first as its start."""
-        if x.shape[1] > 4:
+    def _first_fold(x, MAX: gl.constexpr, WIDTH: gl.constexpr):
+        """x's [rows, WIDTH] column slices folded in turn, the first as the start."""
+        if x.shape[1] > WIDTH:
             a, b = _top_halves(x)
-            return _fold(b, _first_fold(a, MAX), MAX)
+            return _fold(b, _first_fold(a, MAX, WIDTH), MAX, WIDTH)
         else:
             return x
 
     @gluon.jit
     def _row_reduce(x, MAX: gl.constexpr, CHAIN: gl.constexpr):
-        """Each row's max (MAX) or sum of x in its wgmma layout; CHAIN: a thread's own values in one chain
-        (`row_chains`), then across its row's 4 threads, else `gl.max` / `gl.sum`'s order."""
+        """Each row's max (MAX) or sum of x in its wgmma layout; CHAIN (`row_chains`): a thread's own values in
+        CHAIN chains (the max) or one (the sum), then across its row's 4 threads, 0: `gl.max` / `gl.sum`'s order."""
         if CHAIN:
+            WIDTH: gl.constexpr = 4 * CHAIN if MAX else 4
             even, odd = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-            part = _fold(odd, _first_fold(even, MAX), MAX)
+            part = _fold(odd, _first_fold(even, MAX, WIDTH), MAX, WIDTH)
             r = gl.max(part, axis=1) if MAX else gl.sum(part, axis=1)
             return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout))  # the same layout, another name
         elif MAX:
@@ -514,7 +517,7 @@ if gluon is not None:
         HALF_LAST: a last block whose second half these rows do not see (causal: the first 64 rows'
         diagonal) is taken at half width (`_half_step`). STAGGER (`staggered`): on the program's first tile
         the second consumer starts once the first has ended its first softmax. ROW_CHAINS (`row_chains`): each
-        row's max and sum over a thread's scores in one chain.
+        row's max over a thread's scores in that many chains, its sum in one.
         Returns the ring position after the tile."""
         s_layout: gl.constexpr = mma_layout(BLOCK_N)
         o_layout: gl.constexpr = mma_layout(HEAD_DIM)
