@@ -146,13 +146,18 @@ def rms_norm(x, weight=None, eps: float | None = 1e-6) -> torch.Tensor:
     return _norm(x, weight, None, eps, True, False)
 
 
+def _params_contiguous(weight, bias) -> bool:
+    """Whether the parameters are laid out as the kernels read them (their strides are in the call's key)."""
+    return all(p is None or p.is_contiguous() for p in (weight, bias))
+
+
 def _recorded(x, weight, bias, eps, is_rms: bool, stable: bool):
     """run(x, weight, bias) -> y of a call that autograd records (`fk_runtime.ops.quiet_key`) whose
     checks passed: the autograd.Function around the forward bound for its key (where the parameters
     are contiguous, as the kernels read them), statistics saved; the first call binds the backward ahead."""
     _backward_ahead(x, weight, bias, is_rms, stable)
     eps = float(eps)
-    if not all(p is None or p.is_contiguous() for p in (weight, bias)):  # (their strides are in the key)
+    if not _params_contiguous(weight, bias):
         return lambda x, w, b: NORM.recorded(x, w, b, eps, is_rms, stable, True)[0]
     bound = plan.bound_forward(x, weight, bias, eps, is_rms, stable, True)
     return lambda x, w, b: NORM.bound(bound, x, w, b, eps, is_rms, stable, True)[0]
@@ -161,7 +166,7 @@ def _recorded(x, weight, bias, eps, is_rms: bool, stable: bool):
 def _quiet(x, weight, bias, eps, is_rms: bool, stable: bool):
     """run(x, weight, bias) -> y of a quiet call (`fk_runtime.ops.quiet_key`) whose checks passed:
     the bound forward, no statistics saved (nothing records a backward)."""
-    if all(p is None or p.is_contiguous() for p in (weight, bias)):  # (their strides are in the key)
+    if _params_contiguous(weight, bias):
         return plan.bound_forward(x, weight, bias, float(eps), is_rms, stable, False, y_only=True)
     run = plan.bound_forward(x, None if weight is None else weight.contiguous(),
                              None if bias is None else bias.contiguous(), float(eps), is_rms, stable, False, True)
